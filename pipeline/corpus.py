@@ -271,7 +271,7 @@ class _Checker:
         if raw_id is None:
             return SourceDoc(where, None, where, f"{self.id_field!r} is null; give the record an id")
         if isinstance(raw_id, bool) or not isinstance(raw_id, (str, int)):
-            return SourceDoc(where, None, where, f"{self.id_field!r} is a {type(raw_id).__name__}, expected a "
+            return SourceDoc(where, None, where, f"{self.id_field!r} has type {type(raw_id).__name__}, expected a "
                              "string or an integer; fix the record's id")
         doc_id = str(raw_id)
         if not doc_id.strip():
@@ -283,7 +283,7 @@ class _Checker:
         if text is None:
             return SourceDoc(doc_id, None, where, f"{self.text_field!r} is null; give the record a text or remove it")
         if not isinstance(text, str):
-            return SourceDoc(doc_id, None, where, f"{self.text_field!r} is a {type(text).__name__}, expected a "
+            return SourceDoc(doc_id, None, where, f"{self.text_field!r} has type {type(text).__name__}, expected a "
                              "string; store the document's text as a string")
         return SourceDoc(doc_id, text, where, self.text_error(text))
 
