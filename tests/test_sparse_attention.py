@@ -1,0 +1,342 @@
+"""Sparse prefill attention with in-kernel RoPE vs an independent dense float64 reference.
+
+The reference never looks at the kernel's tiling: it expands the CSR into a dense [N, N] boolean mask, rotates
+the raw (un-rotated) q and k at their *logical* positions, and runs masked softmax attention in float64. The
+kernel gets the same q and k rotated at *segment-local* positions plus block offsets, as the KV cache holds them.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from sift.kernels.rope import RopeSpec, apply_rope_ref, rope_inv_freq
+from sift.kernels.sparse_attention import KernelConfig, _launch, sparse_attention, sparse_attention_ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Max abs error allowed on outputs of magnitude ~1 (V ~ N(0, 1)); fp16 rounds q, k, the rotated K tile and P.
+ATOL = {torch.float32: 2e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
+
+
+@dataclass
+class Layout:
+    """A packed batch. Per slot: logical / local position (-1 on padding), request and block of the slot."""
+
+    block: int
+    block_valid: torch.Tensor   # int32 [NB]
+    block_offset: torch.Tensor  # int32 [NB]
+    block_request: list[int]    # [NB]
+    pos: torch.Tensor           # int64 [N] logical position, -1 on padding
+    local: torch.Tensor         # int64 [N] segment-local position, -1 on padding
+
+    @property
+    def n(self) -> int:
+        return self.pos.numel()
+
+
+def make_layout(requests: list[list[int]], block: int, starts: list[list[int]] | None = None) -> Layout:
+    """requests: segment lengths per request. starts: optional logical start of each segment (default: right
+    after the previous segment's real tokens, from 0 in every request)."""
+    valid, offset, req_of_block, pos, local = [], [], [], [], []
+    for r, lengths in enumerate(requests):
+        next_pos = 0
+        for s, length in enumerate(lengths):
+            first = starts[r][s] if starts else next_pos
+            next_pos = first + length
+            for b in range(math.ceil(length / block)):
+                real = min(block, length - b * block)
+                valid.append(real)
+                offset.append(first)
+                req_of_block.append(r)
+                loc = list(range(b * block, b * block + real)) + [-1] * (block - real)
+                local += loc
+                pos += [first + x if x >= 0 else -1 for x in loc]
+    return Layout(block, torch.tensor(valid, dtype=torch.int32), torch.tensor(offset, dtype=torch.int32),
+                  req_of_block, torch.tensor(pos), torch.tensor(local))
+
+
+def make_csr(layout: Layout, hq: int, pattern: str, gen: torch.Generator):
+    """Block lists per (head, query block) over causal blocks of the same request -> indptr, indices, bool [Hq, NB, NB]."""
+    nb = len(layout.block_request)
+    req = torch.tensor(layout.block_request)
+    causal = (req[:, None] == req[None, :]) & torch.ones(nb, nb, dtype=torch.bool).tril()
+    first = torch.zeros(nb, nb, dtype=torch.bool)
+    for qb in range(nb):
+        first[qb, int((req == req[qb]).nonzero()[0])] = True
+    eye = torch.eye(nb, dtype=torch.bool)
+    if pattern == "all":
+        mask = causal.expand(hq, nb, nb).clone()
+    elif pattern == "diag_first":
+        mask = (eye | first).expand(hq, nb, nb).clone()
+    elif pattern == "random":
+        # Diagonal usually kept, sometimes not; some rows end up empty on purpose.
+        mask = (torch.rand(hq, nb, nb, generator=gen) < 0.5) & causal
+        mask |= eye & (torch.rand(hq, nb, 1, generator=gen) < 0.8)
+        mask[:, 0] = False
+    else:
+        raise AssertionError(pattern)
+    counts = mask.flatten(0, 1).sum(1)
+    indptr = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]).to(torch.int32)
+    indices = mask.flatten(0, 1).nonzero()[:, 1].to(torch.int32)  # row-major: ascending within each row
+    return indptr, indices, mask
+
+
+def dense_reference(q_log, k_log, v, layout: Layout, block_mask, scale):
+    """q_log: [Hq, N, D], k_log, v: [Hkv, N, D] float64 at logical positions; block_mask: bool [Hq, NB, NB]."""
+    hq, n, _ = q_log.shape
+    group = hq // k_log.shape[0]
+    b = layout.block
+    real = layout.pos >= 0
+    slot = torch.arange(n) % b
+    same_block = (torch.arange(n)[:, None] // b) == (torch.arange(n)[None, :] // b)
+    cell = real[None, :] & ~(same_block & (slot[None, :] > slot[:, None]))                       # [N, N]
+    allowed = block_mask.repeat_interleave(b, 1).repeat_interleave(b, 2) & cell & real[:, None]   # [Hq, N, N]
+    k_rep = k_log.repeat_interleave(group, 0)
+    v_rep = torch.where(real[None, :, None], v, 0.0).repeat_interleave(group, 0)
+    s = (q_log @ k_rep.transpose(1, 2) * scale).masked_fill(~allowed, float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    return p @ v_rep
+
+
+def make_qkv(layout: Layout, hq, hkv, d, dtype, inv_freq, gen, nan_padding=False):
+    """Raw q, k -> (stored q, k at local positions in dtype, q_log, k_log float64, v in dtype)."""
+    n = layout.n
+    q_raw = torch.randn(hq, n, d, generator=gen, dtype=torch.float64)
+    k_raw = torch.randn(hkv, n, d, generator=gen, dtype=torch.float64)
+    v = torch.randn(hkv, n, d, generator=gen, dtype=torch.float64).to(dtype)
+    pos, loc = layout.pos.clamp(min=0), layout.local.clamp(min=0)
+    q, k = apply_rope_ref(q_raw, loc, inv_freq).to(dtype), apply_rope_ref(k_raw, loc, inv_freq).to(dtype)
+    # The reference sees the same rounded values, only rotated further (float64) to logical positions.
+    q_log = apply_rope_ref(apply_rope_ref(q.double(), -loc, inv_freq), pos, inv_freq)
+    k_log = apply_rope_ref(apply_rope_ref(k.double(), -loc, inv_freq), pos, inv_freq)
+    if nan_padding:
+        pad = layout.pos < 0
+        for x in (q, k, v):
+            x[:, pad] = float("nan")
+    return q, k, v, q_log, k_log
+
+
+def default_inv_freq(d, theta=10000.0):
+    return 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+
+
+def run_kernel(q, k, v, indptr, indices, layout, inv_freq, scale, config=None):
+    args = [x.to(DEVICE) for x in (q, k, v, indptr, indices, layout.block_valid, layout.block_offset)]
+    inv = None if inv_freq is None else inv_freq.to(DEVICE)
+    if config is None:
+        out = sparse_attention(*args, inv, scale=scale, block=layout.block)
+    else:
+        out = _launch(*args, inv, scale=scale, block=layout.block, out=None, config=config)
+    return out.cpu()
+
+
+def check_close(out, ref, dtype, what):
+    err = (out.double() - ref).abs().nan_to_num(float("inf")).max().item()
+    print(f"{what}: max abs err {err:.3e} (atol {ATOL[dtype]:.0e})")
+    assert err <= ATOL[dtype], f"{what}: max abs err {err:.3e} > {ATOL[dtype]:.0e}"
+
+
+def rand_lengths(gen, count, lo, hi):
+    return torch.randint(lo, hi + 1, (count,), generator=gen).tolist()
+
+
+# (n segments, group, head_dim, block): segments of random length, rarely a multiple of the block.
+CASES = [(1, 1, 64, 16), (3, 3, 128, 16), (5, 4, 64, 32), (20, 1, 64, 16)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("nseg,group,d,block", CASES)
+def test_random_block_masks(nseg, group, d, block, dtype):
+    gen = torch.Generator().manual_seed(nseg * 1000 + group * 10 + d + block)
+    hkv = 2 if group == 1 else 1
+    layout = make_layout([rand_lengths(gen, nseg, 1, 3 * block if nseg < 10 else block + 5)], block)
+    inv_freq = default_inv_freq(d)
+    q, k, v, q_log, k_log = make_qkv(layout, hkv * group, hkv, d, dtype, inv_freq, gen, nan_padding=True)
+    indptr, indices, mask = make_csr(layout, hkv * group, "random", gen)
+    out = run_kernel(q, k, v, indptr, indices, layout, inv_freq, d ** -0.5)
+    ref = dense_reference(q_log, k_log, v.double(), layout, mask, d ** -0.5)
+    check_close(out, ref, dtype, f"random nseg={nseg} group={group} d={d} block={block}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_all_blocks_equal_dense_causal_sdpa(dtype):
+    """Every causal block listed, two requests of unequal length in one batch: the result must be dense causal
+    attention over each unsegmented prompt (SDPA on the real tokens at logical positions)."""
+    gen = torch.Generator().manual_seed(7)
+    block, d, hq, hkv = 16, 128, 8, 2
+    layout = make_layout([[5, 23, 40, 9], [17, 3, 30]], block)
+    inv_freq = default_inv_freq(d, theta=500000.0)
+    q, k, v, q_log, k_log = make_qkv(layout, hq, hkv, d, dtype, inv_freq, gen)
+    indptr, indices, _ = make_csr(layout, hq, "all", gen)
+    out = run_kernel(q, k, v, indptr, indices, layout, inv_freq, d ** -0.5)
+    req_of_slot = torch.tensor(layout.block_request).repeat_interleave(block)
+    for r in range(2):
+        slots = ((req_of_slot == r) & (layout.pos >= 0)).nonzero()[:, 0]
+        slots = slots[layout.pos[slots].argsort()]  # logical order = the unsegmented prompt
+        assert torch.equal(layout.pos[slots], torch.arange(slots.numel()))
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q_log[:, slots], k_log[:, slots], v.double()[:, slots], is_causal=True, scale=d ** -0.5,
+            enable_gqa=True)
+        check_close(out[:, slots], ref, dtype, f"dense causal request {r}")
+    assert torch.equal(out[:, layout.pos < 0], torch.zeros_like(out[:, layout.pos < 0]))
+
+
+def test_diagonal_and_first_block_only():
+    gen = torch.Generator().manual_seed(3)
+    block, d, hq, hkv, dtype = 16, 64, 3, 1, torch.float16
+    layout = make_layout([[7, 50, 33, 20]], block)
+    inv_freq = default_inv_freq(d)
+    q, k, v, q_log, k_log = make_qkv(layout, hq, hkv, d, dtype, inv_freq, gen)
+    indptr, indices, mask = make_csr(layout, hq, "diag_first", gen)
+    out = run_kernel(q, k, v, indptr, indices, layout, inv_freq, d ** -0.5)
+    check_close(out, dense_reference(q_log, k_log, v.double(), layout, mask, d ** -0.5), dtype, "diag+first")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_offsets_beyond_65535(dtype):
+    """Segments placed at 70,000, 150,000 and 210,000: the fp32 angle there would be off by ~0.01 rad."""
+    gen = torch.Generator().manual_seed(11)
+    block, d, hq, hkv = 16, 64, 4, 1
+    layout = make_layout([[12, 40, 29, 21]], block, starts=[[0, 70_000, 150_000, 210_000]])
+    inv_freq = default_inv_freq(d)
+    q, k, v, q_log, k_log = make_qkv(layout, hq, hkv, d, dtype, inv_freq, gen)
+    indptr, indices, mask = make_csr(layout, hq, "all", gen)
+    out = run_kernel(q, k, v, indptr, indices, layout, inv_freq, d ** -0.5)
+    check_close(out, dense_reference(q_log, k_log, v.double(), layout, mask, d ** -0.5), dtype, "large offsets")
+
+
+@pytest.mark.parametrize("rope_on", ["k", "q"])
+def test_key_subtiles_and_rope_side(rope_on):
+    """block 32 processed as two 16-slot key sub-tiles; rotating Q by -delta gives the same scores."""
+    gen = torch.Generator().manual_seed(5)
+    block, d, hq, hkv, dtype = 32, 64, 4, 2, torch.float32
+    layout = make_layout([[20, 45, 70]], block, starts=[[0, 20, 100_000]])
+    inv_freq = default_inv_freq(d)
+    q, k, v, q_log, k_log = make_qkv(layout, hq, hkv, d, dtype, inv_freq, gen, nan_padding=True)
+    indptr, indices, mask = make_csr(layout, hq, "random", gen)
+    cfg = KernelConfig(block_n=16, num_warps=4, num_stages=2, rope_on=rope_on)
+    out = run_kernel(q, k, v, indptr, indices, layout, inv_freq, d ** -0.5, config=cfg)
+    check_close(out, dense_reference(q_log, k_log, v.double(), layout, mask, d ** -0.5), dtype, f"rope on {rope_on}")
+
+
+def test_prerotated_keys_without_rope():
+    """inv_freq=None: q and k already at logical positions, no rotation in the kernel."""
+    gen = torch.Generator().manual_seed(9)
+    block, d, hq, hkv, dtype = 16, 128, 3, 1, torch.float16
+    layout = make_layout([[30, 18, 41]], block)
+    _, _, v, q_log, k_log = make_qkv(layout, hq, hkv, d, dtype, default_inv_freq(d), gen)
+    q, k = q_log.to(dtype), k_log.to(dtype)
+    indptr, indices, mask = make_csr(layout, hq, "random", gen)
+    out = run_kernel(q, k, v, indptr, indices, layout, None, d ** -0.5)
+    ref = dense_reference(q.double(), k.double(), v.double(), layout, mask, d ** -0.5)
+    check_close(out, ref, dtype, "pre-rotated")
+
+
+def test_strided_views_and_out():
+    """q, k, v as transposed views of [N, H, D] and a caller-provided out."""
+    gen = torch.Generator().manual_seed(13)
+    block, d, hq, hkv, dtype = 16, 64, 4, 2, torch.float16
+    layout = make_layout([[9, 37, 22]], block)
+    inv_freq = default_inv_freq(d)
+    q, k, v, q_log, k_log = make_qkv(layout, hq, hkv, d, dtype, inv_freq, gen)
+    indptr, indices, mask = make_csr(layout, hq, "random", gen)
+    qs, ks, vs = (x.transpose(0, 1).contiguous().transpose(0, 1).to(DEVICE) for x in (q, k, v))
+    assert qs.stride(-1) == 1 and not qs.is_contiguous()
+    out = torch.full((hq, layout.n, d), float("nan"), dtype=dtype, device=DEVICE)
+    res = sparse_attention(qs, ks, vs, indptr.to(DEVICE), indices.to(DEVICE), layout.block_valid.to(DEVICE),
+                           layout.block_offset.to(DEVICE), inv_freq.to(DEVICE), scale=d ** -0.5, block=block, out=out)
+    assert res is out
+    check_close(out.cpu(), dense_reference(q_log, k_log, v.double(), layout, mask, d ** -0.5), dtype, "strided")
+
+
+@pytest.mark.parametrize("rope", [True, False])
+def test_reference_twin_matches_dense(rope):
+    gen = torch.Generator().manual_seed(17)
+    block, d, hq, hkv, dtype = 16, 64, 4, 1, torch.float32
+    layout = make_layout([[11, 40], [26, 5, 19]], block, starts=[[0, 11], [0, 80_000, 80_005]])
+    inv_freq = default_inv_freq(d)
+    q, k, v, q_log, k_log = make_qkv(layout, hq, hkv, d, dtype, inv_freq, gen, nan_padding=True)
+    if not rope:
+        q, k = q_log.to(dtype), k_log.to(dtype)
+    indptr, indices, mask = make_csr(layout, hq, "random", gen)
+    out = sparse_attention_ref(q, k, v, indptr, indices, layout.block_valid, layout.block_offset,
+                               inv_freq if rope else None, scale=d ** -0.5, block=block)
+    check_close(out, dense_reference(q_log, k_log, v.double(), layout, mask, d ** -0.5), dtype, "reference twin")
+
+
+def test_launcher_rejects_bad_inputs():
+    block, d, n = 16, 64, 32
+    q = torch.randn(4, n, d, device=DEVICE, dtype=torch.float16)
+    k = v = torch.randn(2, n, d, device=DEVICE, dtype=torch.float16)
+    i32 = dict(dtype=torch.int32, device=DEVICE)
+    good = dict(indptr=torch.zeros(4 * 2 + 1, **i32), indices=torch.zeros(0, **i32),
+                block_valid=torch.full((2,), block, **i32), block_offset=torch.zeros(2, **i32))
+
+    def call(**kw):
+        args = {**dict(q=q, k=k, v=v, **good, inv_freq=None), **kw}
+        sparse_attention(args["q"], args["k"], args["v"], args["indptr"], args["indices"], args["block_valid"],
+                         args["block_offset"], args["inv_freq"], scale=kw.get("scale", 0.125),
+                         block=kw.get("block", block))
+
+    with pytest.raises(ValueError, match="block=24"):
+        call(block=24)
+    with pytest.raises(ValueError, match="indptr must be int32"):
+        call(indptr=torch.zeros(4 * 2 + 1, dtype=torch.int64, device=DEVICE))
+    with pytest.raises(ValueError, match="multiple of kv heads"):
+        call(k=torch.randn(3, n, d, device=DEVICE, dtype=torch.float16), v=torch.randn(3, n, d, device=DEVICE,
+                                                                                         dtype=torch.float16))
+    with pytest.raises(ValueError, match="head_dim=48"):
+        call(q=q[..., :48], k=k[..., :48], v=v[..., :48])
+    with pytest.raises(ValueError, match="inv_freq"):
+        call(inv_freq=torch.ones(d, device=DEVICE))
+    with pytest.raises(ValueError, match="scale"):
+        call(scale=-1.0)
+
+
+# ---- RoPE parameters --------------------------------------------------------------------------------------
+
+ROPE_CASES = {
+    "default": {"rope_type": "default", "rope_theta": 10000.0},
+    "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+    "llama3": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    "yarn": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 4096},
+}
+
+
+def _llama_config(rope_parameters):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(hidden_size=256, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=1,
+                       intermediate_size=64, vocab_size=32, max_position_embeddings=32768,
+                       rope_parameters=dict(rope_parameters))
+
+
+@pytest.mark.parametrize("name", list(ROPE_CASES))
+def test_rope_spec_and_rotation_match_transformers(name):
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    config = _llama_config(ROPE_CASES[name])
+    spec = rope_inv_freq(config)
+    assert isinstance(spec, RopeSpec) and spec.inv_freq.dtype == torch.float32 and spec.inv_freq.shape == (64,)
+    rotary = LlamaRotaryEmbedding(config)
+    assert torch.equal(spec.inv_freq, rotary.inv_freq.float())
+    assert spec.attention_scaling == pytest.approx(rotary.attention_scaling)
+    x = torch.randn(1, 2, 10, 128, dtype=torch.float32)
+    positions = torch.arange(3, 13)
+    cos, sin = rotary(x, positions[None])
+    want, _ = apply_rotary_pos_emb(x, x, cos, sin)
+    got = apply_rope_ref(x[0], positions, spec.inv_freq, attention_scaling=spec.attention_scaling)
+    err = (got - want[0]).abs().max().item()
+    print(f"{name}: apply_rope_ref vs transformers max abs err {err:.2e}")
+    assert err < 1e-5
+
+
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
+def test_rope_types_not_linear_in_position_are_refused(rope_type):
+    config = _llama_config({"rope_type": "default", "rope_theta": 10000.0})
+    config.rope_parameters = {"rope_type": rope_type, "rope_theta": 10000.0, "factor": 2.0}
+    with pytest.raises(ValueError, match=f"rope_type='{rope_type}' is unsupported"):
+        rope_inv_freq(config)
