@@ -1,0 +1,409 @@
+"""Triton kernel of SIFT profiling (SPEC section 2): one layer's q/k -> LA/CA statistics -> packed bits.
+
+The reference twin is `profile_ref.profile_layer_ref`; both share `validate_profile_args` and `finish_bits`,
+so the kernel only has to produce the two statistics `finish_bits` reads. Two flash-style passes, never an
+L x L matrix:
+
+1. `_lse_kernel`, per (query head, block of BLOCK_M document rows): the row log-sum-exp over the row's
+   causal keys (profiling prefix included), online, in log2 units -> lse2 [Hq, L]. Prefix rows are skipped:
+   no statistic needs them. Skipped entirely when the caller passes the forward pass's `lse`.
+2. `_stats_kernel`, per (query head, block of BLOCK_N document keys): the key block stays on chip while the
+   document query blocks at or below it stream past. Per cell x = log2 A = s * log2(e) - lse2, so
+   * LA: max of x over each (query tile, key tile), stored once as exp2 -> tile_max [Hq, P, P] fp32;
+   * CA: cells with x >= log2(beta) are counted elementwise in a [BLOCK_M, BLOCK_N] int32 register tile and
+     reduced once per program -> key_counts [Hq, L] int32. Each program owns its keys: no atomics, and the
+     result is deterministic.
+   Comparing log2 A with log2(beta) instead of A with beta saves the exp2 of every cell (the pass is then
+   bound by its one QK^T product); the two orders differ only for a probability within float rounding of
+   beta, which is also where exp2 and the reference's softmax may disagree.
+
+Memory: lse2 and key_counts are O(Hq * L); tile_max is O(Hq * P^2) (4 bytes per tile), so `profile_layer`
+runs pass 2 and `finish_bits` over chunks of heads whose tile maxima fit `stats_bytes`.
+
+GQA: query head h reads key head h // (Hq // Hkv) in place; K is never expanded. q / k may have any strides
+(e.g. views of [L, H, D]). fp32 inputs use IEEE dot products so the bits match the CPU reference; fp16 /
+bf16 products are exact in the fp32 accumulator, so they match the reference run on the upcast inputs.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from .bits import n_pages
+from .profile_ref import LayerBits, finish_bits, validate_profile_args
+
+LOG2E = 1.4426950408889634
+FLT_MAX = 3.4028234663852886e38
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def _log2_scores(qk, qk_mul, cap_mul, SOFTCAP: tl.constexpr):
+    """Raw q.k -> the model's score in log2 units.
+
+    Plain: qk * (scale * log2 e). Soft-capped: cap * log2 e * tanh(qk * scale / cap), with qk_mul = scale / cap
+    and cap_mul = cap * log2 e; tanh from exp2 (libdevice is not available in the interpreter).
+    """
+    if SOFTCAP:
+        y = qk * qk_mul
+        e = tl.exp2(tl.abs(y) * -2.8853900817779268)  # exp(-2|y|)
+        t = (1.0 - e) / (1.0 + e)
+        return tl.where(y < 0, -t, t) * cap_mul
+    else:
+        return qk * qk_mul
+
+
+@triton.jit
+def _lse_kernel(
+    Q, K, LSE2,
+    stride_qh, stride_ql, stride_qd, stride_kh, stride_kl, stride_kd, stride_lh,
+    n_prefix, n_doc, qk_mul, cap_mul,
+    GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """LSE2[h, m] = log2 sum_{n <= n_prefix + m} exp2(s2[n_prefix + m, n]) for document rows m < n_doc."""
+    h = tl.program_id(0)
+    # The last row blocks have the most keys: launch them first.
+    m0 = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
+    row0 = n_prefix + m0  # absolute position of the block's first row
+    rm = tl.arange(0, BLOCK_M)
+    rn = tl.arange(0, BLOCK_N)
+    rd = tl.arange(0, BLOCK_D)
+    d_ok = rd < HEAD_DIM
+    row_ok = m0 + rm < n_doc
+
+    q_ptrs = Q + h.to(tl.int64) * stride_qh + row0.to(tl.int64) * stride_ql \
+        + (rm[:, None] * stride_ql + rd[None, :] * stride_qd)
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    kt_ptrs = K + (h // GROUPS).to(tl.int64) * stride_kh + (rd[:, None] * stride_kd + rn[None, :] * stride_kl)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    n_full = (row0 // BLOCK_N) * BLOCK_N  # keys [0, n_full) are causal for every row of the block
+    n_end = tl.minimum(row0 + BLOCK_M, n_prefix + n_doc)
+    for _ in range(0, n_full, BLOCK_N):
+        kt = tl.load(kt_ptrs, mask=d_ok[:, None], other=0.0)
+        s = _log2_scores(tl.dot(q, kt, input_precision=DOT_PRECISION), qk_mul, cap_mul, SOFTCAP)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
+        m_i = m_new
+        kt_ptrs += BLOCK_N * stride_kl
+    for n0 in range(n_full, n_end, BLOCK_N):
+        kt = tl.load(kt_ptrs, mask=d_ok[:, None] & (n0 + rn < n_end)[None, :], other=0.0)
+        s = _log2_scores(tl.dot(q, kt, input_precision=DOT_PRECISION), qk_mul, cap_mul, SOFTCAP)
+        s = tl.where((n0 + rn)[None, :] <= (row0 + rm)[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
+        m_i = m_new
+        kt_ptrs += BLOCK_N * stride_kl
+    tl.store(LSE2 + h.to(tl.int64) * stride_lh + m0 + rm, m_i + tl.log2(l_i), mask=row_ok)
+
+
+@triton.jit
+def _tile_max(x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE: tl.constexpr):
+    """x: [BLOCK_M, BLOCK_N] -> [BLOCK_M / TILE, BLOCK_N / TILE] maxima of its TILE x TILE tiles."""
+    MT: tl.constexpr = BLOCK_M // TILE
+    NT: tl.constexpr = BLOCK_N // TILE
+    if NT == 1:
+        # One key tile: a row reduction (within warps), then a small one over a [BLOCK_M] vector.
+        r = tl.max(x, 1)
+        return tl.max(tl.reshape(r, [MT, TILE]), 1)[:, None]
+    else:
+        r = tl.max(tl.reshape(x, [BLOCK_M, NT, TILE]), 2)
+        return tl.max(tl.reshape(r, [MT, TILE, NT]), 1)
+
+
+@triton.jit
+def _stats_block(
+    acc, q_ptrs, kt, Q_LSE2, TMAX, m0, n0, offs_n, rm, d_ok,
+    stride_ti, n_doc, n_pages, qk_mul, cap_mul, log2_beta,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE: tl.constexpr, CAUSAL_MASK: tl.constexpr,
+    SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One query block against the program's key block: update the counts, store its tiles' maxima."""
+    offs_m = m0 + rm
+    row_ok = offs_m < n_doc
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    # Rows past the document get lse2 = +inf, so x = -inf: never counted, never a maximum.
+    lse2 = tl.load(Q_LSE2 + offs_m, mask=row_ok, other=float("inf"))
+    x = _log2_scores(tl.dot(q, kt, input_precision=DOT_PRECISION), qk_mul, cap_mul, SOFTCAP) - lse2[:, None]
+    if CAUSAL_MASK:
+        x = tl.where(offs_n[None, :] <= offs_m[:, None], x, float("-inf"))
+    acc += (x >= log2_beta).to(tl.int32)
+    tmax = _tile_max(x, BLOCK_M, BLOCK_N, TILE)
+    ti = m0 // TILE + tl.arange(0, BLOCK_M // TILE)
+    tj = n0 // TILE + tl.arange(0, BLOCK_N // TILE)
+    tl.store(TMAX + ti[:, None] * stride_ti + tj[None, :], tl.exp2(tmax),
+             mask=(ti < n_pages)[:, None] & (tj < n_pages)[None, :])
+    return acc
+
+
+@triton.jit
+def _stats_kernel(
+    Q, K, LSE2, TMAX, COUNTS,
+    stride_qh, stride_ql, stride_qd, stride_kh, stride_kl, stride_kd, stride_lh, stride_th, stride_ti, stride_ch,
+    n_prefix, n_doc, n_pages, h_first, qk_mul, cap_mul, log2_beta,
+    GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TILE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Document keys [n0, n0 + BLOCK_N) of head h_first + program_id(0) against every document query q >= key.
+
+    TMAX[hc, i, j] = max A over tile (i, j)'s causal cells (written for every j <= i, 0 above the diagonal
+    where a block reaches there); COUNTS[h, n] = |{document q >= n : A[q, n] >= beta}|.
+    """
+    hc = tl.program_id(0)
+    h = h_first + hc
+    # Key block 0 meets the most query blocks; launch order is heads fastest, so heavy programs go first.
+    n0 = tl.program_id(1) * BLOCK_N
+    rm = tl.arange(0, BLOCK_M)
+    rn = tl.arange(0, BLOCK_N)
+    rd = tl.arange(0, BLOCK_D)
+    d_ok = rd < HEAD_DIM
+    offs_n = n0 + rn
+
+    kt_ptrs = K + (h // GROUPS).to(tl.int64) * stride_kh + (n_prefix + n0).to(tl.int64) * stride_kl \
+        + (rd[:, None] * stride_kd + rn[None, :] * stride_kl)
+    kt = tl.load(kt_ptrs, mask=d_ok[:, None] & (offs_n < n_doc)[None, :], other=0.0)
+
+    m_lo = (n0 // BLOCK_M) * BLOCK_M
+    # Query blocks from m_full on lie wholly at or below the key block: no causal mask.
+    m_full = tl.minimum(tl.cdiv(n0 + BLOCK_N - 1, BLOCK_M) * BLOCK_M, n_doc)
+    q_ptrs = Q + h.to(tl.int64) * stride_qh + (n_prefix + m_lo).to(tl.int64) * stride_ql \
+        + (rm[:, None] * stride_ql + rd[None, :] * stride_qd)
+    q_lse2 = LSE2 + h.to(tl.int64) * stride_lh
+    tmax_ptr = TMAX + hc.to(tl.int64) * stride_th
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.int32)
+    for m0 in range(m_lo, m_full, BLOCK_M):
+        acc = _stats_block(acc, q_ptrs, kt, q_lse2, tmax_ptr, m0, n0, offs_n, rm, d_ok,
+                           stride_ti, n_doc, n_pages, qk_mul, cap_mul, log2_beta,
+                           BLOCK_M, BLOCK_N, TILE, True, SOFTCAP, DOT_PRECISION)
+        q_ptrs += BLOCK_M * stride_ql
+    for m0 in range(m_full, n_doc, BLOCK_M):
+        acc = _stats_block(acc, q_ptrs, kt, q_lse2, tmax_ptr, m0, n0, offs_n, rm, d_ok,
+                           stride_ti, n_doc, n_pages, qk_mul, cap_mul, log2_beta,
+                           BLOCK_M, BLOCK_N, TILE, False, SOFTCAP, DOT_PRECISION)
+        q_ptrs += BLOCK_M * stride_ql
+    tl.store(COUNTS + h.to(tl.int64) * stride_ch + offs_n, tl.sum(acc, 0), mask=offs_n < n_doc)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Launch parameters of one pass. For the stats pass block_m and block_n are multiples of the tile."""
+
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def default_configs(tile: int, head_dim: int, dtype: torch.dtype) -> tuple[KernelConfig, KernelConfig]:
+    """(lse pass, stats pass) launch parameters; the interpreter ignores warps and stages.
+
+    Both passes use the same block shape so a cell's q.k comes out of the same dot-product instruction
+    sequence in both (x = log2 A of a row's only key is then exactly 0). Key blocks of one tile make the
+    tile maximum a plain row reduction.
+    """
+    if dtype == torch.float32:  # IEEE dots run on FMA units: smaller blocks (used for checks, not speed)
+        cfg = KernelConfig(block_m=max(tile, 64), block_n=max(tile, 32), num_warps=4, num_stages=2)
+        return cfg, cfg
+    if head_dim > 128:
+        cfg = KernelConfig(block_m=max(tile, 64), block_n=max(tile, 64), num_warps=8, num_stages=2)
+    else:
+        cfg = KernelConfig(block_m=128, block_n=max(tile, 64), num_warps=8, num_stages=3)
+    return cfg, cfg
+
+
+@dataclass(frozen=True)
+class ProfileStats:
+    """Statistics of one layer (document part only); `finish_bits` turns them into bits.
+
+    tile_max: [Hq, P, P] fp32, max A over each tile's causal cells (0 above the diagonal).
+    key_counts: [Hq, L] int32, number of document queries q >= k with A[q, k] >= beta.
+    lse: [Hq, L] fp32, natural-log log-sum-exp of each document row (prefix keys included).
+    """
+
+    tile_max: torch.Tensor
+    key_counts: torch.Tensor
+    lse: torch.Tensor
+
+
+def _check_kernel_inputs(q, k, *, scale, softcap, lse, dense_heads, v) -> None:
+    if v is not None:
+        raise ValueError("profile_layer does not compute the layer output (v must be None): run the model's own "
+                         "attention (SDPA) for it, or use profile_layer_ref(..., v=v)")
+    for name, x in (("q", q), ("k", k)):
+        if x.dtype not in DTYPES:
+            raise ValueError(f"{name}.dtype={x.dtype} is unsupported; use one of {DTYPES}")
+    if k.dtype != q.dtype or k.device != q.device:
+        raise ValueError(f"q and k must share dtype and device; got {q.dtype}/{q.device}, {k.dtype}/{k.device}")
+    if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"profile_layer runs on CUDA tensors (got {q.device}); use profile_layer_ref on CPU")
+    if not (isinstance(scale, (int, float)) and scale > 0 and math.isfinite(scale)):
+        raise ValueError(f"scale={scale!r} must be a positive finite float (usually head_dim ** -0.5)")
+    if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0 and math.isfinite(softcap)):
+        raise ValueError(f"softcap={softcap!r} must be None or a positive finite float")
+    hq, lp, _ = q.shape
+    if lse is not None:
+        if not isinstance(lse, torch.Tensor) or tuple(lse.shape) != (hq, lp) or not lse.is_floating_point():
+            raise ValueError(f"lse must be a float tensor [Hq, Lp] = [{hq}, {lp}] (natural log); got "
+                             f"{getattr(lse, 'dtype', type(lse))} {tuple(getattr(lse, 'shape', ()))}")
+        if lse.device != q.device:
+            raise ValueError(f"lse is on {lse.device} but q on {q.device}")
+    bad = [h for h in dense_heads if not 0 <= int(h) < hq]
+    if bad:
+        raise ValueError(f"dense_heads {bad} out of range: heads are 0..{hq - 1}")
+
+
+def _score_muls(scale: float, softcap: float | None) -> tuple[float, float]:
+    if softcap is None:
+        return scale * LOG2E, 1.0
+    return scale / softcap, softcap * LOG2E
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
+
+
+def _launch_lse(q, k, *, n_prefix, scale, softcap, cfg: KernelConfig) -> torch.Tensor:
+    """-> lse2 [Hq, L] fp32: log2-sum-exp2 of the document rows' scores in log2 units."""
+    hq, lp, d = q.shape
+    n_doc = lp - n_prefix
+    lse2 = torch.empty(hq, n_doc, dtype=torch.float32, device=q.device)
+    qk_mul, cap_mul = _score_muls(scale, softcap)
+    _lse_kernel[(hq, triton.cdiv(n_doc, cfg.block_m))](
+        q, k, lse2, *q.stride(), *k.stride(), lse2.stride(0),
+        n_prefix, n_doc, qk_mul, cap_mul,
+        GROUPS=hq // k.shape[0], HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SOFTCAP=softcap is not None,
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return lse2
+
+
+def _launch_stats(q, k, lse2, key_counts, heads: range, *, n_prefix, tile, beta, scale, softcap,
+                  cfg: KernelConfig) -> torch.Tensor:
+    """Fills key_counts[heads] and returns tile_max [len(heads), P, P] fp32."""
+    hq, lp, d = q.shape
+    n_doc = lp - n_prefix
+    p = n_pages(n_doc, tile)
+    assert cfg.block_m % tile == 0 and cfg.block_n % tile == 0, (cfg, tile)
+    tile_max = torch.zeros(len(heads), p, p, dtype=torch.float32, device=q.device)
+    beta32 = float(torch.tensor(beta, dtype=torch.float32))
+    log2_beta = math.log2(beta32) if beta32 > 0 else -FLT_MAX  # x = -inf (masked) never counts
+    qk_mul, cap_mul = _score_muls(scale, softcap)
+    _stats_kernel[(len(heads), triton.cdiv(n_doc, cfg.block_n))](
+        q, k, lse2, tile_max, key_counts,
+        *q.stride(), *k.stride(), lse2.stride(0), tile_max.stride(0), tile_max.stride(1), key_counts.stride(0),
+        n_prefix, n_doc, p, heads.start, qk_mul, cap_mul, log2_beta,
+        GROUPS=hq // k.shape[0], HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), TILE=tile,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SOFTCAP=softcap is not None,
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return tile_max
+
+
+def _lse2_from(lse: torch.Tensor | None, q, k, *, n_prefix, scale, softcap, cfg) -> torch.Tensor:
+    if lse is None:
+        return _launch_lse(q, k, n_prefix=n_prefix, scale=scale, softcap=softcap, cfg=cfg)
+    return (lse[:, n_prefix:].to(torch.float32) * LOG2E).contiguous()
+
+
+def _configs(configs, tile, q) -> tuple[KernelConfig, KernelConfig]:
+    lse_cfg, stats_cfg = configs or default_configs(tile, q.shape[-1], q.dtype)
+    for cfg in (lse_cfg, stats_cfg):
+        if cfg.block_m < 16 or cfg.block_n < 16:
+            raise ValueError(f"{cfg}: blocks must be at least 16 (tl.dot)")
+    if stats_cfg.block_m % tile or stats_cfg.block_n % tile:
+        raise ValueError(f"{stats_cfg}: stats blocks must be multiples of tile={tile}")
+    return lse_cfg, stats_cfg
+
+
+def profile_stats(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    scale: float,
+    n_prefix: int,
+    tile: int,
+    beta: float,
+    softcap: float | None = None,
+    lse: torch.Tensor | None = None,
+    configs: tuple[KernelConfig, KernelConfig] | None = None,
+) -> ProfileStats:
+    """The statistics behind `profile_layer`'s bits, for every query head (tests, debugging, benchmarks).
+
+    q: [Hq, Lp, D], k: [Hkv, Lp, D] as in `profile_layer`. Holds all heads' tile maxima at once (O(Hq P^2)).
+    configs: (lse pass, stats pass) launch parameters; default `default_configs`.
+    """
+    validate_profile_args(q, k, n_prefix=n_prefix, tile=tile, alpha=0.0, beta=beta, gamma=0.0,
+                          ca_normalize="causal")
+    _check_kernel_inputs(q, k, scale=scale, softcap=softcap, lse=lse, dense_heads=(), v=None)
+    lse_cfg, stats_cfg = _configs(configs, tile, q)
+    hq, lp, _ = q.shape
+    lse2 = _lse2_from(lse, q, k, n_prefix=n_prefix, scale=scale, softcap=softcap, cfg=lse_cfg)
+    key_counts = torch.empty(hq, lp - n_prefix, dtype=torch.int32, device=q.device)
+    tile_max = _launch_stats(q, k, lse2, key_counts, range(hq), n_prefix=n_prefix, tile=tile, beta=beta,
+                             scale=scale, softcap=softcap, cfg=stats_cfg)
+    return ProfileStats(tile_max=tile_max, key_counts=key_counts, lse=lse2 / LOG2E)
+
+
+def profile_layer(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    scale: float,
+    n_prefix: int,
+    tile: int,
+    alpha: float,
+    beta: float,
+    gamma: float,
+    softcap: float | None = None,
+    ca_normalize: str = "causal",
+    force_sink_page: bool = True,
+    dense_heads: Sequence[int] = (),
+    v: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    stats_bytes: int = 256 << 20,
+    configs: tuple[KernelConfig, KernelConfig] | None = None,
+) -> tuple[LayerBits, None]:
+    """One layer's SIFT bits for every query head, on the GPU; same meaning as `profile_layer_ref`.
+
+    q: [Hq, Lp, D] rotated queries of (profiling prefix + document), Lp = n_prefix + L; k: [Hkv, Lp, D]
+    rotated keys (Hq % Hkv == 0); any strides; fp32, fp16 or bf16.
+    v: must be None: the layer output comes from the model's own attention (ValueError otherwise).
+    lse: optional [Hq, Lp] row log-sum-exp (natural log, fp32) of this layer's scores from the forward pass;
+       skips the first pass. Only the document rows are read.
+    stats_bytes: budget for the [heads, P, P] fp32 tile maxima; heads are processed in chunks that fit it.
+    configs: launch parameters (lse pass, stats pass); default `default_configs`.
+    Returns (LayerBits(la [Hq, ceil(P(P+1)/2/8)] uint8, ca [Hq, ceil(P/8)] uint8), None).
+    """
+    validate_profile_args(q, k, n_prefix=n_prefix, tile=tile, alpha=alpha, beta=beta, gamma=gamma,
+                          ca_normalize=ca_normalize)
+    _check_kernel_inputs(q, k, scale=scale, softcap=softcap, lse=lse, dense_heads=dense_heads, v=v)
+    lse_cfg, stats_cfg = _configs(configs, tile, q)
+    hq, lp, _ = q.shape
+    n_doc = lp - n_prefix
+    p = n_pages(n_doc, tile)
+    lse2 = _lse2_from(lse, q, k, n_prefix=n_prefix, scale=scale, softcap=softcap, cfg=lse_cfg)
+    key_counts = torch.empty(hq, n_doc, dtype=torch.int32, device=q.device)
+    chunk = max(1, stats_bytes // (p * p * 4))
+    dense = sorted({int(h) for h in dense_heads})
+    la, ca = [], []
+    for h0 in range(0, hq, chunk):
+        heads = range(h0, min(h0 + chunk, hq))
+        tile_max = _launch_stats(q, k, lse2, key_counts, heads, n_prefix=n_prefix, tile=tile, beta=beta,
+                                 scale=scale, softcap=softcap, cfg=stats_cfg)
+        bits = finish_bits(tile_max, key_counts[heads.start:heads.stop], n_doc, tile=tile, alpha=alpha,
+                           gamma=gamma, ca_normalize=ca_normalize, force_sink_page=force_sink_page,
+                           dense_heads=[h - h0 for h in dense if h in heads])
+        la.append(bits.la)
+        ca.append(bits.ca)
+    if len(la) == 1:
+        return LayerBits(la=la[0], ca=ca[0]), None
+    return LayerBits(la=torch.cat(la), ca=torch.cat(ca)), None
