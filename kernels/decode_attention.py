@@ -1,0 +1,310 @@
+"""Decode-phase attention over the position-free KV cache (SPEC section 5), flash-decoding style.
+
+One new token per request attends to that request's KV blocks. Keys are stored rotated at segment-local
+positions, `block_offset[b]` being the logical position of the first token of block b's segment (the layout of
+`kernels/layout.py`; generated tokens are further blocks: a new segment whose offset is the logical position of
+its first token, or the query segment's trailing padding slots, whose offset already fits). With q rotated at
+its own segment-local position and `q_offset` its segment's offset,
+
+    score(q, key in block b) = (R(-delta) q) . k_stored,   delta = block_offset[b] - q_offset,
+
+so the kernel rotates q once per change of segment along the request's block list (LazyAttention's decode
+rule), never a key. (A raw, un-rotated q works too: pass its logical position as q_offset.)
+
+GQA: one program serves all query heads of a kv head, so K/V are read once and never copied. The request's
+blocks are split over `num_splits` programs, each writing a partial result and its log-sum-exp; a second kernel
+merges them. Padding slots (at or beyond `block_valid[b]`) are never attended and may hold anything, NaN too.
+
+Shapes:
+    q:            [B, Hq, D]       fp16 / bf16 / fp32, D / 2 a power of two >= 16
+    k_cache:      [Hkv, N, D]      N = NB * block physical slots, any strides, q's dtype (v_cache the same)
+    q_offset:     int32 [B]
+    kv_indptr:    int32 [B + 1]    request b's blocks are kv_indices[kv_indptr[b]:kv_indptr[b + 1]]
+    kv_indices:   int32 [nnz]      physical block ids (logical order keeps rotations to one per segment)
+    block_valid:  int32 [NB]       real slots of each block
+    block_offset: int32 [NB]
+    inv_freq:     float [D/2] (RoPE, rotate_half convention), or None when keys are stored at logical positions
+    out:          [B, Hq, D] in q's dtype
+"""
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .layout import BatchLayout
+from .rope import apply_rope_ref
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+BLOCKS = (16, 32, 64, 128)
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q, K, V,  # q [B, Hq, D]; k, v [Hkv, N, D]
+    Out,  # [B, Hq, D] when DIRECT, else unused
+    PartO, PartLse,  # fp32 [B, Hq, S, D], fp32 [B, Hq, S] (log2 domain) when not DIRECT
+    QOffset, KvIndptr, KvIndices, BlockValid, BlockOffset,
+    Turns,  # fp64 [D/2]: inv_freq / (2 pi), rotations per position
+    stride_qb, stride_qh, stride_qd,
+    stride_kh, stride_kn, stride_kd,
+    stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_od,
+    HQ, S, qk_scale,  # qk_scale = scale * log2(e)
+    GROUP: tl.constexpr,  # Hq // Hkv
+    G_PAD: tl.constexpr,  # GROUP rounded up to a power of two >= 16 (tl.dot's minimum M)
+    BLOCK: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    ROPE: tl.constexpr,
+    DIRECT: tl.constexpr,  # S == 1: normalise and write Out, no partials
+    DOT_PRECISION: tl.constexpr,
+):
+    HALF: tl.constexpr = HEAD_DIM // 2
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+
+    first = tl.load(KvIndptr + b)
+    n_blocks = tl.load(KvIndptr + b + 1) - first
+    per_split = tl.cdiv(n_blocks, S)
+    j0 = first + split * per_split
+    j1 = first + tl.minimum((split + 1) * per_split, n_blocks)
+
+    offs_g = tl.arange(0, G_PAD)
+    offs_n = tl.arange(0, BLOCK)
+    offs_h = tl.arange(0, HALF)
+    heads = kvh * GROUP + offs_g
+    g_ok = offs_g < GROUP
+    q_ptr = Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
+    q1 = tl.load(q_ptr + offs_h[None, :] * stride_qd, mask=g_ok[:, None], other=0.0).to(tl.float32)
+    q2 = tl.load(q_ptr + (offs_h + HALF)[None, :] * stride_qd, mask=g_ok[:, None], other=0.0).to(tl.float32)
+    k_head = K + kvh.to(tl.int64) * stride_kh + offs_n[:, None] * stride_kn
+    v_head = V + kvh.to(tl.int64) * stride_vh + offs_n[:, None] * stride_vn
+    q_off = tl.load(QOffset + b)
+    if ROPE:
+        turns = tl.load(Turns + offs_h)  # fp64 [D/2]
+    # Rotated q of the current segment; -1 is no offset, so the first block always rotates.
+    q1r = q1.to(K.dtype.element_ty)
+    q2r = q2.to(K.dtype.element_ty)
+    cur_off = q_off * 0 - 1
+
+    m_i = tl.full([G_PAD], -1.0e30, tl.float32)  # finite: a fully masked block gives exp2(-inf) = 0, never NaN
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, HEAD_DIM], tl.float32)
+    for j in range(j0, j1):
+        kb = tl.load(KvIndices + j)
+        k_valid = tl.load(BlockValid + kb)
+        if ROPE:
+            off = tl.load(BlockOffset + kb)
+            if off != cur_off:
+                # q' = R(-delta) q: q1' = q1 c + q2 s, q2' = q2 c - q1 s. Angle in fp64 turns, reduced to
+                # [-1/2, 1/2) before fp32, so offsets of 65K and far beyond stay exact.
+                t = (off - q_off).to(tl.float64) * turns
+                t = t - tl.floor(t + 0.5)
+                angle = t.to(tl.float32) * 6.283185307179586
+                cos = tl.cos(angle)[None, :]
+                sin = tl.sin(angle)[None, :]
+                q1r = (q1 * cos + q2 * sin).to(K.dtype.element_ty)
+                q2r = (q2 * cos - q1 * sin).to(K.dtype.element_ty)
+                cur_off = off
+        slot_ok = offs_n < k_valid
+        k_ptr = k_head + (kb * BLOCK).to(tl.int64) * stride_kn
+        k1 = tl.load(k_ptr + offs_h[None, :] * stride_kd, mask=slot_ok[:, None], other=0.0)  # [BLOCK, D/2]
+        k2 = tl.load(k_ptr + (offs_h + HALF)[None, :] * stride_kd, mask=slot_ok[:, None], other=0.0)
+        s = tl.dot(q1r, tl.trans(k1), input_precision=DOT_PRECISION)
+        s = tl.dot(q2r, tl.trans(k2), s, input_precision=DOT_PRECISION)  # [G_PAD, BLOCK]
+        s = tl.where(slot_ok[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        offs_d = tl.arange(0, HEAD_DIM)
+        v = tl.load(v_head + (kb * BLOCK).to(tl.int64) * stride_vn + offs_d[None, :] * stride_vd,
+                    mask=slot_ok[:, None], other=0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    offs_d = tl.arange(0, HEAD_DIM)
+    safe_l = tl.where(l_i == 0.0, 1.0, l_i)
+    o = acc / safe_l[:, None]
+    if DIRECT:
+        o_ptr = Out + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od
+        tl.store(o_ptr, o.to(Out.dtype.element_ty), mask=g_ok[:, None])
+    else:
+        # lse (log2) of an empty split is -inf: the merge gives it weight 0.
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(safe_l))
+        row = (b * HQ + heads) * S + split  # [G_PAD]
+        tl.store(PartLse + row, lse, mask=g_ok)
+        tl.store(PartO + row.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :], o, mask=g_ok[:, None])
+
+
+@triton.jit
+def _decode_merge_kernel(
+    PartO, PartLse, Out,
+    stride_ob, stride_oh, stride_od,
+    HQ, S,
+    S_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, S_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row = (b * HQ + h) * S + offs_s
+    lse = tl.load(PartLse + row, mask=offs_s < S, other=float("-inf"))
+    m = tl.maximum(tl.max(lse, 0), -1.0e30)
+    w = tl.math.exp2(lse - m)  # [S_PAD]
+    o = tl.load(PartO + row.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :], mask=(offs_s < S)[:, None], other=0.0)
+    total = tl.sum(w, 0)
+    out = tl.sum(w[:, None] * o, 0) / tl.where(total == 0.0, 1.0, total)
+    tl.store(Out + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d * stride_od, out.to(Out.dtype.element_ty))
+
+
+def _validate(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block_valid, block_offset, inv_freq, scale,
+              block, out) -> None:
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        raise ValueError(f"q must be [B, Hq, D]; got {getattr(q, 'shape', type(q))}")
+    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 3:
+            raise ValueError(f"{name} must be [Hkv, N, D]; got {getattr(x, 'shape', type(x))}")
+    if q.dtype not in DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"q, k_cache, v_cache must share one dtype of {DTYPES}; got "
+                         f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    bsz, hq, d = q.shape
+    hkv, n = k_cache.shape[:2]
+    if k_cache.shape != v_cache.shape or k_cache.shape[2] != d:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must be [Hkv, N, D={d}]")
+    if hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hkv})")
+    half = d // 2
+    if d % 2 or half < 16 or half & (half - 1):
+        raise ValueError(f"head_dim={d} is unsupported: D / 2 must be a power of two >= 16 (32, 64, 128, 256)")
+    if block not in BLOCKS:
+        raise ValueError(f"block={block} is unsupported; use one of {BLOCKS}")
+    if n % block:
+        raise ValueError(f"the cache has N={n} slots, not a whole number of blocks of {block}")
+    nb = n // block
+    if not (isinstance(scale, (int, float)) and scale > 0 and math.isfinite(scale)):
+        raise ValueError(f"scale={scale!r} must be a positive finite float (usually head_dim ** -0.5)")
+    for name, x, shape in (("q_offset", q_offset, (bsz,)), ("kv_indptr", kv_indptr, (bsz + 1,)),
+                           ("block_valid", block_valid, (nb,)), ("block_offset", block_offset, (nb,))):
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.int32 or tuple(x.shape) != shape:
+            raise ValueError(f"{name} must be int32 {list(shape)} (B={bsz}, NB={nb}); got "
+                             f"{getattr(x, 'dtype', type(x))} {tuple(getattr(x, 'shape', ()))}")
+    if not isinstance(kv_indices, torch.Tensor) or kv_indices.dtype != torch.int32 or kv_indices.dim() != 1:
+        raise ValueError(f"kv_indices must be a 1-D int32 tensor; got {getattr(kv_indices, 'dtype', type(kv_indices))}")
+    if inv_freq is not None and (not isinstance(inv_freq, torch.Tensor) or tuple(inv_freq.shape) != (half,)
+                                 or not inv_freq.is_floating_point()):
+        raise ValueError(f"inv_freq must be None or a float tensor [D/2]={half}; got "
+                         f"{tuple(getattr(inv_freq, 'shape', ()))}")
+    if out is not None and (tuple(out.shape) != (bsz, hq, d) or out.dtype != q.dtype):
+        raise ValueError(f"out must be {q.dtype} [{bsz}, {hq}, {d}]; got {out.dtype} {tuple(out.shape)}")
+    tensors = [q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block_valid, block_offset]
+    devices = {x.device for x in tensors + ([out] if out is not None else [])}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device; got {sorted(map(str, devices))}")
+
+
+def default_num_splits(batch: int, kv_heads: int, nnz_blocks: int, device: torch.device) -> int:
+    """Enough programs to fill the GPU about twice (flash-decoding), never more splits than a request's
+    average block count; from host-known sizes only, so no device sync."""
+    if device.type == "cuda":
+        target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        target = 4
+    splits = triton.cdiv(target, batch * kv_heads)
+    return max(1, min(splits, nnz_blocks // max(batch, 1), 64))
+
+
+def decode_attention(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block_valid, block_offset, inv_freq,
+                     *, scale, block, num_splits=None, out=None):
+    """Attention of one new token per request over its KV blocks, with q rotated per segment in the kernel.
+    Shapes in the module docstring. num_splits: programs per (request, kv head) along the block list (default
+    `default_num_splits`). Returns out [B, Hq, D] in q's dtype. Block ids are not range-checked (no sync)."""
+    _validate(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block_valid, block_offset, inv_freq, scale,
+              block, out)
+    if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"decode_attention runs on CUDA tensors (got {q.device}); use decode_attention_ref on CPU")
+    bsz, hq, d = q.shape
+    hkv = k_cache.shape[0]
+    group = hq // hkv
+    splits = num_splits or default_num_splits(bsz, hkv, kv_indices.numel(), q.device)
+    if splits < 1:
+        raise ValueError(f"num_splits={num_splits} must be >= 1")
+    if out is None:
+        out = torch.empty((bsz, hq, d), dtype=q.dtype, device=q.device)
+    if inv_freq is None:
+        turns = torch.zeros(1, dtype=torch.float64, device=q.device)
+    else:
+        turns = inv_freq.to(device=q.device, dtype=torch.float64) / (2.0 * math.pi)
+    direct = splits == 1
+    if direct:
+        part_o = part_lse = out  # unused
+    else:
+        part_o = torch.empty((bsz, hq, splits, d), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((bsz, hq, splits), dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(bsz, hkv, splits)](
+        q, k_cache, v_cache, out, part_o, part_lse,
+        q_offset, kv_indptr, kv_indices, block_valid, block_offset, turns,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
+        hq, splits, float(scale) * LOG2E,
+        GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), BLOCK=block, HEAD_DIM=d,
+        ROPE=inv_freq is not None, DIRECT=direct,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=4 if block <= 64 else 8, num_stages=2,
+    )
+    if not direct:
+        _decode_merge_kernel[(bsz, hq)](
+            part_o, part_lse, out, *out.stride(), hq, splits,
+            S_PAD=triton.next_power_of_2(splits), HEAD_DIM=d, num_warps=4,
+        )
+    return out
+
+
+def decode_attention_ref(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block_valid, block_offset, inv_freq,
+                         *, scale, block, num_splits=None, out=None):
+    """Torch twin of `decode_attention` (same signature and result; num_splits is accepted and ignored).
+    fp32 softmax, fp64 RoPE angles; one rotation of q per distinct segment offset of the request."""
+    _validate(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block_valid, block_offset, inv_freq, scale,
+              block, out)
+    bsz, hq, d = q.shape
+    group = hq // k_cache.shape[0]
+    ptr, idx = kv_indptr.tolist(), kv_indices.tolist()
+    valid, offset, q_off = block_valid.tolist(), block_offset.tolist(), q_offset.tolist()
+    result = torch.zeros((bsz, hq, d), dtype=torch.float32, device=q.device)
+    for b in range(bsz):
+        blocks = idx[ptr[b] : ptr[b + 1]]
+        slots = torch.tensor([kb * block + s for kb in blocks for s in range(valid[kb])], dtype=torch.long,
+                             device=q.device)
+        if slots.numel() == 0:
+            continue
+        key_off = torch.tensor([offset[kb] for kb in blocks for _ in range(valid[kb])], device=q.device)
+        k = k_cache[:, slots].float().repeat_interleave(group, dim=0)  # [Hq, n, D]
+        v = v_cache[:, slots].float().repeat_interleave(group, dim=0)
+        scores = torch.empty((hq, slots.numel()), dtype=torch.float32, device=q.device)
+        for off in torch.unique(key_off).tolist():
+            sel = key_off == off
+            qr = q[b].float()[:, None, :]  # [Hq, 1, D]
+            if inv_freq is not None:
+                minus_delta = torch.tensor([q_off[b] - off], device=q.device)
+                qr = apply_rope_ref(qr, minus_delta, inv_freq.float())
+            scores[:, sel] = (qr @ k[:, sel].transpose(1, 2))[:, 0] * scale
+        p = torch.softmax(scores, dim=-1)
+        result[b] = (p[:, None, :] @ v)[:, 0]
+    result = result.to(q.dtype)
+    if out is None:
+        return result
+    out.copy_(result)
+    return out
+
+
+def layout_kv_table(layout: BatchLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """KV block table of a prefilled batch: request b's blocks in prompt order. -> kv_indptr int32 [B + 1],
+    kv_indices int32 [NB] (the runtime appends generated tokens' blocks to each request's list)."""
+    indptr = torch.zeros(layout.n_requests + 1, dtype=torch.int32, device=layout.device)
+    torch.cumsum(layout.req_n_blocks, 0, dtype=torch.int32, out=indptr[1:])
+    return indptr, torch.arange(layout.n_blocks, dtype=torch.int32, device=layout.device)
