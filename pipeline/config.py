@@ -138,3 +138,9 @@ def load_config(path: str | Path | None = None, **overrides: Any) -> BuildConfig
     model = overrides.get("model") or top.get("model", DEFAULT_MODEL)
     parts = {name: _make(cls, sections[name], f"{name}.") for name, cls in _SECTIONS.items()}
     return BuildConfig(model=str(model), **parts)
+
+
+def load_config_dict(data: dict[str, Any]) -> BuildConfig:
+    """Inverse of `BuildConfig.to_dict` (how the config travels to Ray actors)."""
+    parts = {name: _make(cls, dict(data.get(name, {})), f"{name}.") for name, cls in _SECTIONS.items()}
+    return BuildConfig(model=str(data.get("model", DEFAULT_MODEL)), **parts)

@@ -1,0 +1,146 @@
+"""Command-line entrypoints: `sift-build` and `sift-inspect`.
+
+Exit codes (both commands):
+  0  success: every document indexed (sift-inspect: the index is readable)
+  1  committed, but some documents are in the errors table (sift-build only)
+  2  nothing committed: bad usage, bad config, unreadable corpus, not an index, corrupt index
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+
+import click
+import numpy as np
+
+from sift.errors import SiftError
+
+EXIT_OK, EXIT_DOC_ERRORS, EXIT_NOTHING = 0, 1, 2
+
+
+def _fail(message: str) -> None:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(EXIT_NOTHING)
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("corpus", type=click.Path())
+@click.option("--out", required=True, type=click.Path(), help="Index folder (created, or updated incrementally).")
+@click.option("--config", "config_path", type=click.Path(), default=None,
+              help="TOML config (default: configs/default.toml).")
+@click.option("--model", default=None, help="'smollm2-135m-instruct' (default) or a local transformers folder.")
+@click.option("--tile", type=int, default=None, help="Tile / page size: 16, 32, 64 or 128.")
+@click.option("--alpha", type=float, default=None, help="LA threshold.")
+@click.option("--beta", type=float, default=None, help="CA cell threshold.")
+@click.option("--gamma", type=float, default=None, help="CA concentration threshold.")
+@click.option("--ray-address", default=None, help="Existing Ray cluster (default: $RAY_ADDRESS, else a local Ray).")
+@click.option("-q", "--quiet", is_flag=True, help="Only the summary line.")
+def build_main(corpus, out, config_path, model, tile, alpha, beta, gamma, ray_address, quiet):
+    """Profile every document of CORPUS and write (or update) the SIFT index at --out."""
+    from .config import load_config
+    from .job import run_build
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    echo = (lambda *_: None) if quiet else (lambda msg: click.echo(msg, err=True))
+    try:
+        cfg = load_config(config_path, model=model, tile=tile, alpha=alpha, beta=beta, gamma=gamma)
+        stats = run_build(corpus, out, cfg, ray_address=ray_address, echo=echo)
+    except SiftError as e:
+        _fail(str(e))
+    tps = stats.tokens_profiled / stats.profile_seconds if stats.profile_seconds else 0.0
+    click.echo(f"committed generation {stats.generation}: {stats.documents} documents "
+               f"(profiled {stats.profiled}, reused {stats.reused + stats.reused_orphans}, deleted {stats.deleted}), "
+               f"{stats.errors} errors, {stats.seconds:.1f} s, {tps:.0f} tokens/s profiling"
+               f"{'; ' + stats.note if stats.note else ''}")
+    sys.exit(EXIT_DOC_ERRORS if stats.errors else EXIT_OK)
+
+
+def summarize(path: str) -> dict:
+    """What `sift-inspect --json` prints."""
+    from .index import IndexReader
+
+    reader = IndexReader.open(path)
+    m = reader.manifest
+    model = m["model"]
+    t = reader.table(["n_tokens", "la_bits", "ca_bits", "la_density", "ca_density"])
+    tokens = int(np.asarray(t["n_tokens"]).sum()) if t.num_rows else 0
+    la_bytes = sum(len(b) for b in t["la_bits"].to_pylist())
+    ca_bytes = sum(len(b) for b in t["ca_bits"].to_pylist())
+    # The KV cache the same tokens would take in bf16: K and V, every layer, every KV head.
+    kv_bytes = tokens * model["n_layers"] * 2 * model["n_kv_heads"] * model["head_dim"] * 2
+    la_density = np.asarray(t["la_density"].to_pylist(), dtype=np.float64) if t.num_rows else np.zeros((0, 0))
+    ca_density = np.asarray(t["ca_density"].to_pylist(), dtype=np.float64) if t.num_rows else np.zeros((0, 0))
+    errors = reader.errors()
+    last = m.get("last_build", {})
+    return {
+        "path": os.path.abspath(path),
+        "generation": m["generation"],
+        "created_at": m["created_at"],
+        "model": {k: model[k] for k in ("name", "fingerprint", "n_layers", "n_heads", "n_kv_heads", "head_dim")},
+        "profile": {k: m["profile"][k] for k in ("tile", "alpha", "beta", "gamma", "ca_normalize", "dtype")},
+        "backends": m.get("backends", []),
+        "documents": t.num_rows,
+        "tokens": tokens,
+        "shards": len(m["shards"]),
+        "bits_bytes": la_bytes + ca_bytes,
+        "la_bytes": la_bytes,
+        "ca_bytes": ca_bytes,
+        "kv_bytes_bf16": kv_bytes,
+        "kv_over_bits": (kv_bytes / (la_bytes + ca_bytes)) if la_bytes + ca_bytes else None,
+        "la_density_per_layer": la_density.mean(axis=0).round(4).tolist() if la_density.size else [],
+        "ca_density_per_layer": ca_density.mean(axis=0).round(4).tolist() if ca_density.size else [],
+        "errors": errors.num_rows,
+        "error_rows": errors.slice(0, 20).to_pylist(),
+        "last_build": {"profiled": last.get("profiled", 0),
+                       "reused": last.get("reused", 0) + last.get("reused_orphans", 0),
+                       "deleted": last.get("deleted", 0), "errors": last.get("errors", 0),
+                       "seconds": round(last.get("seconds", 0.0), 2), "tokens_profiled": last.get("tokens_profiled", 0),
+                       "profile_seconds": round(last.get("profile_seconds", 0.0), 2)},
+    }
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("index", type=click.Path())
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def inspect_main(index, as_json):
+    """Describe the SIFT index at INDEX."""
+    try:
+        s = summarize(index)
+    except SiftError as e:
+        _fail(str(e))
+    if as_json:
+        click.echo(json.dumps(s))
+        return
+    lb = s["last_build"]
+    lines = [
+        f"index       {s['path']}",
+        f"generation  {s['generation']} ({s['created_at']})",
+        f"model       {s['model']['name']}  fingerprint {s['model']['fingerprint'][:16]}  "
+        f"{s['model']['n_layers']} layers x {s['model']['n_heads']} heads ({s['model']['n_kv_heads']} KV), "
+        f"head_dim {s['model']['head_dim']}",
+        f"profile     tile {s['profile']['tile']}  alpha {s['profile']['alpha']}  beta {s['profile']['beta']}  "
+        f"gamma {s['profile']['gamma']}  ca_normalize {s['profile']['ca_normalize']}  dtype {s['profile']['dtype']}"
+        f"  backend(s) {', '.join(s['backends']) or '-'}",
+        f"documents   {s['documents']}  ({s['tokens']} tokens, {s['shards']} shards)",
+        f"bits        {_human(s['bits_bytes'])} (LA {_human(s['la_bytes'])}, CA {_human(s['ca_bytes'])})  vs  "
+        f"KV cache (bf16) {_human(s['kv_bytes_bf16'])}"
+        + (f"  = {s['kv_over_bits']:.0f}x smaller" if s["kv_over_bits"] else ""),
+        f"errors      {s['errors']}",
+        f"last build  profiled {lb['profiled']}, reused {lb['reused']}, deleted {lb['deleted']}, "
+        f"{lb['seconds']} s",
+        "layer   LA density   CA density",
+    ]
+    for i, (la, ca) in enumerate(zip(s["la_density_per_layer"], s["ca_density_per_layer"])):
+        lines.append(f"{i:5d}   {la:10.3f}   {ca:10.3f}")
+    for row in s["error_rows"]:
+        lines.append(f"error: {row['doc_id']} ({row['source']}): {row['reason']}")
+    click.echo("\n".join(lines))
