@@ -106,41 +106,57 @@ def _lse_kernel(
 
 
 @triton.jit
-def _tile_max(x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE: tl.constexpr):
-    """x: [BLOCK_M, BLOCK_N] -> [BLOCK_M / TILE, BLOCK_N / TILE] maxima of its TILE x TILE tiles."""
-    MT: tl.constexpr = BLOCK_M // TILE
-    NT: tl.constexpr = BLOCK_N // TILE
-    if NT == 1:
-        # One key tile: a row reduction (within warps), then a small one over a [BLOCK_M] vector.
+def _tile_max(x, ROWS: tl.constexpr, COLS: tl.constexpr, TILE: tl.constexpr):
+    """x: [ROWS, COLS] -> [ROWS / TILE, COLS / TILE] maxima of its TILE x TILE tiles."""
+    RT: tl.constexpr = ROWS // TILE
+    CT: tl.constexpr = COLS // TILE
+    if CT == 1:
+        # One column tile: a row reduction (within warps), then a small one over a [ROWS] vector.
         r = tl.max(x, 1)
-        return tl.max(tl.reshape(r, [MT, TILE]), 1)[:, None]
+        return tl.max(tl.reshape(r, [RT, TILE]), 1)[:, None]
     else:
-        r = tl.max(tl.reshape(x, [BLOCK_M, NT, TILE]), 2)
-        return tl.max(tl.reshape(r, [MT, TILE, NT]), 1)
+        r = tl.max(tl.reshape(x, [ROWS, CT, TILE]), 2)
+        return tl.max(tl.reshape(r, [RT, TILE, CT]), 1)
 
 
 @triton.jit
 def _stats_block(
-    acc, q_ptrs, kt, Q_LSE2, TMAX, m0, n0, offs_n, rm, d_ok,
+    acc, q_ptrs, k_op, Q_LSE2, TMAX, m0, n0, offs_n, rm, d_ok,
     stride_ti, n_doc, n_pages, qk_mul, cap_mul, log2_beta,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE: tl.constexpr, CAUSAL_MASK: tl.constexpr,
-    SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE: tl.constexpr, KEY_ROWS: tl.constexpr,
+    CAUSAL_MASK: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """One query block against the program's key block: update the counts, store its tiles' maxima."""
+    """One query block against the program's key block: update the counts, store its tiles' maxima.
+
+    KEY_ROWS: the scores are laid out [keys, queries] (k_op = k [BLOCK_N, D] is the stationary left operand,
+    queries stream in as the right one, like a flash forward); else [queries, keys] (k_op = k^T [D, BLOCK_N]).
+    """
     offs_m = m0 + rm
     row_ok = offs_m < n_doc
-    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     # Rows past the document get lse2 = +inf, so x = -inf: never counted, never a maximum.
     lse2 = tl.load(Q_LSE2 + offs_m, mask=row_ok, other=float("inf"))
-    x = _log2_scores(tl.dot(q, kt, input_precision=DOT_PRECISION), qk_mul, cap_mul, SOFTCAP) - lse2[:, None]
-    if CAUSAL_MASK:
-        x = tl.where(offs_n[None, :] <= offs_m[:, None], x, float("-inf"))
-    acc += (x >= log2_beta).to(tl.int32)
-    tmax = _tile_max(x, BLOCK_M, BLOCK_N, TILE)
     ti = m0 // TILE + tl.arange(0, BLOCK_M // TILE)
     tj = n0 // TILE + tl.arange(0, BLOCK_N // TILE)
-    tl.store(TMAX + ti[:, None] * stride_ti + tj[None, :], tl.exp2(tmax),
-             mask=(ti < n_pages)[:, None] & (tj < n_pages)[None, :])
+    if KEY_ROWS:
+        qt = tl.load(q_ptrs, mask=d_ok[:, None] & row_ok[None, :], other=0.0)
+        x = _log2_scores(tl.dot(k_op, qt, input_precision=DOT_PRECISION), qk_mul, cap_mul, SOFTCAP)
+        x = x - lse2[None, :]
+        if CAUSAL_MASK:
+            x = tl.where(offs_n[:, None] <= offs_m[None, :], x, float("-inf"))
+        tmax = _tile_max(x, BLOCK_N, BLOCK_M, TILE)  # [key tiles, query tiles]
+        tmax_ptrs = TMAX + tj[:, None] + ti[None, :] * stride_ti
+        tmax_mask = (tj < n_pages)[:, None] & (ti < n_pages)[None, :]
+    else:
+        q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        x = _log2_scores(tl.dot(q, k_op, input_precision=DOT_PRECISION), qk_mul, cap_mul, SOFTCAP)
+        x = x - lse2[:, None]
+        if CAUSAL_MASK:
+            x = tl.where(offs_n[None, :] <= offs_m[:, None], x, float("-inf"))
+        tmax = _tile_max(x, BLOCK_M, BLOCK_N, TILE)  # [query tiles, key tiles]
+        tmax_ptrs = TMAX + ti[:, None] * stride_ti + tj[None, :]
+        tmax_mask = (ti < n_pages)[:, None] & (tj < n_pages)[None, :]
+    acc += (x >= log2_beta).to(tl.int32)
+    tl.store(tmax_ptrs, tl.exp2(tmax), mask=tmax_mask)
     return acc
 
 
@@ -150,7 +166,8 @@ def _stats_kernel(
     stride_qh, stride_ql, stride_qd, stride_kh, stride_kl, stride_kd, stride_lh, stride_th, stride_ti, stride_ch,
     n_prefix, n_doc, n_pages, h_first, qk_mul, cap_mul, log2_beta,
     GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TILE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KEY_ROWS: tl.constexpr, SOFTCAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Document keys [n0, n0 + BLOCK_N) of head h_first + program_id(0) against every document query q >= key.
 
@@ -166,57 +183,74 @@ def _stats_kernel(
     rd = tl.arange(0, BLOCK_D)
     d_ok = rd < HEAD_DIM
     offs_n = n0 + rn
+    n_ok = offs_n < n_doc
 
-    kt_ptrs = K + (h // GROUPS).to(tl.int64) * stride_kh + (n_prefix + n0).to(tl.int64) * stride_kl \
-        + (rd[:, None] * stride_kd + rn[None, :] * stride_kl)
-    kt = tl.load(kt_ptrs, mask=d_ok[:, None] & (offs_n < n_doc)[None, :], other=0.0)
-
+    k_base = K + (h // GROUPS).to(tl.int64) * stride_kh + (n_prefix + n0).to(tl.int64) * stride_kl
     m_lo = (n0 // BLOCK_M) * BLOCK_M
-    # Query blocks from m_full on lie wholly at or below the key block: no causal mask.
-    m_full = tl.minimum(tl.cdiv(n0 + BLOCK_N - 1, BLOCK_M) * BLOCK_M, n_doc)
-    q_ptrs = Q + h.to(tl.int64) * stride_qh + (n_prefix + m_lo).to(tl.int64) * stride_ql \
-        + (rm[:, None] * stride_ql + rd[None, :] * stride_qd)
+    q_base = Q + h.to(tl.int64) * stride_qh + (n_prefix + m_lo).to(tl.int64) * stride_ql
+    if KEY_ROWS:
+        k_op = tl.load(k_base + (rn[:, None] * stride_kl + rd[None, :] * stride_kd),
+                       mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        q_ptrs = q_base + (rd[:, None] * stride_qd + rm[None, :] * stride_ql)
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.int32)
+    else:
+        k_op = tl.load(k_base + (rd[:, None] * stride_kd + rn[None, :] * stride_kl),
+                       mask=d_ok[:, None] & n_ok[None, :], other=0.0)
+        q_ptrs = q_base + (rm[:, None] * stride_ql + rd[None, :] * stride_qd)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.int32)
     q_lse2 = LSE2 + h.to(tl.int64) * stride_lh
     tmax_ptr = TMAX + hc.to(tl.int64) * stride_th
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.int32)
+
+    # Query blocks from m_full on lie wholly at or below the key block: no causal mask.
+    m_full = tl.minimum(tl.cdiv(n0 + BLOCK_N - 1, BLOCK_M) * BLOCK_M, n_doc)
     for m0 in range(m_lo, m_full, BLOCK_M):
-        acc = _stats_block(acc, q_ptrs, kt, q_lse2, tmax_ptr, m0, n0, offs_n, rm, d_ok,
+        acc = _stats_block(acc, q_ptrs, k_op, q_lse2, tmax_ptr, m0, n0, offs_n, rm, d_ok,
                            stride_ti, n_doc, n_pages, qk_mul, cap_mul, log2_beta,
-                           BLOCK_M, BLOCK_N, TILE, True, SOFTCAP, DOT_PRECISION)
+                           BLOCK_M, BLOCK_N, TILE, KEY_ROWS, True, SOFTCAP, DOT_PRECISION)
         q_ptrs += BLOCK_M * stride_ql
     for m0 in range(m_full, n_doc, BLOCK_M):
-        acc = _stats_block(acc, q_ptrs, kt, q_lse2, tmax_ptr, m0, n0, offs_n, rm, d_ok,
+        acc = _stats_block(acc, q_ptrs, k_op, q_lse2, tmax_ptr, m0, n0, offs_n, rm, d_ok,
                            stride_ti, n_doc, n_pages, qk_mul, cap_mul, log2_beta,
-                           BLOCK_M, BLOCK_N, TILE, False, SOFTCAP, DOT_PRECISION)
+                           BLOCK_M, BLOCK_N, TILE, KEY_ROWS, False, SOFTCAP, DOT_PRECISION)
         q_ptrs += BLOCK_M * stride_ql
-    tl.store(COUNTS + h.to(tl.int64) * stride_ch + offs_n, tl.sum(acc, 0), mask=offs_n < n_doc)
+    counts = tl.sum(acc, 1) if KEY_ROWS else tl.sum(acc, 0)
+    tl.store(COUNTS + h.to(tl.int64) * stride_ch + offs_n, counts, mask=n_ok)
 
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Launch parameters of one pass. For the stats pass block_m and block_n are multiples of the tile."""
+    """Launch parameters of one pass.
+
+    block_m: query rows per block; block_n: keys per block. For the stats pass both are multiples of the
+    tile, and key_rows lays its scores out [keys, queries] (the key block as the stationary left operand of
+    the dot, queries streaming in as the right one, like a flash forward) instead of [queries, keys].
+    """
 
     block_m: int
     block_n: int
     num_warps: int = 4
     num_stages: int = 2
+    key_rows: bool = False
 
 
 def default_configs(tile: int, head_dim: int, dtype: torch.dtype) -> tuple[KernelConfig, KernelConfig]:
     """(lse pass, stats pass) launch parameters; the interpreter ignores warps and stages.
 
-    Both passes use the same block shape so a cell's q.k comes out of the same dot-product instruction
-    sequence in both (x = log2 A of a row's only key is then exactly 0). Key blocks of one tile make the
-    tile maximum a plain row reduction.
+    fp32 (IEEE dots on FMA units, for checks rather than speed): both passes share one block shape and
+    orientation, so a cell's q.k comes out of the same instruction sequence in both and log2 A of a row's
+    only key is exactly 0. 16-bit: the lse pass is a flash forward without PV; the stats pass keeps 128 keys
+    stationary and streams query blocks of one tile (for tile >= 64), so each tile maximum is a row
+    reduction. See bench/README_profile.md for the measurements behind these.
     """
-    if dtype == torch.float32:  # IEEE dots run on FMA units: smaller blocks (used for checks, not speed)
+    if dtype == torch.float32:
         cfg = KernelConfig(block_m=max(tile, 64), block_n=max(tile, 32), num_warps=4, num_stages=2)
         return cfg, cfg
     if head_dim > 128:
-        cfg = KernelConfig(block_m=max(tile, 64), block_n=max(tile, 64), num_warps=8, num_stages=2)
-    else:
-        cfg = KernelConfig(block_m=128, block_n=max(tile, 64), num_warps=8, num_stages=3)
-    return cfg, cfg
+        return (KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=2),
+                KernelConfig(block_m=max(tile, 64), block_n=max(tile, 64), num_warps=8, num_stages=2,
+                             key_rows=True))
+    return (KernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=3),
+            KernelConfig(block_m=max(tile, 64), block_n=128, num_warps=8, num_stages=3, key_rows=True))
 
 
 @dataclass(frozen=True)
@@ -302,7 +336,7 @@ def _launch_stats(q, k, lse2, key_counts, heads: range, *, n_prefix, tile, beta,
         *q.stride(), *k.stride(), lse2.stride(0), tile_max.stride(0), tile_max.stride(1), key_counts.stride(0),
         n_prefix, n_doc, p, heads.start, qk_mul, cap_mul, log2_beta,
         GROUPS=hq // k.shape[0], HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), TILE=tile,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SOFTCAP=softcap is not None,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, KEY_ROWS=cfg.key_rows, SOFTCAP=softcap is not None,
         DOT_PRECISION=_dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return tile_max

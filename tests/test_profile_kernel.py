@@ -32,6 +32,7 @@ class Case:
     d: int = 64
     tile: int = 16
     blocks: tuple[int, int] = (32, 16)  # (block_m, block_n) of both passes
+    key_rows: bool = False  # stats pass scores laid out [keys, queries]
     thresholds: tuple[float, float, float] | None = None  # (alpha, beta, gamma); None: midpoints of the data
     ca_normalize: str = "causal"
     softcap: float | None = None
@@ -43,27 +44,31 @@ class Case:
 
 CASES = {
     "base": Case(),
+    "base_key_rows": Case(key_rows=True),
     "gqa1": Case(hq=2, hkv=2),
-    "gqa3": Case(hq=3, hkv=1, n_doc=45),
-    "gqa4_d128": Case(hq=4, hkv=1, d=128, n_doc=50),
+    "gqa3": Case(hq=3, hkv=1, n_doc=45, key_rows=True),
+    "gqa4_d128": Case(hq=4, hkv=1, d=128, n_doc=50, key_rows=True),
     "tile32_multi_tile_blocks": Case(tile=32, blocks=(64, 32), n_doc=101),
-    "tile64": Case(tile=64, blocks=(64, 64), n_doc=133, hq=2, hkv=1),
-    "tile16_wide_key_block": Case(tile=16, blocks=(64, 32), n_doc=83),  # 2 key tiles per key block
-    "small_blocks": Case(blocks=(16, 16), n_doc=37, hq=2),
+    "tile64": Case(tile=64, blocks=(64, 64), n_doc=133, hq=2, hkv=1, key_rows=True),
+    "tile16_wide_blocks": Case(tile=16, blocks=(64, 32), n_doc=83),  # 4 x 2 tiles per block
+    "tile16_wide_blocks_key_rows": Case(tile=16, blocks=(32, 64), n_doc=83, key_rows=True),
+    "small_blocks": Case(blocks=(16, 16), n_doc=37, hq=2, key_rows=True),
     "no_prefix": Case(n_prefix=0),
-    "long_prefix": Case(n_prefix=21, n_doc=40),
-    "one_token_doc": Case(n_prefix=5, n_doc=1),
+    "long_prefix": Case(n_prefix=21, n_doc=40, key_rows=True),
+    "one_token_doc": Case(n_prefix=5, n_doc=1, key_rows=True),
     "one_token_doc_no_prefix": Case(n_prefix=0, n_doc=1, hq=2, hkv=1),
     "whole_tiles": Case(n_doc=64),
     "paper_thresholds": Case(thresholds=(0.001, 0.01, 0.1)),
-    "thresholds_0": Case(thresholds=(0.0, 0.0, 0.0)),
+    "thresholds_0": Case(thresholds=(0.0, 0.0, 0.0), key_rows=True),
     "thresholds_1": Case(thresholds=(1.0, 1.0, 1.0), n_prefix=0),
+    "thresholds_1_key_rows": Case(thresholds=(1.0, 1.0, 1.0), n_prefix=0, key_rows=True, hq=2, n_doc=40),
     "key_index": Case(ca_normalize="key_index"),
-    "softcap": Case(softcap=5.0),
+    "softcap": Case(softcap=5.0, key_rows=True),
     "dense_heads": Case(dense_heads=(0, 3)),
     "fp16": Case(dtype=torch.float16),
-    "fp16_gqa4_d128": Case(dtype=torch.float16, hq=4, hkv=1, d=128, tile=32, blocks=(32, 32), n_doc=60),
-    "strided": Case(strided=True, n_prefix=3),
+    "fp16_gqa4_d128": Case(dtype=torch.float16, hq=4, hkv=1, d=128, tile=32, blocks=(32, 32), n_doc=60,
+                           key_rows=True),
+    "strided": Case(strided=True, n_prefix=3, key_rows=True),
 }
 
 
@@ -140,9 +145,9 @@ def _run_case(c: Case):
         denom = (n - keys) if c.ca_normalize == "causal" else (keys + 1)
         gamma = min(_midpoint(counts_ref.float() / denom, 0.95), 1.0)
 
-    cfg = KernelConfig(*c.blocks)
+    configs = (KernelConfig(*c.blocks), KernelConfig(*c.blocks, key_rows=c.key_rows))
     stats = profile_stats(q, k, scale=scale, n_prefix=c.n_prefix, tile=c.tile, beta=beta, softcap=c.softcap,
-                          configs=(cfg, cfg))
+                          configs=configs)
 
     # Row log-sum-exp of the document rows.
     lse_err = (stats.lse - lse_ref[:, c.n_prefix:]).abs().max().item()
@@ -168,7 +173,7 @@ def _run_case(c: Case):
                 softcap=c.softcap, ca_normalize=c.ca_normalize, dense_heads=c.dense_heads)
     lse_full = torch.zeros(c.hq, c.n_prefix + n)
     lse_full[:, c.n_prefix:] = stats.lse
-    bits, out = profile_layer(q, k, lse=lse_full, configs=(cfg, cfg), **args)
+    bits, out = profile_layer(q, k, lse=lse_full, configs=configs, **args)
     ref, _ = profile_layer_ref(q.float(), k.float(), **args)
     assert out is None
     assert bits.la.dtype == torch.uint8 and bits.la.shape == ref.la.shape
@@ -195,17 +200,23 @@ def test_matches_reference(name):
     assert flips <= 2
 
 
-def test_layer_without_lse_and_in_head_chunks():
-    """The first pass inside profile_layer, and heads split over chunks (dense heads renumbered per chunk)."""
-    c = Case(hq=4, hkv=2, n_doc=50, n_prefix=2, dense_heads=(2,))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_layer_defaults_without_lse_and_in_head_chunks(dtype):
+    """Default launch parameters, the first pass inside profile_layer, heads split over chunks (dense heads
+    renumbered per chunk)."""
+    c = Case(hq=4, hkv=2, n_doc=50, n_prefix=2, dense_heads=(2,), dtype=dtype)
     q, k = _inputs(c)
-    cfg = KernelConfig(*c.blocks)
     args = dict(scale=c.d ** -0.5, n_prefix=c.n_prefix, tile=c.tile, alpha=0.02, beta=0.05, gamma=0.2,
                 dense_heads=c.dense_heads)
-    ref, _ = profile_layer_ref(q, k, **args)
+    ref, _ = profile_layer_ref(q.float(), k.float(), **args)
     p = n_pages(c.n_doc, c.tile)
-    chunked, _ = profile_layer(q, k, configs=(cfg, cfg), stats_bytes=p * p * 4, **args)  # one head per chunk
-    assert torch.equal(chunked.la, ref.la) and torch.equal(chunked.ca, ref.ca)
+    whole, _ = profile_layer(q, k, **args)
+    chunked, _ = profile_layer(q, k, stats_bytes=p * p * 4, **args)  # one head per chunk
+    assert torch.equal(chunked.la, whole.la) and torch.equal(chunked.ca, whole.ca)
+    flips = int((unpack_msb(whole.la, p * (p + 1) // 2) != unpack_msb(ref.la, p * (p + 1) // 2)).sum()) \
+        + int((unpack_msb(whole.ca, p) != unpack_msb(ref.ca, p)).sum())
+    print(f"\n{dtype}: {flips} bit flips against the reference")
+    assert flips == 0 if dtype == torch.float32 else flips <= 2
 
 
 def test_rejects_bad_input():
