@@ -271,7 +271,10 @@ def block_indices(
         nb, n_heads, la_ptr.stride(0), la_ptr.stride(1), ca_ptr.stride(0), ca_ptr.stride(1),
     )
     hb = heads_per_program or min(triton.next_power_of_2(n_heads), 8)
-    meta = dict(TILE=tile, R=layout.block // tile, HB=hb, BLOCK_J=64)
+    r = layout.block // tile
+    # The LA test holds [HB, BLOCK_J, R * R] values: keep it near 8K elements so it stays in registers.
+    block_j = max(8, min(64, 8192 // (hb * r * r)))
+    meta = dict(TILE=tile, R=r, HB=hb, BLOCK_J=block_j)
     grid = (nb, triton.cdiv(n_heads, hb))
     _block_indices_kernel[grid](indptr, indices, counts, *args, FILL=False, **meta)
     torch.cumsum(counts, 0, dtype=torch.int32, out=indptr[1:])

@@ -1,0 +1,186 @@
+"""GPU benchmark of the two decode-side kernels, per layer:
+
+1. SIFT index decode (`block_indices`): B=1, 32 query heads, contexts of L = 16K / 32K / 64K tokens of 2048-token
+   documents after a 1-token prefix, plus a 512-token query; tile 64, kernel block 128; random bits with ~30% LA
+   (plus the diagonal and sink the profiler always sets) and ~6% CA density.
+2. Decode-phase attention (`decode_attention`) of one new token over the same context, 8B-shaped layer (32 query
+   heads, 8 kv heads, D=128, bf16), next to torch SDPA for a single query over the same keys pre-rotated at their
+   logical positions.
+
+Every GPU result is checked against its reference before it is timed. Times are triton.testing.do_bench medians
+in microseconds. Writes $OUT/decode.json when $OUT is set.
+
+Run from the repository root: `PYTHONPATH=. python3 bench/bench_decode.py` (the package need not be installed).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import sift  # noqa: E402
+
+sift.__path__.append(str(ROOT))  # the folder mapping of pyproject.toml: sift.kernels -> kernels/
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.testing  # noqa: E402
+
+from sift.kernels.bits import n_pages, pack_msb  # noqa: E402
+from sift.kernels.block_indices import block_indices, block_indices_ref, pack_doc_bits  # noqa: E402
+from sift.kernels.decode_attention import (  # noqa: E402
+    decode_attention,
+    decode_attention_ref,
+    default_num_splits,
+    layout_kv_table,
+)
+from sift.kernels.layout import build_layout  # noqa: E402
+from sift.kernels.rope import apply_rope_ref  # noqa: E402
+
+CONTEXTS = (16384, 32768, 65536)
+DOC_TOKENS, QUERY_TOKENS, PREFIX_TOKENS = 2048, 512, 1
+TILE, BLOCK = 64, 128
+HQ, HKV, HEAD_DIM = 32, 8, 128
+LA_DENSITY, CA_DENSITY = 0.30, 0.06
+ROPE_THETA = 500000.0
+DTYPE = torch.bfloat16
+
+
+def bench(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3  # ms -> us
+
+
+def random_bits(n_tokens: list[int], gen: torch.Generator):
+    la_blobs, ca_blobs = [], []
+    for n in n_tokens:
+        p = n_pages(n, TILE)
+        i, j = torch.tril_indices(p, p)
+        la = (torch.rand(HQ, p * (p + 1) // 2, generator=gen) < LA_DENSITY) | (i == j) | (j == 0)
+        ca = torch.rand(HQ, p, generator=gen) < CA_DENSITY
+        la_blobs.append(pack_msb(la).numpy().tobytes())
+        ca_blobs.append(pack_msb(ca).numpy().tobytes())
+    return la_blobs, ca_blobs
+
+
+def bench_index_decode(context: int, dev: torch.device, gen: torch.Generator) -> dict:
+    n_docs = context // DOC_TOKENS
+    requests = [[("prefix", PREFIX_TOKENS)] + [("doc", DOC_TOKENS)] * n_docs + [("query", QUERY_TOKENS)]]
+    layout = build_layout(requests, BLOCK, device=dev)
+    n_tok = layout.doc_n_tokens.tolist()
+    la_blobs, ca_blobs = random_bits(n_tok, gen)
+    bits = pack_doc_bits(la_blobs, ca_blobs, n_tok, tile=TILE, n_layers=1, n_heads=HQ, device=dev)
+    la_ptr, ca_ptr = bits.layer_ptrs(0)
+    args = (layout, bits.la_bytes, la_ptr, bits.ca_bytes, ca_ptr, TILE)
+
+    indptr, indices = block_indices(*args)
+    ref_indptr, ref_indices = block_indices_ref(*args)
+    nnz = int(indptr[-1])
+    if not (torch.equal(indptr, ref_indptr) and torch.equal(indices[:nnz], ref_indices)):
+        raise AssertionError(f"block_indices differs from block_indices_ref at L={context}")
+    dense = HQ * layout.causal_block_pairs
+
+    def decode_layer():  # what the runtime does per layer: the layer's offsets, then the decode
+        la, ca = bits.layer_ptrs(0)
+        return block_indices(layout, bits.la_bytes, la, bits.ca_bytes, ca, TILE)
+
+    return {
+        "n_tokens": layout.n_tokens,
+        "n_docs": n_docs,
+        "n_blocks": layout.n_blocks,
+        "nnz_blocks": nnz,
+        "dense_blocks": dense,
+        "block_density": nnz / dense,
+        "index_decode_us": bench(lambda: block_indices(*args)),
+        "index_decode_with_layer_ptrs_us": bench(decode_layer),
+    }
+
+
+def bench_decode_attention(context: int, dev: torch.device, gen: torch.Generator) -> dict:
+    n_docs = context // DOC_TOKENS
+    requests = [[("prefix", PREFIX_TOKENS)] + [("doc", DOC_TOKENS)] * n_docs + [("query", QUERY_TOKENS)]]
+    layout = build_layout(requests, BLOCK, device=dev)
+    inv_freq = (1.0 / (ROPE_THETA ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM))).to(dev)
+    dtype = DTYPE
+    k_raw = torch.randn(HKV, layout.n_tokens, HEAD_DIM, generator=gen).to(dev)
+    v = torch.randn(HKV, layout.n_tokens, HEAD_DIM, generator=gen).to(dev, dtype)
+    q_raw = torch.randn(1, HQ, HEAD_DIM, generator=gen).to(dev)
+    q_pos = layout.n_tokens  # the first generated token
+
+    k_cache = layout.scatter(apply_rope_ref(k_raw, layout.token_local_pos, inv_freq).to(dtype), dim=1)
+    v_cache = layout.scatter(v, dim=1)
+    kv_indptr, kv_indices = layout_kv_table(layout)
+    q_offset = torch.tensor([q_pos], dtype=torch.int32, device=dev)  # q passed un-rotated
+    scale = 1.0 / math.sqrt(HEAD_DIM)
+    args = (q_raw.to(dtype), k_cache, v_cache, q_offset, kv_indptr, kv_indices, layout.block_valid,
+            layout.block_offset, inv_freq)
+    splits = default_num_splits(1, HKV, kv_indices.numel(), dev)
+
+    # SDPA over keys pre-rotated at logical positions (contiguous, no padding): the dense baseline.
+    k_log = apply_rope_ref(k_raw, layout.token_logical_pos, inv_freq).to(dtype)[None]  # [1, Hkv, L, D]
+    q_log = apply_rope_ref(q_raw[0][:, None], torch.tensor([q_pos], device=dev), inv_freq).to(dtype)[None]
+    v4 = v[None]
+
+    def sdpa():
+        return torch.nn.functional.scaled_dot_product_attention(q_log, k_log, v4, scale=scale, enable_gqa=True)
+
+    got = decode_attention(*args, scale=scale, block=BLOCK)
+    ref = decode_attention_ref(*args, scale=scale, block=BLOCK)
+    base = sdpa()[0, :, 0]  # [Hq, D]
+    err_ref = (got.float() - ref.float()).abs().max().item()
+    err_sdpa = (got[0].float() - base.float()).abs().max().item()
+    if not (err_ref <= 2e-2 and err_sdpa <= 2e-2):
+        raise AssertionError(f"decode_attention at L={context}: max error {err_ref:.3e} vs reference, "
+                             f"{err_sdpa:.3e} vs SDPA (bf16 tolerance 2e-2)")
+    kv_bytes = 2 * HKV * layout.n_tokens * HEAD_DIM * 2
+    t_decode = bench(lambda: decode_attention(*args, scale=scale, block=BLOCK))
+    t_sdpa = bench(sdpa)
+    return {
+        "num_splits": splits,
+        "max_err_vs_ref": err_ref,
+        "max_err_vs_sdpa": err_sdpa,
+        "decode_attention_us": t_decode,
+        "sdpa_us": t_sdpa,
+        "decode_attention_kv_GBps": kv_bytes / t_decode / 1e3,
+        "sdpa_kv_GBps": kv_bytes / t_sdpa / 1e3,
+    }
+
+
+def main() -> None:
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_decode needs a CUDA GPU")
+    dev = torch.device("cuda")
+    gen = torch.Generator().manual_seed(0)
+    results = []
+    for context in CONTEXTS:
+        row = {"context": context}
+        row.update(bench_index_decode(context, dev, gen))
+        row.update(bench_decode_attention(context, dev, gen))
+        results.append(row)
+        print(json.dumps(row), flush=True)
+    report = {
+        "bench": "decode",
+        "device": torch.cuda.get_device_name(dev),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "setup": {
+            "batch": 1, "q_heads": HQ, "kv_heads": HKV, "head_dim": HEAD_DIM, "dtype": "bfloat16",
+            "tile": TILE, "block": BLOCK, "doc_tokens": DOC_TOKENS, "query_tokens": QUERY_TOKENS,
+            "prefix_tokens": PREFIX_TOKENS, "la_density": LA_DENSITY, "ca_density": CA_DENSITY,
+            "timer": "triton.testing.do_bench median, microseconds",
+        },
+        "results": results,
+    }
+    out = os.environ.get("OUT")
+    if out:
+        path = pathlib.Path(out) / "decode.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=2))
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
