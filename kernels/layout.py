@@ -109,13 +109,18 @@ class BatchLayout:
         return x_phys.index_select(dim, self.token_phys.to(x_phys.device))
 
     def to(self, device: torch.device | str) -> "BatchLayout":
-        device = torch.device(device)
+        device = _resolve(device)
         fields = {
             name: (value.to(device) if isinstance(value, torch.Tensor) else value)
             for name, value in self.__dict__.items()
         }
         fields["device"] = device
         return BatchLayout(**fields)
+
+
+def _resolve(device: torch.device | str) -> torch.device:
+    # "cuda" -> "cuda:0": the index the tensors will report, so device comparisons hold.
+    return torch.empty(0, device=device).device
 
 
 def _validate(requests: Sequence[Sequence[tuple[str, int]]], block: int) -> None:
@@ -202,7 +207,7 @@ def build_layout(
     token_phys = seg_first_block[token_segment] * block + token_local
     token_logical = seg_offset[token_segment] + token_local
 
-    dev = torch.device(device)
+    dev = _resolve(device)
 
     def i32(t: torch.Tensor) -> torch.Tensor:
         return t.to(device=dev, dtype=torch.int32)

@@ -117,7 +117,9 @@ def assert_csr_equal(got, want, what):
     assert torch.equal(indices[:nnz], want[1]), f"{what}: indices differ"
 
 
-TILE_BLOCK = [(16, 16), (16, 32), (16, 64), (16, 128), (32, 32), (32, 64), (32, 128), (64, 64), (64, 128)]
+TILE_BLOCK = [
+    (16, 16), (16, 32), (16, 64), (16, 128), (32, 32), (32, 64), (32, 128), (64, 64), (64, 128), (128, 128),
+]
 
 
 @pytest.mark.parametrize("tile, block", TILE_BLOCK)
@@ -168,6 +170,15 @@ def test_forced_tiles_only(fill, tile, block):
                 f = layout.request_blocks[req][0]
                 prefix = [b for b in range(f, qb) if int(layout.block_kind[b]) == 0]
                 assert row == prefix + [qb]
+
+
+def test_no_documents():
+    """Prefix / query only: every row dense causal, and no bit pointers at all."""
+    layout = build_layout([[("prefix", 20), ("query", 9)], [("query", 40)]], 16)
+    empty8, empty64 = torch.zeros(0, dtype=torch.uint8), torch.zeros(0, 3, dtype=torch.int64)
+    want = dense_block_indices(layout, 3)
+    assert_csr_equal(block_indices(layout, empty8, empty64, empty8, empty64, 16), want, "kernel")
+    assert_csr_equal(block_indices_ref(layout, empty8, empty64, empty8, empty64, 16), want, "reference")
 
 
 def test_rejects_tile_larger_than_block():
