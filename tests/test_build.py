@@ -1,0 +1,242 @@
+"""The builder end to end on a small real corpus with the real SmolLM2 weights: read-back with plain pyarrow
+and with datasets, incremental re-indexing, bad input, crash safety (SIGKILL) and a concurrent reader."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from sift.errors import SiftError
+from sift.pipeline.config import load_config
+from sift.pipeline.index import IndexReader
+from sift.pipeline.job import run_build
+
+from .helpers import wiki_texts
+
+BIN = Path(sys.executable).parent
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def write_config(path: Path, **build) -> Path:
+    lines = ['model = "smollm2-135m-instruct"', "[profile]", "tile = 16", "[build]"]
+    lines += [f"{k} = {v!r}" if not isinstance(v, str) else f'{k} = "{v}"' for k, v in build.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def make_corpus(root: Path, n: int, chars: int = 160) -> list[str]:
+    """n short real Wikipedia documents as .txt files (doc_id = file name)."""
+    root.mkdir(parents=True, exist_ok=True)
+    names = []
+    for i, text in enumerate(wiki_texts(n, step=11)):
+        name = f"doc{i:02d}.txt"
+        (root / name).write_text(text[:chars])
+        names.append(name)
+    return names
+
+
+def rows_by_id(index: Path) -> dict:
+    t = IndexReader.open(index).table()
+    ids = t["doc_id"].to_pylist()
+    assert len(ids) == len(set(ids)), "an id appears twice in the live index"
+    return {r["doc_id"]: r for r in t.to_pylist()}
+
+
+def test_build_readback_and_bad_input(tmp_path, ray_session):
+    corpus = tmp_path / "corpus"
+    make_corpus(corpus, 4)
+    (corpus / "empty.md").write_text("   \n")
+    (corpus / "binary.txt").write_bytes(b"\x00\x01\x02 not text \xff\xfe")
+    (corpus / "records.jsonl").write_text(
+        json.dumps({"id": "doc00.txt", "text": "a duplicate of a file's id"}) + "\n"
+        + json.dumps({"id": "long", "text": "word " * 400}) + "\n")
+    cfg = load_config(write_config(tmp_path / "c.toml", shard_rows=2))
+    cfg = type(cfg)(model=cfg.model, profile=cfg.profile, build=cfg.build,
+                    corpus=type(cfg.corpus)(max_tokens=120))
+    stats = run_build(corpus, tmp_path / "index", cfg, echo=lambda *_: None)
+    assert (stats.profiled, stats.reused, stats.deleted) == (4, 0, 0)
+
+    # Plain pyarrow, no project code: every shard the manifest lists, one row per document.
+    manifest = json.loads((tmp_path / "index" / "manifest.json").read_text())
+    assert manifest["format"] == "sift-index" and manifest["generation"] == 1
+    assert manifest["backends"] == ["torch"]
+    assert {"n_layers", "n_heads", "n_kv_heads", "head_dim", "rope", "fingerprint"} <= set(manifest["model"])
+    table = pq.read_table([str(tmp_path / "index" / s["path"]) for s in manifest["shards"]])
+    assert sorted(table["doc_id"].to_pylist()) == ["doc00.txt", "doc01.txt", "doc02.txt", "doc03.txt"]
+    n_layers, n_heads = manifest["model"]["n_layers"], manifest["model"]["n_heads"]
+    for row in table.to_pylist():
+        p = -(-row["n_tokens"] // 16)
+        assert len(row["la_bits"]) == n_layers * n_heads * -(-(p * (p + 1) // 2) // 8)
+        assert len(row["ca_bits"]) == n_layers * n_heads * -(-p // 8)
+
+    # datasets reads the same shards.
+    import datasets
+
+    ds = datasets.Dataset.from_parquet([str(tmp_path / "index" / s["path"]) for s in manifest["shards"]])
+    assert sorted(ds["doc_id"]) == sorted(table["doc_id"].to_pylist())
+
+    # Every bad record is an errors-table row, named with its reason; nothing lost, nothing duplicated.
+    errors = {r["doc_id"]: r["reason"] for r in IndexReader.open(tmp_path / "index").errors().to_pylist()}
+    assert set(errors) == {"empty.md", "binary.txt", "doc00.txt", "long"}
+    assert "duplicate" in errors["doc00.txt"] and "tokens" in errors["long"]
+
+
+def test_too_long_split_into_parts(tmp_path, ray_session):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    text = " ".join(wiki_texts(3, step=5))[:900]
+    (corpus / "big.txt").write_text(text)
+    base = load_config(write_config(tmp_path / "c.toml"))
+    cfg = type(base)(model=base.model, profile=base.profile, build=base.build,
+                     corpus=type(base.corpus)(too_long="split", max_tokens=64))
+    stats = run_build(corpus, tmp_path / "index", cfg, echo=lambda *_: None)
+    rows = rows_by_id(tmp_path / "index")
+    assert stats.errors == 0 and len(rows) >= 3
+    assert set(rows) == {f"big.txt#part{i}" for i in range(len(rows))}
+    assert all(r["n_tokens"] <= 64 for r in rows.values())
+
+
+def test_incremental_change_add_delete(tmp_path, ray_session):
+    corpus = tmp_path / "corpus"
+    names = make_corpus(corpus, 5)
+    cfg = load_config(write_config(tmp_path / "c.toml", shard_rows=2))
+    index = tmp_path / "index"
+    first = run_build(corpus, index, cfg, echo=lambda *_: None)
+    assert first.profiled == 5
+    before = rows_by_id(index)
+
+    (corpus / names[1]).write_text((corpus / names[1]).read_text() + " Changed.")
+    (corpus / "new.txt").write_text("A new document about the history of printing presses in Europe.")
+    (corpus / names[4]).unlink()
+    second = run_build(corpus, index, cfg, echo=lambda *_: None)
+    assert (second.profiled, second.reused, second.deleted, second.generation) == (2, 3, 1, 2)
+    after = rows_by_id(index)
+    assert set(after) == set(before) - {names[4]} | {"new.txt"}
+    for name in (names[0], names[2], names[3]):
+        assert after[name]["la_bits"] == before[name]["la_bits"]
+        assert after[name]["ca_bits"] == before[name]["ca_bits"]
+        assert after[name]["content_hash"] == before[name]["content_hash"]
+    assert after[names[1]]["content_hash"] != before[names[1]]["content_hash"]
+
+    # Nothing changed: nothing re-profiled, the same shards are kept byte for byte.
+    third = run_build(corpus, index, cfg, echo=lambda *_: None)
+    assert (third.profiled, third.reused, third.deleted) == (0, 5, 0)
+    m2 = json.loads((index / "manifests" / "gen-2.json").read_text())
+    m3 = json.loads((index / "manifest.json").read_text())
+    assert sorted(s["sha256"] for s in m2["shards"]) == sorted(s["sha256"] for s in m3["shards"])
+
+    # A profile change re-profiles everything.
+    cfg32 = load_config(write_config(tmp_path / "c.toml", shard_rows=2), tile=32)
+    fourth = run_build(corpus, index, cfg32, echo=lambda *_: None)
+    assert (fourth.profiled, fourth.reused) == (5, 0)
+
+
+def run_cli(*args, check=None):
+    proc = subprocess.run([str(BIN / args[0]), *args[1:]], capture_output=True, text=True, timeout=600)
+    if check is not None:
+        assert proc.returncode == check, proc.stderr[-2000:]
+    return proc
+
+
+def test_cli_errors_and_exit_codes(tmp_path):
+    not_index = tmp_path / "stuff"
+    not_index.mkdir()
+    (not_index / "notes.txt").write_text("mine")
+    corpus = tmp_path / "corpus"
+    make_corpus(corpus, 1)
+    proc = run_cli("sift-build", str(corpus), "--out", str(not_index), check=2)
+    assert "not a SIFT index" in proc.stderr and "Traceback" not in proc.stderr
+
+    bad_cfg = tmp_path / "bad.toml"
+    bad_cfg.write_text("[profile]\ntile = 16\ntiles = 32\n")
+    proc = run_cli("sift-build", str(corpus), "--out", str(tmp_path / "i"), "--config", str(bad_cfg), check=2)
+    assert "unknown config key" in proc.stderr and "profile.tiles" in proc.stderr
+
+    proc = run_cli("sift-build", str(tmp_path / "missing"), "--out", str(tmp_path / "i"), check=2)
+    assert "missing" in proc.stderr and "Traceback" not in proc.stderr
+    proc = run_cli("sift-build", str(corpus), "--out", str(tmp_path / "i"), "--tile", "48", check=2)
+    assert "tile" in proc.stderr
+
+
+def test_corrupt_index_named(tmp_path, ray_session):
+    corpus = tmp_path / "corpus"
+    make_corpus(corpus, 2)
+    index = tmp_path / "index"
+    run_build(corpus, index, load_config(write_config(tmp_path / "c.toml")), echo=lambda *_: None)
+    proc = run_cli("sift-inspect", str(index), "--json", check=0)
+    summary = json.loads(proc.stdout)
+    assert summary["documents"] == 2 and summary["generation"] == 1 and summary["errors"] == 0
+    assert summary["last_build"] == {**summary["last_build"], "profiled": 2, "reused": 0, "deleted": 0}
+
+    shard = index / json.loads((index / "manifest.json").read_text())["shards"][0]["path"]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    proc = run_cli("sift-inspect", str(index), check=2)
+    assert shard.name in proc.stderr and "corrupt" in proc.stderr
+    with pytest.raises(SiftError, match=shard.name):
+        IndexReader.open(index)
+
+    (index / "manifest.json").write_text("{ not json")
+    proc = run_cli("sift-inspect", str(index), check=2)
+    assert "manifest.json is corrupt" in proc.stderr
+
+
+def test_sigkill_mid_build_then_resume_with_concurrent_reader(tmp_path):
+    corpus = tmp_path / "corpus"
+    names = make_corpus(corpus, 3)
+    cfg = write_config(tmp_path / "c.toml", shard_rows=1)
+    index = tmp_path / "index"
+    run_cli("sift-build", str(corpus), "--out", str(index), "--config", str(cfg), "-q", check=0)
+    gen1 = rows_by_id(index)
+
+    more = make_corpus(tmp_path / "more", 10, chars=400)
+    for name in more:
+        (corpus / f"more-{name}").write_text((tmp_path / "more" / name).read_text())
+    proc = subprocess.Popen([str(BIN / "sift-build"), str(corpus), "--out", str(index), "--config", str(cfg)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 400
+    seen_generations = set()
+    try:
+        while time.time() < deadline:
+            # A reader during the build always sees a whole committed generation.
+            reader = IndexReader.open(index)
+            t = reader.table(["doc_id"])
+            assert t.num_rows == reader.manifest["documents"]
+            seen_generations.add(reader.generation)
+            new_parts = [p for p in (index / "shards").glob("part-*.parquet")
+                         if f"shards/{p.name}" not in {s["path"] for s in reader.manifest["shards"]}]
+            if len(new_parts) >= 2:
+                break
+            time.sleep(0.5)
+        else:
+            pytest.fail("the build wrote no shard in time")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the build and its Ray workers, mid-run
+        proc.wait()
+    assert seen_generations == {1}
+    assert rows_by_id(index).keys() == gen1.keys()  # the previous generation, whole
+
+    out = run_cli("sift-build", str(corpus), "--out", str(index), "--config", str(cfg), check=0)
+    assert "recovered" in out.stderr or "reused" in out.stdout
+    final = rows_by_id(index)
+    assert set(final) == set(names) | {f"more-{n}" for n in more}
+    summary = json.loads(run_cli("sift-inspect", str(index), "--json", check=0).stdout)
+    assert summary["generation"] == 2
+    assert summary["last_build"]["reused"] >= 3 + 2  # the 3 old documents + what the killed build finished
+    assert summary["last_build"]["profiled"] + summary["last_build"]["reused"] == 13
+    for name in names:
+        assert final[name]["la_bits"] == gen1[name]["la_bits"]
