@@ -41,6 +41,9 @@ from .rope import apply_rope_ref
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 BLOCKS = (16, 32, 64, 128)
 LOG2E = 1.4426950408889634
+# Key slots per step. From ptxas on sm_90 (bf16, D=128, GQA 4, 4 warps): 32 fits in ~200 registers without
+# spills; 64 spills. Not yet timed on a GPU (bench/bench_decode.py).
+BLOCK_N = 32
 
 
 @triton.jit
@@ -58,12 +61,14 @@ def _decode_split_kernel(
     GROUP: tl.constexpr,  # Hq // Hkv
     G_PAD: tl.constexpr,  # GROUP rounded up to a power of two >= 16 (tl.dot's minimum M)
     BLOCK: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # key slots per step, divides BLOCK (bounds the registers of the K / V tiles)
     HEAD_DIM: tl.constexpr,
     ROPE: tl.constexpr,
     DIRECT: tl.constexpr,  # S == 1: normalise and write Out, no partials
     DOT_PRECISION: tl.constexpr,
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
+    SUB: tl.constexpr = BLOCK // BLOCK_N
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -75,55 +80,61 @@ def _decode_split_kernel(
     j1 = first + tl.minimum((split + 1) * per_split, n_blocks)
 
     offs_g = tl.arange(0, G_PAD)
-    offs_n = tl.arange(0, BLOCK)
+    offs_n = tl.arange(0, BLOCK_N)
     offs_h = tl.arange(0, HALF)
     heads = kvh * GROUP + offs_g
     g_ok = offs_g < GROUP
     q_ptr = Q + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
-    q1 = tl.load(q_ptr + offs_h[None, :] * stride_qd, mask=g_ok[:, None], other=0.0).to(tl.float32)
-    q2 = tl.load(q_ptr + (offs_h + HALF)[None, :] * stride_qd, mask=g_ok[:, None], other=0.0).to(tl.float32)
+    q1_ptr = q_ptr + offs_h[None, :] * stride_qd
+    q2_ptr = q_ptr + (offs_h + HALF)[None, :] * stride_qd
     k_head = K + kvh.to(tl.int64) * stride_kh + offs_n[:, None] * stride_kn
     v_head = V + kvh.to(tl.int64) * stride_vh + offs_n[:, None] * stride_vn
     q_off = tl.load(QOffset + b)
-    if ROPE:
-        turns = tl.load(Turns + offs_h)  # fp64 [D/2]
-    # Rotated q of the current segment; -1 is no offset, so the first block always rotates.
-    q1r = q1.to(K.dtype.element_ty)
-    q2r = q2.to(K.dtype.element_ty)
+    # q of the current segment, in K's dtype. With RoPE it is (re)built whenever the block's offset changes;
+    # the first block always does (offsets are >= 0). q and the frequencies are re-read from memory there
+    # rather than held: they would cost registers in every iteration for a rare use.
+    q1r = tl.load(q1_ptr, mask=g_ok[:, None], other=0.0).to(K.dtype.element_ty)  # [G_PAD, D/2]
+    q2r = tl.load(q2_ptr, mask=g_ok[:, None], other=0.0).to(K.dtype.element_ty)
     cur_off = q_off * 0 - 1
 
     m_i = tl.full([G_PAD], -1.0e30, tl.float32)  # finite: a fully masked block gives exp2(-inf) = 0, never NaN
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, HEAD_DIM], tl.float32)
-    for j in range(j0, j1):
-        kb = tl.load(KvIndices + j)
-        k_valid = tl.load(BlockValid + kb)
+    for j in range(j0 * SUB, j1 * SUB):
+        kb = tl.load(KvIndices + j // SUB)
+        k_first = (j % SUB) * BLOCK_N  # first slot of this step inside block kb
+        k_valid = tl.load(BlockValid + kb) - k_first
         if ROPE:
             off = tl.load(BlockOffset + kb)
             if off != cur_off:
                 # q' = R(-delta) q: q1' = q1 c + q2 s, q2' = q2 c - q1 s. Angle in fp64 turns, reduced to
                 # [-1/2, 1/2) before fp32, so offsets of 65K and far beyond stay exact.
+                # Angles are formed on the whole [G_PAD, D/2] tile (each thread only its own elements) rather
+                # than on a [D/2] vector that every thread would hold whole: fewer registers at the peak.
+                turns = tl.load(Turns + offs_h[None, :] + 0 * offs_g[:, None])
                 t = (off - q_off).to(tl.float64) * turns
                 t = t - tl.floor(t + 0.5)
                 angle = t.to(tl.float32) * 6.283185307179586
-                cos = tl.cos(angle)[None, :]
-                sin = tl.sin(angle)[None, :]
+                cos = tl.cos(angle)
+                sin = tl.sin(angle)
+                q1 = tl.load(q1_ptr, mask=g_ok[:, None], other=0.0).to(tl.float32)
+                q2 = tl.load(q2_ptr, mask=g_ok[:, None], other=0.0).to(tl.float32)
                 q1r = (q1 * cos + q2 * sin).to(K.dtype.element_ty)
                 q2r = (q2 * cos - q1 * sin).to(K.dtype.element_ty)
                 cur_off = off
         slot_ok = offs_n < k_valid
-        k_ptr = k_head + (kb * BLOCK).to(tl.int64) * stride_kn
-        k1 = tl.load(k_ptr + offs_h[None, :] * stride_kd, mask=slot_ok[:, None], other=0.0)  # [BLOCK, D/2]
+        k_ptr = k_head + (kb * BLOCK + k_first).to(tl.int64) * stride_kn
+        k1 = tl.load(k_ptr + offs_h[None, :] * stride_kd, mask=slot_ok[:, None], other=0.0)  # [BLOCK_N, D/2]
         k2 = tl.load(k_ptr + (offs_h + HALF)[None, :] * stride_kd, mask=slot_ok[:, None], other=0.0)
         s = tl.dot(q1r, tl.trans(k1), input_precision=DOT_PRECISION)
-        s = tl.dot(q2r, tl.trans(k2), s, input_precision=DOT_PRECISION)  # [G_PAD, BLOCK]
+        s = tl.dot(q2r, tl.trans(k2), s, input_precision=DOT_PRECISION)  # [G_PAD, BLOCK_N]
         s = tl.where(slot_ok[None, :], s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.math.exp2(s - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         offs_d = tl.arange(0, HEAD_DIM)
-        v = tl.load(v_head + (kb * BLOCK).to(tl.int64) * stride_vn + offs_d[None, :] * stride_vd,
+        v = tl.load(v_head + (kb * BLOCK + k_first).to(tl.int64) * stride_vn + offs_d[None, :] * stride_vd,
                     mask=slot_ok[:, None], other=0.0)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
@@ -252,10 +263,10 @@ def decode_attention(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block
         q_offset, kv_indptr, kv_indices, block_valid, block_offset, turns,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
         hq, splits, float(scale) * LOG2E,
-        GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), BLOCK=block, HEAD_DIM=d,
-        ROPE=inv_freq is not None, DIRECT=direct,
+        GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), BLOCK=block, BLOCK_N=min(block, BLOCK_N),
+        HEAD_DIM=d, ROPE=inv_freq is not None, DIRECT=direct,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=4 if block <= 64 else 8, num_stages=2,
+        num_warps=4, num_stages=2,
     )
     if not direct:
         _decode_merge_kernel[(bsz, hq)](
