@@ -42,7 +42,8 @@ class BuildStats:
     errors: int = 0
     tokens_profiled: int = 0
     seconds: float = 0.0
-    profile_seconds: float = 0.0
+    profile_seconds: float = 0.0   # wall time of the profiling stage (actor start-up included)
+    actor_seconds: float = 0.0     # summed time the actors spent profiling documents
     backends: list[str] = field(default_factory=list)
     note: str = ""
 
@@ -387,6 +388,7 @@ def run_build(corpus: str | Path, out: str | Path, cfg: BuildConfig, *, ray_addr
                     backends.add(info.backend)
                     stats.tokens_profiled += int(row["tokens"])
                     stats.profiled += info.rows
+                stats.actor_seconds += float(row["seconds"])
                 errors["doc_id"] += list(row["err_ids"])
                 errors["source"] += list(row["err_sources"])
                 errors["reason"] += list(row["err_reasons"])
