@@ -24,6 +24,7 @@ allocated with the upper bound `Hq * layout.causal_block_pairs` (every row dense
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -261,8 +262,11 @@ def block_indices(
     counts = torch.empty(n_heads * nb, dtype=torch.int32, device=dev)
     indptr = torch.zeros(n_heads * nb + 1, dtype=torch.int32, device=dev)
     indices = torch.empty(max(1, n_heads * layout.causal_block_pairs), dtype=torch.int32, device=dev)
-    if layout.n_docs == 0:  # keep the pointer arguments valid
+    if dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"block_indices runs on CUDA tensors (got {dev}); use block_indices_ref on CPU")
+    if layout.n_docs == 0:  # no document rows read them, but the pointer arguments must be valid
         la_ptr = ca_ptr = torch.zeros(1, n_heads, dtype=torch.int64, device=dev)
+        la_bytes = ca_bytes = torch.zeros(1, dtype=torch.uint8, device=dev)
     args = (
         layout.block_kind, layout.block_request, layout.block_doc, layout.req_first_block,
         layout.doc_first_block if layout.n_docs else layout.block_kind,
