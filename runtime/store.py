@@ -136,6 +136,7 @@ class SiftIndex:
         self._hits = self._misses = self._bytes_h2d = self._evictions = self._n_dense = 0
         self._lock = threading.Lock()
         self._stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+        self._uploaded: torch.cuda.Event | None = None  # recorded on the side stream after the last upload
 
     @classmethod
     def open(cls, path: str | Path, *, hbm_budget_bytes: int = 256 << 20, device=None,
@@ -232,7 +233,11 @@ class SiftIndex:
         if not name:
             raise SiftError("cannot check the served model against the index: it has no name_or_path (load it "
                             "from a local folder with from_pretrained)")
-        folder = resolve_model_dir(str(name))
+        try:
+            folder = resolve_model_dir(str(name))
+        except SiftError:
+            raise SiftError(f"cannot check the served model {str(name)!r} against index {self.path}: it is not a "
+                            f"local transformers folder (load it from a folder with a config.json)") from None
         fp = model_fingerprint(folder)
         if fp != self.fingerprint:
             raise SiftError(
@@ -327,9 +332,12 @@ class SiftIndex:
         if self._stream is not None:
             current = torch.cuda.current_stream(self.device)
             if uploaded:
-                done = torch.cuda.Event()
-                done.record(self._stream)
-                current.wait_event(done)
+                self._uploaded = torch.cuda.Event()
+                self._uploaded.record(self._stream)
+            if self._uploaded is not None:
+                # The side stream runs in order, so its last event covers every copy so far, also those of
+                # cache hits uploaded while another stream was current (a no-op on the GPU once done).
+                current.wait_event(self._uploaded)
             for la, ca in parts.values():
                 # The tensors are read on `current`: the allocator must not reuse their memory (on eviction)
                 # before those reads have run.

@@ -11,6 +11,7 @@ import torch
 
 from sift.errors import SiftError
 from sift.kernels.bits import ca_nbytes, la_nbytes, n_pages, pack_msb
+from sift.kernels.block_indices import DocBits
 from sift.pipeline import index as idx
 from sift.pipeline.model import fingerprint
 from sift.pipeline.profiler import content_hash
@@ -311,3 +312,23 @@ def test_bad_open_arguments(tmp_path, built):
         SiftIndex.open(tmp_path / "nowhere")
     with pytest.raises(SiftError, match="hbm_budget_bytes"):
         SiftIndex.open(root, hbm_budget_bytes=-1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the CPU tests cover the cache logic)")
+def test_cuda_fetch_matches_written_bits(built):
+    root, rows = built
+    index = SiftIndex.open(root, device="cuda", hbm_budget_bytes=doc_size(250) + doc_size(100))
+    assert index.entry("a").la.is_pinned()
+    rng = random.Random(1)
+    ids = list(rows)
+    busy = torch.randn(2048, 2048, device="cuda")
+    for _ in range(30):
+        busy = busy @ busy.T / 2048  # keep the current stream busy while the side stream copies
+        docs = [(d, rows[d]["n_tokens"]) for d in rng.choices(ids, k=rng.randint(1, 5))]
+        bits = index.fetch(docs)
+        assert bits.la_bytes.is_cuda and bits.la_base.is_cuda
+        check_bits(DocBits(*(getattr(bits, f).cpu() for f in ("la_bytes", "ca_bytes", "la_base", "ca_base",
+                                                                 "la_head_nbytes", "ca_head_nbytes")),
+                           bits.n_layers, bits.n_heads), docs, rows)
+        assert index.stats()["resident_bytes"] <= index.budget_bytes
+    assert index.stats()["hits"] > 0 and index.stats()["evictions"] > 0
