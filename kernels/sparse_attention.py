@@ -56,9 +56,10 @@ def _sparse_attn_fwd(
 ):
     SPLIT: tl.constexpr = BLOCK // BLOCK_N
     HALF: tl.constexpr = HEAD_DIM // 2
-    # Late query blocks list the most key blocks (causality): launch them first to shorten the tail.
-    qb = NB - 1 - tl.program_id(0)
-    h = tl.program_id(1)
+    # Heads vary fastest, so programs of one kv group run together (K/V reuse in L2), and late query blocks,
+    # which list the most key blocks (causality), are launched first to shorten the tail.
+    h = tl.program_id(0)
+    qb = NB - 1 - tl.program_id(1)
     kvh = h // GROUP
 
     row = h * NB + qb
@@ -251,7 +252,7 @@ def _launch(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, *, sc
     else:
         rope = ROPE_ON_K if cfg.rope_on == "k" else ROPE_ON_Q
         turns = inv_freq.to(device=q.device, dtype=torch.float64) / (2.0 * math.pi)
-    _sparse_attn_fwd[(nb, hq)](
+    _sparse_attn_fwd[(hq, nb)](
         q, k, v, out, indptr, indices, block_valid, block_offset, turns,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         nb, float(scale) * LOG2E,

@@ -17,7 +17,7 @@ from sift.kernels.sparse_attention import KernelConfig, _launch, sparse_attentio
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Max abs error allowed on outputs of magnitude ~1 (V ~ N(0, 1)); fp16 rounds q, k, the rotated K tile and P.
-ATOL = {torch.float32: 2e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
+ATOL = {torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
 
 
 @dataclass
@@ -151,7 +151,7 @@ CASES = [(1, 1, 64, 16), (3, 3, 128, 16), (5, 4, 64, 32), (20, 1, 64, 16)]
 def test_random_block_masks(nseg, group, d, block, dtype):
     gen = torch.Generator().manual_seed(nseg * 1000 + group * 10 + d + block)
     hkv = 2 if group == 1 else 1
-    layout = make_layout([rand_lengths(gen, nseg, 1, 3 * block if nseg < 10 else block + 5)], block)
+    layout = make_layout([rand_lengths(gen, nseg, 1, 3 * block if nseg < 10 else block)], block)
     inv_freq = default_inv_freq(d)
     q, k, v, q_log, k_log = make_qkv(layout, hkv * group, hkv, d, dtype, inv_freq, gen, nan_padding=True)
     indptr, indices, mask = make_csr(layout, hkv * group, "random", gen)
@@ -165,7 +165,7 @@ def test_all_blocks_equal_dense_causal_sdpa(dtype):
     """Every causal block listed, two requests of unequal length in one batch: the result must be dense causal
     attention over each unsegmented prompt (SDPA on the real tokens at logical positions)."""
     gen = torch.Generator().manual_seed(7)
-    block, d, hq, hkv = 16, 128, 8, 2
+    block, d, hq, hkv = 16, 128, 4, 1
     layout = make_layout([[5, 23, 40, 9], [17, 3, 30]], block)
     inv_freq = default_inv_freq(d, theta=500000.0)
     q, k, v, q_log, k_log = make_qkv(layout, hq, hkv, d, dtype, inv_freq, gen)
@@ -198,7 +198,7 @@ def test_diagonal_and_first_block_only():
 def test_offsets_beyond_65535(dtype):
     """Segments placed at 70,000, 150,000 and 210,000: the fp32 angle there would be off by ~0.01 rad."""
     gen = torch.Generator().manual_seed(11)
-    block, d, hq, hkv = 16, 64, 4, 1
+    block, d, hq, hkv = 16, 64, 2, 1
     layout = make_layout([[12, 40, 29, 21]], block, starts=[[0, 70_000, 150_000, 210_000]])
     inv_freq = default_inv_freq(d)
     q, k, v, q_log, k_log = make_qkv(layout, hq, hkv, d, dtype, inv_freq, gen)
