@@ -236,19 +236,25 @@ class KernelConfig:
 def default_configs(tile: int, head_dim: int, dtype: torch.dtype) -> tuple[KernelConfig, KernelConfig]:
     """(lse pass, stats pass) launch parameters; the interpreter ignores warps and stages.
 
-    fp32 (IEEE dots on FMA units, for checks rather than speed): both passes share one block shape and
-    orientation, so a cell's q.k comes out of the same instruction sequence in both and log2 A of a row's
-    only key is exactly 0. 16-bit: the lse pass is a flash forward without PV; the stats pass keeps 128 keys
-    stationary and streams query blocks of one tile (for tile >= 64), so each tile maximum is a row
-    reduction. See bench/README_profile.md for the measurements behind these.
+    16-bit: the lse pass is a flash forward without PV; the stats pass keeps 128 keys stationary and streams
+    query blocks of one tile (tile >= 64), so each tile maximum is a row reduction. fp32 (IEEE dots on FMA
+    units, for checks rather than speed): up to tile 64 both passes share one block shape and orientation,
+    so a cell's q.k comes out of the same instruction sequence in both and log2 A of a row's only key is
+    exactly 0; more warps for bigger blocks keep the unrolled FMA dot's compile time down. Shared memory
+    (227 KiB on Hopper, checked by compiling for sm_90) bounds blocks and stages for head_dim > 128.
+    See bench/README_profile.md for the measurements behind these.
     """
+    wide = head_dim > 128
     if dtype == torch.float32:
-        cfg = KernelConfig(block_m=max(tile, 64), block_n=max(tile, 32), num_warps=4, num_stages=2)
-        return cfg, cfg
-    if head_dim > 128:
+        block = max(tile, 32)
+        stats = KernelConfig(block_m=block, block_n=block, num_warps={32: 4, 64: 8, 128: 16}[block], num_stages=2)
+        if wide:
+            return KernelConfig(block_m=32, block_n=32, num_warps=4, num_stages=2), stats
+        return (stats if block <= 64 else KernelConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)), stats
+    if wide:
         return (KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=2),
-                KernelConfig(block_m=max(tile, 64), block_n=max(tile, 64), num_warps=8, num_stages=2,
-                             key_rows=True))
+                KernelConfig(block_m=max(tile, 64), block_n=max(tile, 64), num_warps=8,
+                             num_stages=2 if tile <= 64 else 1, key_rows=True))
     return (KernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=3),
             KernelConfig(block_m=max(tile, 64), block_n=128, num_warps=8, num_stages=3, key_rows=True))
 
@@ -349,6 +355,9 @@ def _lse2_from(lse: torch.Tensor | None, q, k, *, n_prefix, scale, softcap, cfg)
 
 
 def _configs(configs, tile, q) -> tuple[KernelConfig, KernelConfig]:
+    if configs is None and q.dtype == torch.float32 and q.shape[-1] > 128 and tile == 128:
+        raise ValueError(f"fp32 inputs with head_dim={q.shape[-1]} > 128 and tile=128 do not fit in shared "
+                         "memory; profile in bf16 / fp16 or with a smaller tile")
     lse_cfg, stats_cfg = configs or default_configs(tile, q.shape[-1], q.dtype)
     for cfg in (lse_cfg, stats_cfg):
         if cfg.block_m < 16 or cfg.block_n < 16:
