@@ -10,9 +10,9 @@ L x L matrix:
 2. `_stats_kernel`, per (query head, block of BLOCK_N document keys): the key block stays on chip while the
    document query blocks at or below it stream past. Per cell x = log2 A = s * log2(e) - lse2, so
    * LA: max of x over each (query tile, key tile), stored once as exp2 -> tile_max [Hq, P, P] fp32;
-   * CA: cells with x >= log2(beta) are counted elementwise in a [BLOCK_M, BLOCK_N] int32 register tile and
-     reduced once per program -> key_counts [Hq, L] int32. Each program owns its keys: no atomics, and the
-     result is deterministic.
+   * CA: cells with x >= log2(beta) are summed over the block's queries into a [BLOCK_N] int32 register
+     vector and stored once per program -> key_counts [Hq, L] int32. Each program owns its keys: no atomics,
+     and the result is deterministic.
    Comparing log2 A with log2(beta) instead of A with beta saves the exp2 of every cell (the pass is then
    bound by its one QK^T product); the two orders differ only for a probability within float rounding of
    beta, which is also where exp2 and the reference's softmax may disagree.
@@ -121,12 +121,12 @@ def _tile_max(x, ROWS: tl.constexpr, COLS: tl.constexpr, TILE: tl.constexpr):
 
 @triton.jit
 def _stats_block(
-    acc, q_ptrs, k_op, Q_LSE2, TMAX, m0, n0, offs_n, rm, d_ok,
+    counts, q_ptrs, k_op, Q_LSE2, TMAX, m0, n0, offs_n, rm, d_ok,
     stride_ti, n_doc, n_pages, qk_mul, cap_mul, log2_beta,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE: tl.constexpr, KEY_ROWS: tl.constexpr,
     CAUSAL_MASK: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """One query block against the program's key block: update the counts, store its tiles' maxima.
+    """One query block against the program's key block: add to the per-key counts, store its tiles' maxima.
 
     KEY_ROWS: the scores are laid out [keys, queries] (k_op = k [BLOCK_N, D] is the stationary left operand,
     queries stream in as the right one, like a flash forward); else [queries, keys] (k_op = k^T [D, BLOCK_N]).
@@ -143,6 +143,7 @@ def _stats_block(
         x = x - lse2[None, :]
         if CAUSAL_MASK:
             x = tl.where(offs_n[:, None] <= offs_m[None, :], x, float("-inf"))
+        counts += tl.sum((x >= log2_beta).to(tl.int32), 1)
         tmax = _tile_max(x, BLOCK_N, BLOCK_M, TILE)  # [key tiles, query tiles]
         tmax_ptrs = TMAX + tj[:, None] + ti[None, :] * stride_ti
         tmax_mask = (tj < n_pages)[:, None] & (ti < n_pages)[None, :]
@@ -152,12 +153,12 @@ def _stats_block(
         x = x - lse2[:, None]
         if CAUSAL_MASK:
             x = tl.where(offs_n[None, :] <= offs_m[:, None], x, float("-inf"))
+        counts += tl.sum((x >= log2_beta).to(tl.int32), 0)
         tmax = _tile_max(x, BLOCK_M, BLOCK_N, TILE)  # [query tiles, key tiles]
         tmax_ptrs = TMAX + ti[:, None] * stride_ti + tj[None, :]
         tmax_mask = (ti < n_pages)[:, None] & (tj < n_pages)[None, :]
-    acc += (x >= log2_beta).to(tl.int32)
     tl.store(tmax_ptrs, tl.exp2(tmax), mask=tmax_mask)
-    return acc
+    return counts
 
 
 @triton.jit
@@ -192,28 +193,26 @@ def _stats_kernel(
         k_op = tl.load(k_base + (rn[:, None] * stride_kl + rd[None, :] * stride_kd),
                        mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         q_ptrs = q_base + (rd[:, None] * stride_qd + rm[None, :] * stride_ql)
-        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.int32)
     else:
         k_op = tl.load(k_base + (rd[:, None] * stride_kd + rn[None, :] * stride_kl),
                        mask=d_ok[:, None] & n_ok[None, :], other=0.0)
         q_ptrs = q_base + (rm[:, None] * stride_ql + rd[None, :] * stride_qd)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.int32)
     q_lse2 = LSE2 + h.to(tl.int64) * stride_lh
     tmax_ptr = TMAX + hc.to(tl.int64) * stride_th
+    counts = tl.zeros([BLOCK_N], tl.int32)
 
     # Query blocks from m_full on lie wholly at or below the key block: no causal mask.
     m_full = tl.minimum(tl.cdiv(n0 + BLOCK_N - 1, BLOCK_M) * BLOCK_M, n_doc)
     for m0 in range(m_lo, m_full, BLOCK_M):
-        acc = _stats_block(acc, q_ptrs, k_op, q_lse2, tmax_ptr, m0, n0, offs_n, rm, d_ok,
+        counts = _stats_block(counts, q_ptrs, k_op, q_lse2, tmax_ptr, m0, n0, offs_n, rm, d_ok,
                            stride_ti, n_doc, n_pages, qk_mul, cap_mul, log2_beta,
                            BLOCK_M, BLOCK_N, TILE, KEY_ROWS, True, SOFTCAP, DOT_PRECISION)
         q_ptrs += BLOCK_M * stride_ql
     for m0 in range(m_full, n_doc, BLOCK_M):
-        acc = _stats_block(acc, q_ptrs, k_op, q_lse2, tmax_ptr, m0, n0, offs_n, rm, d_ok,
+        counts = _stats_block(counts, q_ptrs, k_op, q_lse2, tmax_ptr, m0, n0, offs_n, rm, d_ok,
                            stride_ti, n_doc, n_pages, qk_mul, cap_mul, log2_beta,
                            BLOCK_M, BLOCK_N, TILE, KEY_ROWS, False, SOFTCAP, DOT_PRECISION)
         q_ptrs += BLOCK_M * stride_ql
-    counts = tl.sum(acc, 1) if KEY_ROWS else tl.sum(acc, 0)
     tl.store(COUNTS + h.to(tl.int64) * stride_ch + offs_n, counts, mask=n_ok)
 
 
