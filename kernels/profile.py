@@ -26,6 +26,7 @@ bf16 products are exact in the fp32 accumulator, so they match the reference run
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import dataclass
@@ -305,6 +306,11 @@ def _score_muls(scale: float, softcap: float | None) -> tuple[float, float]:
     return scale / softcap, softcap * LOG2E
 
 
+def _device_of(x: torch.Tensor):
+    # Triton launches on the current CUDA device, which need not be the tensors' one.
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
 
@@ -315,13 +321,14 @@ def _launch_lse(q, k, *, n_prefix, scale, softcap, cfg: KernelConfig) -> torch.T
     n_doc = lp - n_prefix
     lse2 = torch.empty(hq, n_doc, dtype=torch.float32, device=q.device)
     qk_mul, cap_mul = _score_muls(scale, softcap)
-    _lse_kernel[(hq, triton.cdiv(n_doc, cfg.block_m))](
-        q, k, lse2, *q.stride(), *k.stride(), lse2.stride(0),
-        n_prefix, n_doc, qk_mul, cap_mul,
-        GROUPS=hq // k.shape[0], HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SOFTCAP=softcap is not None,
-        DOT_PRECISION=_dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    with _device_of(q):
+        _lse_kernel[(hq, triton.cdiv(n_doc, cfg.block_m))](
+            q, k, lse2, *q.stride(), *k.stride(), lse2.stride(0),
+            n_prefix, n_doc, qk_mul, cap_mul,
+            GROUPS=hq // k.shape[0], HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d),
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SOFTCAP=softcap is not None,
+            DOT_PRECISION=_dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
     return lse2
 
 
@@ -336,14 +343,15 @@ def _launch_stats(q, k, lse2, key_counts, heads: range, *, n_prefix, tile, beta,
     beta32 = float(torch.tensor(beta, dtype=torch.float32))
     log2_beta = math.log2(beta32) if beta32 > 0 else -FLT_MAX  # x = -inf (masked) never counts
     qk_mul, cap_mul = _score_muls(scale, softcap)
-    _stats_kernel[(len(heads), triton.cdiv(n_doc, cfg.block_n))](
-        q, k, lse2, tile_max, key_counts,
-        *q.stride(), *k.stride(), lse2.stride(0), tile_max.stride(0), tile_max.stride(1), key_counts.stride(0),
-        n_prefix, n_doc, p, heads.start, qk_mul, cap_mul, log2_beta,
-        GROUPS=hq // k.shape[0], HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), TILE=tile,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, KEY_ROWS=cfg.key_rows, SOFTCAP=softcap is not None,
-        DOT_PRECISION=_dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    with _device_of(q):
+        _stats_kernel[(len(heads), triton.cdiv(n_doc, cfg.block_n))](
+            q, k, lse2, tile_max, key_counts,
+            *q.stride(), *k.stride(), lse2.stride(0), tile_max.stride(0), tile_max.stride(1), key_counts.stride(0),
+            n_prefix, n_doc, p, heads.start, qk_mul, cap_mul, log2_beta,
+            GROUPS=hq // k.shape[0], HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), TILE=tile,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, KEY_ROWS=cfg.key_rows, SOFTCAP=softcap is not None,
+            DOT_PRECISION=_dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
     return tile_max
 
 
@@ -353,7 +361,7 @@ def _lse2_from(lse: torch.Tensor | None, q, k, *, n_prefix, scale, softcap, cfg)
     return (lse[:, n_prefix:].to(torch.float32) * LOG2E).contiguous()
 
 
-def _configs(configs, tile, q) -> tuple[KernelConfig, KernelConfig]:
+def _configs(configs, tile, q, n_prefix) -> tuple[KernelConfig, KernelConfig]:
     if configs is None and q.dtype == torch.float32 and q.shape[-1] > 128 and tile == 128:
         raise ValueError(f"fp32 inputs with head_dim={q.shape[-1]} > 128 and tile=128 do not fit in shared "
                          "memory; profile in bf16 / fp16 or with a smaller tile")
@@ -363,6 +371,9 @@ def _configs(configs, tile, q) -> tuple[KernelConfig, KernelConfig]:
             raise ValueError(f"{cfg}: blocks must be at least 16 (tl.dot)")
     if stats_cfg.block_m % tile or stats_cfg.block_n % tile:
         raise ValueError(f"{stats_cfg}: stats blocks must be multiples of tile={tile}")
+    n_doc = q.shape[1] - n_prefix
+    if triton.cdiv(n_doc, min(lse_cfg.block_m, stats_cfg.block_n)) > 65535:
+        raise ValueError(f"a document of {n_doc} tokens needs more than 65535 blocks of a launch grid; split it")
     return lse_cfg, stats_cfg
 
 
@@ -386,7 +397,7 @@ def profile_stats(
     validate_profile_args(q, k, n_prefix=n_prefix, tile=tile, alpha=0.0, beta=beta, gamma=0.0,
                           ca_normalize="causal")
     _check_kernel_inputs(q, k, scale=scale, softcap=softcap, lse=lse, dense_heads=(), v=None)
-    lse_cfg, stats_cfg = _configs(configs, tile, q)
+    lse_cfg, stats_cfg = _configs(configs, tile, q, n_prefix)
     hq, lp, _ = q.shape
     lse2 = _lse2_from(lse, q, k, n_prefix=n_prefix, scale=scale, softcap=softcap, cfg=lse_cfg)
     key_counts = torch.empty(hq, lp - n_prefix, dtype=torch.int32, device=q.device)
@@ -428,7 +439,7 @@ def profile_layer(
     validate_profile_args(q, k, n_prefix=n_prefix, tile=tile, alpha=alpha, beta=beta, gamma=gamma,
                           ca_normalize=ca_normalize)
     _check_kernel_inputs(q, k, scale=scale, softcap=softcap, lse=lse, dense_heads=dense_heads, v=v)
-    lse_cfg, stats_cfg = _configs(configs, tile, q)
+    lse_cfg, stats_cfg = _configs(configs, tile, q, n_prefix)
     hq, lp, _ = q.shape
     n_doc = lp - n_prefix
     p = n_pages(n_doc, tile)
