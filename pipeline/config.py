@@ -101,6 +101,15 @@ class BuildConfig:
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 
+def _read_toml(path: Path) -> dict:
+    try:
+        return tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise SiftError(f"config file {path} not found: pass --config PATH to an existing TOML file") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise SiftError(f"config file {path} is not valid TOML ({e}): fix the syntax") from None
+
+
 _SECTIONS = {"profile": ProfileConfig, "corpus": CorpusConfig, "build": RunConfig}
 
 
@@ -117,15 +126,14 @@ def _make(cls, values: dict, where: str):
 
 
 def load_config(path: str | Path | None = None, **overrides: Any) -> BuildConfig:
-    """Read a TOML config (None: configs/default.toml) and apply CLI overrides (`tile=`, `alpha=`, `beta=`,
-    `gamma=` go to [profile], `model=` to the top level; None values are ignored)."""
-    path = Path(path) if path is not None else CONFIGS_DIR / "default.toml"
-    try:
-        raw = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise SiftError(f"config file {path} not found: pass --config PATH to an existing TOML file") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise SiftError(f"config file {path} is not valid TOML ({e}): fix the syntax") from None
+    """Read a TOML config (None: configs/default.toml, or the built-in defaults, which equal it, when the
+    package is installed without the repository) and apply CLI overrides (`tile=`, `alpha=`, `beta=`, `gamma=`
+    go to [profile], `model=` to the top level; None values are ignored)."""
+    if path is None and not (CONFIGS_DIR / "default.toml").is_file():
+        raw = {}
+    else:
+        path = Path(path) if path is not None else CONFIGS_DIR / "default.toml"
+        raw = _read_toml(path)
     top = {k: v for k, v in raw.items() if k not in _SECTIONS}
     unknown = sorted(set(top) - {"model"})
     if unknown:

@@ -213,11 +213,12 @@ def _actor_plan(ray, cfg: BuildConfig) -> dict:
     gpus, cpus = int(res.get("GPU", 0)), int(res.get("CPU", 1))
     if gpus and cfg.build.backend != "torch":
         n = cfg.build.actors or gpus
-        return {"concurrency": n, "num_gpus": 1, "num_cpus": 1, "threads": max(1, cpus // max(n, 1) - 1),
-                "kind": "gpu"}
+        return {"size": n, "resources": {"num_gpus": 1}, "threads": max(1, cpus // n - 1), "kind": "gpu"}
     per_actor = min(8, max(1, cpus - 1))  # leave a core for Ray itself and the reading tasks
     n = cfg.build.actors or max(1, (cpus - 1) // per_actor)
-    return {"concurrency": n, "num_gpus": 0, "num_cpus": per_actor, "threads": per_actor, "kind": "cpu"}
+    # A lone actor may use every core: the reading stage has finished by the time profiling starts.
+    threads = cpus if n == 1 else per_actor
+    return {"size": n, "resources": {"num_cpus": per_actor}, "threads": threads, "kind": "cpu"}
 
 
 def _previous_rows(index_dir: Path, manifest: dict | None, profile_key: str) -> dict[tuple[str, str], str]:
@@ -371,14 +372,13 @@ def run_build(corpus: str | Path, out: str | Path, cfg: BuildConfig, *, ray_addr
         backends = set()
         if todo_keys:
             plan = _actor_plan(ray, cfg)
-            echo(f"sift-build: profiling on {plan['concurrency']} {plan['kind'].upper()} actor(s)")
-            todo = docs.filter(_KeyFilter(todo_keys))
-            todo = todo.select_columns(["doc_id", "source", "token_ids", "content_hash"])
+            echo(f"sift-build: profiling on {plan['size']} {plan['kind'].upper()} actor(s)")
+            todo = docs.map_batches(_KeyFilter(todo_keys), batch_format="numpy")
             results = todo.map_batches(
                 ProfileShardWriter, batch_size=cfg.build.shard_rows, batch_format="numpy",
                 fn_constructor_kwargs=dict(model=cfg.model, cfg_dict=cfg.to_dict(), index_dir=str(index_dir),
                                            profile_key=profile_key, threads=plan["threads"]),
-                concurrency=plan["concurrency"], num_gpus=plan["num_gpus"], num_cpus=plan["num_cpus"])
+                compute=ray.data.ActorPoolStrategy(size=plan["size"]), **plan["resources"])
             t_prof = time.perf_counter()
             done = 0
             for row in results.iter_rows():
@@ -433,13 +433,16 @@ def run_build(corpus: str | Path, out: str | Path, cfg: BuildConfig, *, ray_addr
 
 
 class _KeyFilter:
-    """Picklable row predicate: is this listing key to be profiled?"""
+    """Picklable batch function: the rows whose listing key is to be profiled, with the columns profiling needs."""
+
+    COLUMNS = ("doc_id", "source", "token_ids", "content_hash")
 
     def __init__(self, keys: set[str]):
         self.keys = keys
 
-    def __call__(self, row: dict) -> bool:
-        return row["key"] in self.keys
+    def __call__(self, batch: dict) -> dict:
+        keep = [i for i, key in enumerate(batch["key"]) if key in self.keys]
+        return {c: batch[c][keep] for c in self.COLUMNS}
 
 
 def _all_prev_pairs(index_dir: Path, manifest: dict) -> set[tuple[str, str]]:
