@@ -57,6 +57,25 @@ class _Capture:
         self.layers: dict[int, LayerBits] = {}
 
 
+def _attention_with_lse(module, query, key, value, scaling, softcap):
+    """The layer's output [1, Lp, Hq, D] and, where the backend exposes it, the row log-sum-exp [Hq, Lp]
+    (natural log, fp32), so the profiling kernel can skip its own first pass.
+
+    fp16/bf16 without soft-capping: flash SDPA (GQA native) returns both. Otherwise the model's SDPA gives the
+    output and the kernel computes the log-sum-exp itself."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if query.dtype in (torch.float16, torch.bfloat16) and softcap is None and query.is_cuda:
+        try:
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+                query, key, value, 0.0, True, False, scale=scaling)[:2]
+            return out.transpose(1, 2), lse[0].float()
+        except RuntimeError:  # shape the flash kernel does not take (e.g. head_dim > 256)
+            pass
+    out, _ = sdpa_attention_forward(module, query, key, value, None, scaling=scaling, is_causal=True)
+    return out, None
+
+
 def _profile_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                        sift_capture: _Capture | None = None, **kwargs):
     """AttentionInterface function: query [1, Hq, Lp, D], key/value [1, Hkv, Lp, D] -> ([1, Lp, Hq, D], None)."""
@@ -74,10 +93,9 @@ def _profile_attention(module, query, key, value, attention_mask, scaling=None, 
         out = out.transpose(0, 1).unsqueeze(0)
     else:
         from sift.kernels.profile import profile_layer
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        bits, _ = profile_layer(query[0], key[0], **args)
-        out, _ = sdpa_attention_forward(module, query, key, value, None, scaling=scaling, is_causal=True)
+        out, lse = _attention_with_lse(module, query, key, value, scaling, softcap)
+        bits, _ = profile_layer(query[0], key[0], lse=lse, **args)
     c.layers[module.layer_idx] = bits
     return out, None
 
