@@ -122,7 +122,7 @@ def _tile_max(x, ROWS: tl.constexpr, COLS: tl.constexpr, TILE: tl.constexpr):
 
 @triton.jit
 def _stats_block(
-    counts, q_ptrs, k_op, Q_LSE2, TMAX, m0, n0, offs_n, rm, d_ok,
+    acc, q_ptrs, k_op, Q_LSE2, TMAX, m0, n0, offs_n, rm, d_ok,
     stride_ti, n_doc, n_pages, qk_mul, cap_mul, log2_beta,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE: tl.constexpr, KEY_ROWS: tl.constexpr,
     CAUSAL_MASK: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -130,7 +130,9 @@ def _stats_block(
     """One query block against the program's key block: add to the per-key counts, store its tiles' maxima.
 
     KEY_ROWS: the scores are laid out [keys, queries] (k_op = k [BLOCK_N, D] is the stationary left operand,
-    queries stream in as the right one, like a flash forward); else [queries, keys] (k_op = k^T [D, BLOCK_N]).
+    queries stream in as the right one, like a flash forward) and acc [BLOCK_N] holds the per-key counts (a
+    row sum: within warps); else [queries, keys] (k_op = k^T [D, BLOCK_N]) and acc [BLOCK_M, BLOCK_N] counts
+    elementwise (a per-block column sum would cross warps), reduced once at the end.
     """
     offs_m = m0 + rm
     row_ok = offs_m < n_doc
@@ -144,7 +146,7 @@ def _stats_block(
         x = x - lse2[None, :]
         if CAUSAL_MASK:
             x = tl.where(offs_n[:, None] <= offs_m[None, :], x, float("-inf"))
-        counts += tl.sum((x >= log2_beta).to(tl.int32), 1)
+        acc += tl.sum((x >= log2_beta).to(tl.int32), 1)
         tmax = _tile_max(x, BLOCK_N, BLOCK_M, TILE)  # [key tiles, query tiles]
         tmax_ptrs = TMAX + tj[:, None] + ti[None, :] * stride_ti
         tmax_mask = (tj < n_pages)[:, None] & (ti < n_pages)[None, :]
@@ -154,12 +156,12 @@ def _stats_block(
         x = x - lse2[:, None]
         if CAUSAL_MASK:
             x = tl.where(offs_n[None, :] <= offs_m[:, None], x, float("-inf"))
-        counts += tl.sum((x >= log2_beta).to(tl.int32), 0)
+        acc += (x >= log2_beta).to(tl.int32)
         tmax = _tile_max(x, BLOCK_M, BLOCK_N, TILE)  # [query tiles, key tiles]
         tmax_ptrs = TMAX + ti[:, None] * stride_ti + tj[None, :]
         tmax_mask = (ti < n_pages)[:, None] & (tj < n_pages)[None, :]
     tl.store(tmax_ptrs, tl.exp2(tmax), mask=tmax_mask)
-    return counts
+    return acc
 
 
 @triton.jit
@@ -194,26 +196,31 @@ def _stats_kernel(
         k_op = tl.load(k_base + (rn[:, None] * stride_kl + rd[None, :] * stride_kd),
                        mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         q_ptrs = q_base + (rd[:, None] * stride_qd + rm[None, :] * stride_ql)
+        acc = tl.zeros([BLOCK_N], tl.int32)
     else:
         k_op = tl.load(k_base + (rd[:, None] * stride_kd + rn[None, :] * stride_kl),
                        mask=d_ok[:, None] & n_ok[None, :], other=0.0)
         q_ptrs = q_base + (rm[:, None] * stride_ql + rd[None, :] * stride_qd)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.int32)
     q_lse2 = LSE2 + h.to(tl.int64) * stride_lh
     tmax_ptr = TMAX + hc.to(tl.int64) * stride_th
-    counts = tl.zeros([BLOCK_N], tl.int32)
 
     # Query blocks from m_full on lie wholly at or below the key block: no causal mask.
     m_full = tl.minimum(tl.cdiv(n0 + BLOCK_N - 1, BLOCK_M) * BLOCK_M, n_doc)
     for m0 in range(m_lo, m_full, BLOCK_M):
-        counts = _stats_block(counts, q_ptrs, k_op, q_lse2, tmax_ptr, m0, n0, offs_n, rm, d_ok,
+        acc = _stats_block(acc, q_ptrs, k_op, q_lse2, tmax_ptr, m0, n0, offs_n, rm, d_ok,
                            stride_ti, n_doc, n_pages, qk_mul, cap_mul, log2_beta,
                            BLOCK_M, BLOCK_N, TILE, KEY_ROWS, True, SOFTCAP, DOT_PRECISION)
         q_ptrs += BLOCK_M * stride_ql
     for m0 in range(m_full, n_doc, BLOCK_M):
-        counts = _stats_block(counts, q_ptrs, k_op, q_lse2, tmax_ptr, m0, n0, offs_n, rm, d_ok,
+        acc = _stats_block(acc, q_ptrs, k_op, q_lse2, tmax_ptr, m0, n0, offs_n, rm, d_ok,
                            stride_ti, n_doc, n_pages, qk_mul, cap_mul, log2_beta,
                            BLOCK_M, BLOCK_N, TILE, KEY_ROWS, False, SOFTCAP, DOT_PRECISION)
         q_ptrs += BLOCK_M * stride_ql
+    if KEY_ROWS:
+        counts = acc
+    else:
+        counts = tl.sum(acc, 0)
     tl.store(COUNTS + h.to(tl.int64) * stride_ch + offs_n, counts, mask=n_ok)
 
 
@@ -236,13 +243,12 @@ class KernelConfig:
 def default_configs(tile: int, head_dim: int, dtype: torch.dtype) -> tuple[KernelConfig, KernelConfig]:
     """(lse pass, stats pass) launch parameters; the interpreter ignores warps and stages.
 
-    16-bit: the lse pass is a flash forward without PV; the stats pass keeps 128 keys stationary and streams
-    query blocks of one tile (tile >= 64), so each tile maximum is a row reduction. fp32 (IEEE dots on FMA
-    units, for checks rather than speed): up to tile 64 both passes share one block shape and orientation,
-    so a cell's q.k comes out of the same instruction sequence in both and log2 A of a row's only key is
-    exactly 0; more warps for bigger blocks keep the unrolled FMA dot's compile time down. Shared memory
-    (227 KiB on Hopper, checked by compiling for sm_90) bounds blocks and stages for head_dim > 128.
-    See bench/README_profile.md for the measurements behind these.
+    16-bit, head_dim <= 128: 128 x 128 blocks in both passes and [queries, keys] scores in the stats pass,
+    the fastest of the H200 sweep at 16K tokens (bench/README_profile.md). fp32 (IEEE dots on FMA units, for
+    checks rather than speed): up to tile 64 both passes share one block shape and orientation, so a cell's
+    q.k comes out of the same instruction sequence in both and log2 A of a row's only key is exactly 0;
+    more warps for bigger blocks keep the unrolled FMA dot's compile time down. Shared memory (227 KiB on
+    Hopper, checked by compiling for sm_90) bounds blocks and stages for head_dim > 128.
     """
     wide = head_dim > 128
     if dtype == torch.float32:
@@ -255,8 +261,8 @@ def default_configs(tile: int, head_dim: int, dtype: torch.dtype) -> tuple[Kerne
         return (KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=2),
                 KernelConfig(block_m=max(tile, 64), block_n=max(tile, 64), num_warps=8,
                              num_stages=2 if tile <= 64 else 1, key_rows=True))
-    return (KernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=3),
-            KernelConfig(block_m=max(tile, 64), block_n=128, num_warps=8, num_stages=3, key_rows=True))
+    return (KernelConfig(block_m=128, block_n=128, num_warps=8, num_stages=3),
+            KernelConfig(block_m=128, block_n=128, num_warps=8, num_stages=3))
 
 
 @dataclass(frozen=True)
