@@ -10,9 +10,8 @@ L x L matrix:
 2. `_stats_kernel`, per (query head, block of BLOCK_N document keys): the key block stays on chip while the
    document query blocks at or below it stream past. Per cell x = log2 A = s * log2(e) - lse2, so
    * LA: max of x over each (query tile, key tile), stored once as exp2 -> tile_max [Hq, P, P] fp32;
-   * CA: cells with x >= log2(beta) are summed over the block's queries into a [BLOCK_N] int32 register
-     vector and stored once per program -> key_counts [Hq, L] int32. Each program owns its keys: no atomics,
-     and the result is deterministic.
+   * CA: cells with x >= log2(beta) are counted in int32 registers and reduced and stored once per program
+     -> key_counts [Hq, L] int32. Each program owns its keys: no atomics, and the result is deterministic.
    Comparing log2 A with log2(beta) instead of A with beta saves the exp2 of every cell (the pass is then
    bound by its one QK^T product); the two orders differ only for a probability within float rounding of
    beta, which is also where exp2 and the reference's softmax may disagree.
