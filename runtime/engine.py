@@ -129,40 +129,41 @@ class _Timer:
 # ----------------------------------------------------------------------------------- CPU prefill attention
 
 
-def sparse_attention_torch(q, k, v, indptr, indices, layout: BatchLayout, inv_freq, *, scale):
-    """Vectorised torch equivalent of `sparse_attention_ref` for one layer (same result), fast enough for
-    whole models on CPU. q: [Hq, N, D], k / v: [Hkv, N, D] in `layout` (segment-local RoPE); -> [Hq, N, D].
+def sparse_attention_torch(q, k, v, indptr, indices, layout: BatchLayout, inv_freq, *, scale, causal=False):
+    """Torch equivalent of `sparse_attention_ref` for one layer (same result), fast enough for whole models on
+    CPU. q: [Hq, N, D], k / v: [Hkv, N, D] in `layout` (segment-local RoPE); -> [Hq, N, D], padding rows 0.
 
-    Rotating q and k by their block's segment offset puts both at logical positions, so scores equal the
-    kernel's `q . R(delta) k`; the CSR becomes a block mask, expanded to slots (causal, real keys only)."""
-    hq, n, d = q.shape
-    hkv, group, blk, nb = k.shape[0], hq // k.shape[0], layout.block, layout.n_blocks
-    dev = q.device
-    counts = (indptr[1:] - indptr[:-1]).long()
-    nnz = int(indptr[-1])
-    keep = torch.zeros(hq * nb, nb, dtype=torch.bool, device=dev)
-    keep[torch.repeat_interleave(torch.arange(hq * nb, device=dev), counts), indices[:nnz].long()] = True
-    keep = keep.view(hq, nb, nb)
-    slot = torch.arange(blk, device=dev).repeat(nb)
-    valid = slot < layout.block_valid.long().repeat_interleave(blk)  # [N] real slots
-    offset = layout.block_offset.long().repeat_interleave(blk)
-    if inv_freq is not None:
-        q, k = apply_rope_ref(q, offset, inv_freq), apply_rope_ref(k, offset, inv_freq)
+    Per request, on its real tokens only: rotating q and k by their segment's offset puts both at logical
+    positions, so scores equal the kernel's `q . R(delta) k`; the CSR becomes a token mask (block kept and
+    causal) for torch's SDPA. causal=True: the CSR is known to be dense causal (mode "dense"), so no mask is
+    built."""
+    hq, _, d = q.shape
+    nb, blk = layout.n_blocks, layout.block
     out = torch.zeros_like(q)
-    for first, count in layout.request_blocks:
-        s0, s1 = first * blk, (first + count) * blk
-        m = s1 - s0
-        mask = keep[:, first:first + count, first:first + count]
-        mask = mask.repeat_interleave(blk, 1).repeat_interleave(blk, 2)  # [Hq, m, m]
-        mask = mask & torch.ones(m, m, dtype=torch.bool, device=dev).tril() & valid[None, None, s0:s1]
-        qq = q[:, s0:s1].float().view(hkv, group, m, d)
-        kk = k[:, s0:s1].float()
-        vv = torch.where(valid[s0:s1, None], v[:, s0:s1].float(), 0.0)
-        s = torch.einsum("hgqd,hkd->hgqk", qq, kk) * scale
-        s = s.masked_fill(~mask.view(hkv, group, m, m), float("-inf"))
-        p = torch.softmax(s, dim=-1).nan_to_num(0.0)
-        o = torch.einsum("hgqk,hkd->hgqd", p, vv).reshape(hq, m, d)
-        out[:, s0:s1] = (o * valid[None, s0:s1, None]).to(out.dtype)
+    keep = None
+    if not causal:
+        counts = (indptr[1:] - indptr[:-1]).long()
+        rows = torch.repeat_interleave(torch.arange(hq * nb, device=q.device), counts)
+        keep = torch.zeros(hq * nb, nb, dtype=torch.bool, device=q.device)
+        keep[rows, indices[: int(indptr[-1])].long()] = True
+        keep = keep.view(hq, nb, nb)
+    offset = layout.token_logical_pos - layout.token_local_pos  # [n_tokens] segment offset of each token
+    for first, n in zip(layout.req_first_token.tolist(), layout.req_n_tokens.tolist()):
+        phys = layout.token_phys[first : first + n]
+        qr, kr, vr = q[:, phys], k[:, phys], v[:, phys]
+        if inv_freq is not None:
+            qr = apply_rope_ref(qr, offset[first : first + n], inv_freq)
+            kr = apply_rope_ref(kr, offset[first : first + n], inv_freq)
+        args = dict(scale=scale, enable_gqa=True)
+        if causal:
+            args["is_causal"] = True
+        else:
+            tb = phys // blk
+            mask = keep.index_select(1, tb).index_select(2, tb)  # [Hq, n, n]
+            args["attn_mask"] = (mask & torch.ones(n, n, dtype=torch.bool, device=q.device).tril())[None]
+        o = torch.nn.functional.scaled_dot_product_attention(qr[None].float(), kr[None].float(), vr[None].float(),
+                                                             **args)[0]
+        out[:, phys] = o.nan_to_num(0.0).to(out.dtype)  # a row with no key (empty CSR row) is 0, as in the kernel
     return out
 
 
@@ -215,7 +216,8 @@ class _Prefill:
                 out = sparse_attention_ref(q, k, v, indptr, indices, lay.block_valid, lay.block_offset,
                                            eng.inv_freq, scale=scale, block=lay.block)
             else:
-                out = sparse_attention_torch(q, k, v, indptr, indices, lay, eng.inv_freq, scale=scale)
+                out = sparse_attention_torch(q, k, v, indptr, indices, lay, eng.inv_freq, scale=scale,
+                                             causal=self.bits is None)
         self.k_cache[layer], self.v_cache[layer] = k_all, v_all
         return lay.gather(out, dim=1).transpose(0, 1).unsqueeze(0), None
 
