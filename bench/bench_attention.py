@@ -18,6 +18,7 @@ import json
 import math
 import os
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -44,14 +45,34 @@ BLOCK = 128
 HQ, HKV, D = (4, 1, 128) if SMOKE else (32, 8, 128)
 DTYPE = torch.float16 if SMOKE else torch.bfloat16  # bf16 is broken in the interpreter
 CONFIGS = [  # run 1 (2026-11-29) also timed n64w8s2k, n64w4s3k, n64w8s3q: all slower (bench/README_attention.md)
-    sa.KernelConfig(block_n=128, num_warps=8, num_stages=2, rope_on="k"),
-    sa.KernelConfig(block_n=64, num_warps=8, num_stages=3, rope_on="k"),
-    sa.KernelConfig(block_n=128, num_warps=8, num_stages=2, rope_on="q"),
+    sa.KernelConfig(block_n=128, num_warps=8, num_stages=2, rope_on="k", skip_zero="split"),   # the default
+    sa.KernelConfig(block_n=128, num_warps=8, num_stages=2, rope_on="k", skip_zero="branch"),
+    sa.KernelConfig(block_n=128, num_warps=8, num_stages=2, rope_on="k", skip_zero="none"),
+    sa.KernelConfig(block_n=64, num_warps=8, num_stages=3, rope_on="k", skip_zero="split"),
+    sa.KernelConfig(block_n=128, num_warps=8, num_stages=2, rope_on="q", skip_zero="split"),
 ]
 
 
 def cfg_name(c):
-    return f"n{c.block_n}w{c.num_warps}s{c.num_stages}{c.rope_on}"
+    return f"n{c.block_n}w{c.num_warps}s{c.num_stages}{c.rope_on}-{c.skip_zero}"
+
+
+def launch_name(c):
+    """Name of the launch shape: without RoPE, rope_on and skip_zero do not matter (same compiled kernel)."""
+    return f"n{c.block_n}w{c.num_warps}s{c.num_stages}"
+
+
+def delta_stats(ptr, idx, offset):
+    """Fractions of the listed tiles with delta == 0 and with a nonzero delta differing from the row's previous
+    entry (a cos/sin recompute), over all heads. ptr, idx: CSR; offset: block_offset."""
+    nb = offset.numel()
+    counts = (ptr[1:] - ptr[:-1]).long()
+    rows = torch.repeat_interleave(torch.arange(counts.numel(), device=idx.device), counts)
+    delta = offset[idx.long()].long() - offset[rows % nb].long()
+    prev_same = torch.zeros_like(delta, dtype=torch.bool)
+    prev_same[1:] = (rows[1:] == rows[:-1]) & (delta[1:] == delta[:-1])
+    n = max(delta.numel(), 1)
+    return dict(delta0=(delta == 0).sum().item() / n, trig_recompute=((delta != 0) & ~prev_same).sum().item() / n)
 
 
 def layout_from_segments(requests, starts=None):
@@ -212,18 +233,26 @@ def timings(results, lengths):
         sp = csr(mask)
         de = csr(causal)
         lv = (lay["block_valid"], lay["block_offset"])
+        row["delta_stats"] = delta_stats(*sp, lay["block_offset"])
+        done = set()
         for cfg in CONFIGS:
             name = cfg_name(cfg)
             try:
                 for tag, (ptr, idx), rope in (("sparse_rope", sp, True), ("sparse_none", sp, False),
                                               ("dense_rope", de, True)):
-                    if tag == "dense_rope" and cfg.rope_on == "q":
+                    if tag == "dense_rope" and (cfg.rope_on == "q" or cfg.skip_zero != "split"):
                         continue
+                    key = f"{tag}/{name}"
+                    if tag == "sparse_none":  # the same kernel for every rope_on / skip_zero: time it once
+                        key = f"{tag}/{launch_name(cfg)}"
+                        if key in done:
+                            continue
+                        done.add(key)
                     f = lambda: sa._launch(q, k, v, ptr, idx, *lv, inv_freq if rope else None,  # noqa: E731
                                            scale=D ** -0.5, block=BLOCK, out=out, config=cfg)
                     ms = bench(f)
                     c = cells if tag.startswith("sparse") else dense_cells
-                    row[f"{tag}/{name}"] = dict(ms=ms, tflops=flops(c) / ms / 1e9)
+                    row[key] = dict(ms=ms, tflops=flops(c) / ms / 1e9)
             except Exception as e:  # a config that does not compile (shared memory) is recorded, not fatal
                 row[f"error/{name}"] = repr(e)[:300]
         # FlexAttention with the identical block mask: non-diagonal tiles as full blocks, diagonal causal.
@@ -264,39 +293,55 @@ def timings(results, lengths):
 
 
 def summary(results):
-    print("\nL      tiles%  | best sparse+rope (cfg)        | same cfg no-rope | rope ovh | dense(ours) | flex   | cudnn  | flash")
+    names = {cfg_name(c): launch_name(c) for c in CONFIGS}
+    for row in results["timings"]:
+        print(row["L"], {k: round(v["ms"], 3) for k, v in row.items() if isinstance(v, dict) and "ms" in v})
+    print("\nRoPE overhead per config: sparse+rope ms (vs the same launch shape pre-rotated). d0% = tiles with "
+          "delta == 0, trig% = tiles that recompute cos/sin")
+    print("     L tiles%   d0% trig% | " + " | ".join(f"{n:>19s}" for n in names))
+    for row in results["timings"]:
+        cells = []
+        for n, ln in names.items():
+            r, z = row.get(f"sparse_rope/{n}", {}).get("ms"), row.get(f"sparse_none/{ln}", {}).get("ms")
+            cells.append(f"{r:8.3f} ({100 * (r / z - 1):+6.1f}%)" if r and z else f"{'n/a':>19s}")
+        ds = row.get("delta_stats", {})
+        print(f"{row['L']:6d} {100 * row['tile_fraction']:6.1f} {100 * ds.get('delta0', float('nan')):5.1f} "
+              f"{100 * ds.get('trig_recompute', float('nan')):5.1f} | " + " | ".join(cells))
+    print("\n     L tiles% | best sparse+rope (cfg)           | same shape no-rope | rope ovh | dense(ours) | "
+          "flex   | cudnn  | flash")
     for row in results["timings"]:
         sparse = {k.split("/", 1)[1]: v["ms"] for k, v in row.items() if k.startswith("sparse_rope/")}
         dense = {k.split("/", 1)[1]: v["ms"] for k, v in row.items() if k.startswith("dense_rope/")}
         if not sparse:
             continue
         best = min(sparse, key=sparse.get)
-        none = row.get(f"sparse_none/{best}", {}).get("ms", float("nan"))
+        none = row.get(f"sparse_none/{names.get(best, best)}", {}).get("ms", float("nan"))
         bd = min(dense.values()) if dense else float("nan")
         g = lambda key: row.get(key, {}).get("ms", float("nan"))  # noqa: E731
-        print(f"{row['L']:6d} {100 * row['tile_fraction']:6.1f} | {sparse[best]:7.3f} ms ({best:12s})     | "
-              f"{none:7.3f} ms       | {100 * (sparse[best] / none - 1):+6.1f}% | {bd:7.3f} ms  | "
+        print(f"{row['L']:6d} {100 * row['tile_fraction']:6.1f} | {sparse[best]:7.3f} ms ({best:18s})   | "
+              f"{none:7.3f} ms         | {100 * (sparse[best] / none - 1):+6.1f}% | {bd:7.3f} ms  | "
               f"{g('flex_sparse'):6.3f} | {g('cudnn_dense'):6.3f} | {g('flash_dense'):6.3f}")
-    for row in results["timings"]:
-        print(row["L"], {k: round(v["ms"], 3) for k, v in row.items() if isinstance(v, dict)})
 
 
 def main():
     lengths = [int(x) for x in os.environ.get("LENGTHS", "1024" if SMOKE else "16384,32768,65536").split(",")]
     if SMOKE:
-        CONFIGS[:] = [CONFIGS[0], CONFIGS[2]]
+        CONFIGS[:] = [CONFIGS[0], CONFIGS[1], CONFIGS[-1]]
     results = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                    device="cpu (smoke)" if SMOKE else torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                    shapes=dict(B=1, Hq=HQ, Hkv=HKV, D=D, dtype="bf16", block=BLOCK),
                    configs=[cfg_name(c) for c in CONFIGS])
     out_dir = Path(os.environ.get("OUT") or ROOT / "bench" / "results" / ("smoke" if SMOKE else ""))
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "attention-h200.json"
+    path = out_dir / "attention.json"
+    t0 = time.time()
     try:
         correctness(results)
         timings(results, lengths)
     finally:
+        results["wall_s"] = round(time.time() - t0, 1)
         path.write_text(json.dumps(results, indent=1))
+    print(f"\nwrote {path} ({results['wall_s']} s)")
     summary(results)
 
 

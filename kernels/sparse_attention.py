@@ -37,6 +37,76 @@ LOG2E = 1.4426950408889634
 ROPE_NONE, ROPE_ON_K, ROPE_ON_Q = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 
+# How key blocks with delta == 0 (R(0) = identity) skip the rotation (compile-time, RoPE modes only):
+# SKIP_SPLIT: the row's trailing run of delta == 0 blocks (its own segment: segments are contiguous in the block
+#   layout and rows are ascending) runs in a second loop that is the pre-rotated loop itself; the first loop
+#   rotates. Keeps every dot at loop level, so Triton still overlaps each P @ V wgmma with the next tile.
+# SKIP_BRANCH: one loop with a runtime branch on delta around the QK^T dots. Compiled for sm_90, the dots inside
+#   the branch make Triton wait on each P @ V wgmma right after issuing it (no overlap); kept for comparison.
+# SKIP_NONE: rotate every tile (the previous kernel, plus the cos/sin cache).
+SKIP_NONE, SKIP_SPLIT, SKIP_BRANCH = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+SKIP_MODES = {"none": SKIP_NONE.value, "split": SKIP_SPLIT.value, "branch": SKIP_BRANCH.value}
+
+
+@triton.jit
+def _softmax_pv(s, kb, k_first, k_valid, qb, m_i, l_i, acc, v_head, stride_vn, stride_vd, qk_scale,
+                offs_m, offs_n, offs_d, BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Online-softmax update of (m_i, l_i, acc) with the raw scores s [BLOCK, BLOCK_N] of one key sub-tile."""
+    # Row r may see slot c of block kb iff c < k_valid, and c <= r on the diagonal block.
+    lim = tl.where(kb == qb, tl.minimum(offs_m, k_valid - 1), k_valid - 1)
+    s = tl.where((k_first + offs_n)[None, :] <= lim[:, None], s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.math.exp2(s - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    # Padding slots may hold anything (NaN too): zero them, since 0 * NaN would poison the row.
+    v = tl.load(v_head + (kb * BLOCK + k_first).to(tl.int64) * stride_vn + offs_d[None, :] * stride_vd,
+                mask=(k_first + offs_n)[:, None] < k_valid, other=0.0)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _rope_cos_sin(delta, Turns, offs_h, FAST_TRIG: tl.constexpr):
+    """cos, sin [D/2] fp32 of delta * inv_freq. Angle in fp64 turns, reduced to [-1/2, 1/2) before fp32: exact
+    at offsets of 200K and beyond. Turns is read here (an L1/L2 hit, once per change of delta) rather than held
+    in 16 registers across the loop: that pays for the registers the cached cos/sin take."""
+    t = delta.to(tl.float64) * tl.load(Turns + offs_h)
+    t = t - tl.floor(t + 0.5)
+    angle = t.to(tl.float32) * 6.283185307179586
+    # |angle| <= pi here, where the MUFU approximations are good to ~5e-7 (accurate libdevice sin/cos cost
+    # thousands of cycles per tile, measured as +60% time).
+    if FAST_TRIG:
+        cos = libdevice.fast_cosf(angle)
+        sin = libdevice.fast_sinf(angle)
+    else:  # the interpreter has no MUFU functions
+        cos = tl.cos(angle)
+        sin = tl.sin(angle)
+    return cos, sin
+
+
+@triton.jit
+def _rotated_scores(q1, q2, k1, k2, cos, sin, ROPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Scores of the logical q, k: q . R(delta) k, with the rotation applied to K or (by -delta) to Q."""
+    if ROPE == ROPE_ON_K:
+        # k' = R(delta) k (rotate_half): k1' = k1 c - k2 s, k2' = k2 c + k1 s
+        k1f = k1.to(tl.float32)
+        k2f = k2.to(tl.float32)
+        k1r = (k1f * cos[None, :] - k2f * sin[None, :]).to(k1.dtype)
+        k2r = (k2f * cos[None, :] + k1f * sin[None, :]).to(k1.dtype)
+        s = tl.dot(q1, tl.trans(k1r), input_precision=DOT_PRECISION)
+        s = tl.dot(q2, tl.trans(k2r), s, input_precision=DOT_PRECISION)
+    else:
+        # q' = R(-delta) q, same scores: q1' = q1 c + q2 s, q2' = q2 c - q1 s
+        q1f = q1.to(tl.float32)
+        q2f = q2.to(tl.float32)
+        q1r = (q1f * cos[None, :] + q2f * sin[None, :]).to(q1.dtype)
+        q2r = (q2f * cos[None, :] - q1f * sin[None, :]).to(q1.dtype)
+        s = tl.dot(q1r, tl.trans(k1), input_precision=DOT_PRECISION)
+        s = tl.dot(q2r, tl.trans(k2), s, input_precision=DOT_PRECISION)
+    return s
+
+
 @triton.jit
 def _sparse_attn_fwd(
     Q, K, V, Out,                      # q [Hq, N, D]; k, v [Hkv, N, D]; out [Hq, N, D]
@@ -53,11 +123,13 @@ def _sparse_attn_fwd(
     BLOCK_N: tl.constexpr,             # key sub-tile (divides BLOCK)
     HEAD_DIM: tl.constexpr,
     ROPE: tl.constexpr,                # ROPE_NONE / ROPE_ON_K / ROPE_ON_Q
+    SKIP_ZERO: tl.constexpr,           # SKIP_NONE / SKIP_SPLIT / SKIP_BRANCH (RoPE modes only)
     DOT_PRECISION: tl.constexpr,       # "ieee" for fp32 inputs, "tf32" otherwise (ignored for 16-bit)
     FAST_TRIG: tl.constexpr,           # MUFU sin/cos (GPU); False in the interpreter
 ):
     SPLIT: tl.constexpr = BLOCK // BLOCK_N
     HALF: tl.constexpr = HEAD_DIM // 2
+    SCAN: tl.constexpr = 64            # CSR entries inspected per step of the delta == 0 suffix scan
     # Heads vary fastest, so programs of one kv group run together (K/V reuse in L2), and late query blocks,
     # which list the most key blocks (causality), are launched first to shorten the tail.
     h = tl.program_id(0)
@@ -77,71 +149,72 @@ def _sparse_attn_fwd(
     q_ptr = Q + h.to(tl.int64) * stride_qh + (qb * BLOCK).to(tl.int64) * stride_qn + offs_m[:, None] * stride_qn
     k_head = K + kvh.to(tl.int64) * stride_kh + offs_n[:, None] * stride_kn
     v_head = V + kvh.to(tl.int64) * stride_vh + offs_n[:, None] * stride_vn
-    if ROPE == ROPE_NONE:
-        q = tl.load(q_ptr + offs_d[None, :] * stride_qd)                      # [BLOCK, D]
-    else:
-        q1 = tl.load(q_ptr + offs_h[None, :] * stride_qd)                     # [BLOCK, D/2]
-        q2 = tl.load(q_ptr + (offs_h + HALF)[None, :] * stride_qd)
-        q_off = tl.load(BlockOffset + qb)
-        turns = tl.load(Turns + offs_h)                                         # fp64 [D/2]
 
     m_i = tl.full([BLOCK], -1.0e30, tl.float32)  # finite: a fully masked tile gives exp2(-inf) = 0, never NaN
     l_i = tl.zeros([BLOCK], tl.float32)
     acc = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
 
-    for j in range(start * SPLIT, end * SPLIT):
-        kb = tl.load(Indices + j // SPLIT)
-        k_first = (j % SPLIT) * BLOCK_N                 # first slot of this sub-tile inside block kb
-        k_valid = tl.load(BlockValid + kb)
-        k_ptr = k_head + (kb * BLOCK + k_first).to(tl.int64) * stride_kn
-        if ROPE == ROPE_NONE:
-            k = tl.load(k_ptr + offs_d[None, :] * stride_kd)                  # [BLOCK_N, D]
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        else:
-            # Angle in fp64 turns, reduced to [-1/2, 1/2) before fp32: exact at offsets of 200K and beyond.
-            delta = (tl.load(BlockOffset + kb) - q_off).to(tl.float64)
-            t = delta * turns
-            t = t - tl.floor(t + 0.5)
-            angle = t.to(tl.float32) * 6.283185307179586
-            # |angle| <= pi here, where the MUFU approximations are good to ~5e-7 (accurate libdevice sin/cos
-            # cost thousands of cycles per tile, measured as +60% time).
-            if FAST_TRIG:
-                cos = libdevice.fast_cosf(angle)
-                sin = libdevice.fast_sinf(angle)
-            else:  # the interpreter has no MUFU functions
-                cos = tl.cos(angle)
-                sin = tl.sin(angle)
+    # Entries [start, mid) of the row go through the rotating loop, [mid, end) through the pre-rotated loop.
+    mid = start
+    if ROPE != ROPE_NONE:
+        q1 = tl.load(q_ptr + offs_h[None, :] * stride_qd)                     # [BLOCK, D/2]
+        q2 = tl.load(q_ptr + (offs_h + HALF)[None, :] * stride_qd)
+        q_off = tl.load(BlockOffset + qb)
+        mid = end
+        if SKIP_ZERO == SKIP_SPLIT:
+            # mid = start of the row's trailing run of delta == 0 entries, found SCAN entries at a time.
+            go = end > start
+            while go:
+                jj = mid - 1 - tl.arange(0, SCAN)
+                ok = jj >= start
+                kbs = tl.load(Indices + jj, mask=ok, other=0)
+                nonzero = ok & (tl.load(BlockOffset + kbs, mask=ok, other=0) != q_off)
+                last = tl.max(tl.where(nonzero, jj, -1))                       # last nonzero-delta entry
+                go = (last < 0) & (mid - SCAN > start)
+                mid = tl.where(last >= 0, last + 1, tl.maximum(mid - SCAN, start))
+        # cos/sin of the last delta (loop-carried): consecutive key blocks and sub-tiles of one earlier segment
+        # share delta, so they are computed once per run. The initial entry is delta = 0: cos = 1, sin = 0.
+        last_delta = tl.zeros([], tl.int32)
+        cos = tl.full([HALF], 1.0, tl.float32)
+        sin = tl.zeros([HALF], tl.float32)
+        for j in range(start * SPLIT, mid * SPLIT):
+            kb = tl.load(Indices + j // SPLIT)
+            k_first = (j % SPLIT) * BLOCK_N                 # first slot of this sub-tile inside block kb
+            k_valid = tl.load(BlockValid + kb)
+            k_ptr = k_head + (kb * BLOCK + k_first).to(tl.int64) * stride_kn
             k1 = tl.load(k_ptr + offs_h[None, :] * stride_kd)                  # [BLOCK_N, D/2]
             k2 = tl.load(k_ptr + (offs_h + HALF)[None, :] * stride_kd)
-            if ROPE == ROPE_ON_K:
-                # k' = R(delta) k (rotate_half): k1' = k1 c - k2 s, k2' = k2 c + k1 s
-                k1f = k1.to(tl.float32)
-                k2f = k2.to(tl.float32)
-                k1r = (k1f * cos[None, :] - k2f * sin[None, :]).to(k1.dtype)
-                k2r = (k2f * cos[None, :] + k1f * sin[None, :]).to(k1.dtype)
-                s = tl.dot(q1, tl.trans(k1r), input_precision=DOT_PRECISION)
-                s = tl.dot(q2, tl.trans(k2r), s, input_precision=DOT_PRECISION)
+            delta = tl.load(BlockOffset + kb) - q_off
+            if SKIP_ZERO == SKIP_BRANCH:
+                if delta == 0:
+                    s = tl.dot(q1, tl.trans(k1), input_precision=DOT_PRECISION)
+                    s = tl.dot(q2, tl.trans(k2), s, input_precision=DOT_PRECISION)
+                else:
+                    if delta != last_delta:
+                        cos, sin = _rope_cos_sin(delta, Turns, offs_h, FAST_TRIG)
+                        last_delta = delta
+                    s = _rotated_scores(q1, q2, k1, k2, cos, sin, ROPE, DOT_PRECISION)
             else:
-                # q' = R(-delta) q, same scores: q1' = q1 c + q2 s, q2' = q2 c - q1 s
-                q1f = q1.to(tl.float32)
-                q2f = q2.to(tl.float32)
-                q1r = (q1f * cos[None, :] + q2f * sin[None, :]).to(q1.dtype)
-                q2r = (q2f * cos[None, :] - q1f * sin[None, :]).to(q1.dtype)
-                s = tl.dot(q1r, tl.trans(k1), input_precision=DOT_PRECISION)
-                s = tl.dot(q2r, tl.trans(k2), s, input_precision=DOT_PRECISION)
+                # delta == 0 can occur here (SKIP_NONE, or a block of another segment that starts at the same
+                # logical position as the query's): it is rotated like any other delta (by R(0), exact).
+                if delta != last_delta:
+                    cos, sin = _rope_cos_sin(delta, Turns, offs_h, FAST_TRIG)
+                    last_delta = delta
+                s = _rotated_scores(q1, q2, k1, k2, cos, sin, ROPE, DOT_PRECISION)
+            m_i, l_i, acc = _softmax_pv(s, kb, k_first, k_valid, qb, m_i, l_i, acc, v_head, stride_vn, stride_vd,
+                                        qk_scale, offs_m, offs_n, offs_d, BLOCK, DOT_PRECISION)
 
-        # Row r may see slot c of block kb iff c < k_valid, and c <= r on the diagonal block.
-        lim = tl.where(kb == qb, tl.minimum(offs_m, k_valid - 1), k_valid - 1)
-        s = tl.where((k_first + offs_n)[None, :] <= lim[:, None], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        # Padding slots may hold anything (NaN too): zero them, since 0 * NaN would poison the row.
-        v = tl.load(v_head + (kb * BLOCK + k_first).to(tl.int64) * stride_vn + offs_d[None, :] * stride_vd,
-                    mask=(k_first + offs_n)[:, None] < k_valid, other=0.0)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
-        m_i = m_new
+    # Pre-rotated loop: all of the row without RoPE, its delta == 0 suffix with SKIP_SPLIT (R(0) = identity).
+    if mid < end:
+        q = tl.load(q_ptr + offs_d[None, :] * stride_qd)                      # [BLOCK, D]
+        for j in range(mid * SPLIT, end * SPLIT):
+            kb = tl.load(Indices + j // SPLIT)
+            k_first = (j % SPLIT) * BLOCK_N
+            k_valid = tl.load(BlockValid + kb)
+            k = tl.load(k_head + (kb * BLOCK + k_first).to(tl.int64) * stride_kn + offs_d[None, :] * stride_kd)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+            m_i, l_i, acc = _softmax_pv(s, kb, k_first, k_valid, qb, m_i, l_i, acc, v_head, stride_vn, stride_vd,
+                                        qk_scale, offs_m, offs_n, offs_d, BLOCK, DOT_PRECISION)
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)  # rows that saw no key (empty CSR row) stay 0
     out = acc / l_i[:, None]
@@ -158,6 +231,7 @@ class KernelConfig:
     num_warps: int
     num_stages: int
     rope_on: str = "k"
+    skip_zero: str = "split"  # how delta == 0 tiles skip the rotation: "split" / "branch" / "none" (SKIP_*)
 
 
 def default_config(block: int, head_dim: int) -> KernelConfig:
@@ -252,7 +326,7 @@ def _launch(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, *, sc
     hq, n, d = q.shape
     nb = n // block
     cfg = config or default_config(block, d)
-    assert block % cfg.block_n == 0 and cfg.rope_on in ("k", "q"), cfg
+    assert block % cfg.block_n == 0 and cfg.rope_on in ("k", "q") and cfg.skip_zero in SKIP_MODES, cfg
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if inv_freq is None:
@@ -265,6 +339,7 @@ def _launch(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, *, sc
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         nb, float(scale) * LOG2E,
         GROUP=hq // k.shape[0], BLOCK=block, BLOCK_N=cfg.block_n, HEAD_DIM=d, ROPE=rope,
+        SKIP_ZERO=SKIP_MODES[cfg.skip_zero],
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FAST_TRIG=q.device.type == "cuda",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

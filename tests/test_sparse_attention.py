@@ -221,6 +221,51 @@ def test_key_subtiles_and_rope_side(rope_on):
     check_close(out, dense_reference(q_log, k_log, v.double(), layout, mask, d ** -0.5), dtype, f"rope on {rope_on}")
 
 
+def _delta_runs(layout: Layout, indptr, indices):
+    """Per CSR row: the list of deltas (block_offset[kb] - block_offset[qb]) in kernel order."""
+    off = layout.block_offset.tolist()
+    nb = len(off)
+    ptr, idx = indptr.tolist(), indices.tolist()
+    return [[off[kb] - off[r % nb] for kb in idx[ptr[r]:ptr[r + 1]]] for r in range(len(ptr) - 1)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("skip_zero", ["split", "branch", "none"])
+@pytest.mark.parametrize("rope_on", ["k", "q"])
+@pytest.mark.parametrize("block,block_n", [(16, 16), (32, 16)])
+def test_mixed_zero_and_nonzero_deltas(block, block_n, rope_on, skip_zero, dtype):
+    """Rows whose key blocks mix delta == 0 (own segment, and another segment starting at the same logical
+    position) with runs of equal nonzero deltas (several consecutive blocks of one earlier segment), and a delta
+    that comes back after a different one: exercises the delta == 0 skip (both the trailing run and a zero in
+    the middle of a row) and the cos/sin cache (hit, miss, refill)."""
+    if dtype == torch.float16 and (skip_zero != "split" or block != 32):
+        pytest.skip("fp16 only for the default mode with key sub-tiles (interpreter time)")
+    gen = torch.Generator().manual_seed(19)
+    d, hq, hkv = 64, 2, 1
+    # Segments 0/2 and 1/3 start at the same logical positions, segment 4 later (offsets past 65,535 in the
+    # second request).
+    layout = make_layout([[40, 50, 35, 45, 60], [33, 70, 20]], block,
+                         starts=[[0, 700, 0, 700, 1000], [0, 90_000, 90_000 + 70]])
+    inv_freq = default_inv_freq(d)
+    q, k, v, q_log, k_log = make_qkv(layout, hq, hkv, d, dtype, inv_freq, gen, nan_padding=True)
+    indptr, indices, mask = make_csr(layout, hq, "all", gen)
+    rows = _delta_runs(layout, indptr, indices)
+    # The data really covers the cases.
+    assert any(r and r[-1] == 0 and any(x != 0 for x in r) for r in rows)             # nonzero prefix, 0 suffix
+    assert any(any(x == 0 and any(y != 0 for y in r[i:]) for i, x in enumerate(r)) for r in rows)  # 0 mid-row
+    assert any(any(a == b != 0 for a, b in zip(r, r[1:])) for r in rows)               # cache hits
+    assert any(any(x != 0 and x in r[:i] and r[i - 1] != x for i, x in enumerate(r)) for r in rows)  # refill
+    cfg = KernelConfig(block_n=block_n, num_warps=4, num_stages=2, rope_on=rope_on, skip_zero=skip_zero)
+    out = run_kernel(q, k, v, indptr, indices, layout, inv_freq, d ** -0.5, config=cfg)
+    ref = dense_reference(q_log, k_log, v.double(), layout, mask, d ** -0.5)
+    check_close(out, ref, dtype, f"mixed deltas block={block}/{block_n} rope_on={rope_on} skip={skip_zero}")
+    # Same mask with a random subset of blocks (gaps inside runs, rows that end on an earlier segment).
+    indptr, indices, mask = make_csr(layout, hq, "random", gen)
+    out = run_kernel(q, k, v, indptr, indices, layout, inv_freq, d ** -0.5, config=cfg)
+    ref = dense_reference(q_log, k_log, v.double(), layout, mask, d ** -0.5)
+    check_close(out, ref, dtype, f"mixed deltas (random) block={block}/{block_n} rope_on={rope_on} skip={skip_zero}")
+
+
 def test_prerotated_keys_without_rope():
     """inv_freq=None: q and k already at logical positions, no rotation in the kernel."""
     gen = torch.Generator().manual_seed(9)
