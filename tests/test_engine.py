@@ -342,3 +342,28 @@ def test_refusals(tokenizer, tmp_path):
     model.config.rope_parameters = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
     with pytest.raises(SiftError, match="rope_type='dynamic' is unsupported"):
         SiftEngine(model, tokenizer, index)
+
+
+def test_triton_backend_equals_torch_backend(tokenizer, tmp_path):
+    """The GPU path (Triton block_indices, sparse_attention, decode_attention; interpreted on CPU) on a short
+    prompt with sparse random bits: same logits and greedy tokens as the torch backend."""
+    model = _tiny("llama", tmp_path)
+    r = Request("Hi.", [("a", "Lilu is a spirit. In Akkadian texts the lilu were wind demons of the night."),
+                        ("b", "Gallu is a demon of the underworld, one of the seven who drag souls below.")], "Lilu?")
+    docs = doc_ids(tokenizer, [r])
+    gen = torch.Generator().manual_seed(2)
+    bits = {}
+    for d, ids in docs.items():
+        p = n_pages(len(ids), 16)
+        assert p >= 2
+        bits[d] = (pack_msb(torch.rand(8, p * (p + 1) // 2, generator=gen) < 0.5).numpy().tobytes(),
+                   pack_msb(torch.rand(8, p, generator=gen) < 0.5).numpy().tobytes())
+    index = write_index(tmp_path / "index", model, fingerprint(tmp_path / "model"), docs, tile=16, bits=bits)
+    gpu = SiftEngine(model, tokenizer, index, backend="triton").generate([r], max_new_tokens=3)
+    cpu = SiftEngine(model, tokenizer, index, backend="torch").generate([r], max_new_tokens=3)
+    assert gpu.prefill.backend == "triton"
+    err = (gpu.prefill.logits - cpu.prefill.logits).abs().max().item()
+    print(f"triton vs torch backend: max |logit diff| = {err:.2e}, tiles {gpu.prefill.tile_fraction:.2f}")
+    assert err <= 1e-4
+    assert gpu.prefill.tile_fraction == cpu.prefill.tile_fraction
+    assert gpu.token_ids == cpu.token_ids
