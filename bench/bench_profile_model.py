@@ -28,15 +28,18 @@ def llama8b(layers: int) -> LlamaForCausalLM:
                       num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
                       max_position_embeddings=131072 + 8, rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
     cfg._attn_implementation = "sdpa"
+    torch.set_default_dtype(torch.bfloat16)
     with torch.device("cuda"):
-        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
+        model = LlamaForCausalLM(cfg)
+    torch.set_default_dtype(torch.float32)
     for p in model.parameters():  # small weights keep activations finite through random layers
         p.data.normal_(0, 0.02)
     return model.eval()
 
 
-def timed(fn, reps: int) -> tuple[float, float]:
-    fn()
+def timed(fn, reps: int) -> tuple[float, float, object]:
+    """Median ms and peak extra MiB of `fn` over `reps` runs after one warm-up; also its last result."""
+    result = fn()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -44,11 +47,11 @@ def timed(fn, reps: int) -> tuple[float, float]:
     for _ in range(reps):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        fn()
+        result = fn()
         torch.cuda.synchronize()
         t.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated() - base
-    return sorted(t)[len(t) // 2] * 1e3, peak / 2**20
+    return sorted(t)[len(t) // 2] * 1e3, peak / 2**20, result
 
 
 def main():
@@ -62,14 +65,13 @@ def main():
     rows = []
     for n in [int(x) for x in args.lengths.split(",")]:
         ids = torch.randint(2, 128000, (n,)).tolist()
-        reps = 5 if n <= 32768 else 2
+        reps = 3 if n <= 32768 else 1
         model.set_attn_implementation("sdpa")
         x = torch.tensor([[1] + ids], device="cuda")
         with torch.inference_mode():
-            fwd_ms, fwd_mib = timed(lambda: model.base_model(input_ids=x, use_cache=False), reps)
+            fwd_ms, fwd_mib, _ = timed(lambda: model.base_model(input_ids=x, use_cache=False), reps)
         model.set_attn_implementation("sift_profile")
-        prof_ms, prof_mib = timed(lambda: profiler.profile(ids), reps)
-        bits = profiler.profile(ids)
+        prof_ms, prof_mib, bits = timed(lambda: profiler.profile(ids), reps)
         row = {"tokens": n, "forward_ms": fwd_ms, "profile_ms": prof_ms, "ratio": prof_ms / fwd_ms,
                "forward_peak_mib": fwd_mib, "profile_peak_mib": prof_mib,
                "la_density": sum(bits.la_density) / len(bits.la_density),

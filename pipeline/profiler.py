@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from sift.errors import SiftError
-from sift.kernels.bits import n_pages, unpack_msb
+from sift.kernels.bits import n_pages
 from sift.kernels.profile_ref import LayerBits, profile_layer_ref
 
 from .config import ProfileConfig
@@ -44,6 +44,15 @@ class DocBits:
     ca: bytes
     la_density: list[float]  # per layer, fraction of lower-triangle tiles kept (mean over heads)
     ca_density: list[float]  # per layer, fraction of pages kept (mean over heads)
+
+
+_POPCOUNT = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.int32)
+
+
+def _density(packed: torch.Tensor, n_bits: int) -> list[float]:
+    """packed: [layers, Hq, bytes] uint8 (trailing bits 0) -> per layer, the fraction of bits set over heads."""
+    ones = _POPCOUNT.to(packed.device)[packed.long()].sum(dim=(1, 2))
+    return (ones.double() / (packed.shape[1] * n_bits)).tolist()
 
 
 class _Capture:
@@ -140,10 +149,8 @@ class Profiler:
         if len(capture.layers) != self.n_layers:
             raise RuntimeError(f"captured {len(capture.layers)} of {self.n_layers} layers: the model does not "
                                f"route attention through AttentionInterface")
-        la = torch.stack([capture.layers[i].la for i in range(self.n_layers)]).cpu()
-        ca = torch.stack([capture.layers[i].ca for i in range(self.n_layers)]).cpu()
+        la = torch.stack([capture.layers[i].la for i in range(self.n_layers)])  # [layers, Hq, bytes]
+        ca = torch.stack([capture.layers[i].ca for i in range(self.n_layers)])
         p = n_pages(n, self.profile_cfg.tile)
-        la_density = unpack_msb(la, p * (p + 1) // 2).float().mean(dim=(1, 2)).tolist()
-        ca_density = unpack_msb(ca, p).float().mean(dim=(1, 2)).tolist()
-        return DocBits(la=la.numpy().tobytes(), ca=ca.numpy().tobytes(), la_density=la_density,
-                       ca_density=ca_density)
+        return DocBits(la=la.cpu().numpy().tobytes(), ca=ca.cpu().numpy().tobytes(),
+                       la_density=_density(la, p * (p + 1) // 2), ca_density=_density(ca, p))
