@@ -194,8 +194,11 @@ def bench_8b(tmp: pathlib.Path) -> list[dict]:
 def bench_smollm2(tmp: pathlib.Path) -> list[dict]:
     try:
         from sift.pipeline.model import DEFAULT_MODEL, load_model
+        from sift.runtime import demo
         from sift.runtime.demo import hotpot_request, load_questions
 
+        if not demo.DATA.exists():  # an installed package without its data: read this checkout's copy
+            demo.DATA = ROOT / "runtime" / "data" / demo.DATA.name
         model, tokenizer, identity = load_model(DEFAULT_MODEL, dtype="bfloat16", device="cuda")
     except (SiftError, ImportError, OSError) as e:
         print(f"SmolLM2 part skipped: {e}", flush=True)
