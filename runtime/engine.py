@@ -148,14 +148,17 @@ def sparse_attention_torch(q, k, v, indptr, indices, layout: BatchLayout, inv_fr
         keep[rows, indices[: int(indptr[-1])].long()] = True
         keep = keep.view(hq, nb, nb)
     offset = layout.token_logical_pos - layout.token_local_pos  # [n_tokens] segment offset of each token
-    for first, n in zip(layout.req_first_token.tolist(), layout.req_n_tokens.tolist()):
+    for (b0, nbr), first, n in zip(layout.request_blocks, layout.req_first_token.tolist(),
+                                   layout.req_n_tokens.tolist()):
         phys = layout.token_phys[first : first + n]
+        # A request whose every causal block is kept (all-ones bits, tiny documents) needs no mask.
+        full = causal or int(keep[:, b0 : b0 + nbr, b0 : b0 + nbr].tril().sum()) == hq * nbr * (nbr + 1) // 2
         qr, kr, vr = q[:, phys], k[:, phys], v[:, phys]
         if inv_freq is not None:
             qr = apply_rope_ref(qr, offset[first : first + n], inv_freq)
             kr = apply_rope_ref(kr, offset[first : first + n], inv_freq)
         args = dict(scale=scale, enable_gqa=True)
-        if causal:
+        if full:
             args["is_causal"] = True
         else:
             tb = phys // blk
