@@ -137,8 +137,7 @@ def sparse_attention_torch(q, k, v, indptr, indices, layout: BatchLayout, inv_fr
     positions, so scores equal the kernel's `q . R(delta) k`; the CSR becomes a token mask (block kept and
     causal) for torch's SDPA. causal=True: the CSR is known to be dense causal (mode "dense"), so no mask is
     built."""
-    hq, _, d = q.shape
-    nb, blk = layout.n_blocks, layout.block
+    hq, nb, blk = q.shape[0], layout.n_blocks, layout.block
     out = torch.zeros_like(q)
     keep = None
     if not causal:
