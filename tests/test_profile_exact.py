@@ -102,3 +102,37 @@ def test_profile_bits_sizes_and_forced_tiles(eager_model):
     assert len(bits.la) == n_layers * n_heads * 1  # 6 tiles -> 1 byte
     # alpha = 1: only the diagonal and the sink column survive: tiles (0,0) (1,0) (1,1) (2,0) (2,2) -> 111101 00
     assert set(bits.la) == {0b11110100}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+def test_local_model_folders_of_each_family(family, eager_model, tmp_path):
+    """`--model PATH` for every supported family: load_model + AttentionInterface capture give the brute-force
+    bits (tiny random weights: this checks the plumbing and shapes, not attention patterns)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    from sift.pipeline.model import load_model
+
+    _, tokenizer = eager_model
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}[family]
+    torch.manual_seed(0)
+    config = cls(vocab_size=49152, hidden_size=192, intermediate_size=256, num_hidden_layers=2,
+                 num_attention_heads=6, num_key_value_heads=2, head_dim=32, max_position_embeddings=2048)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "m")
+    tokenizer.save_pretrained(tmp_path / "m")
+    model, tok, identity = load_model(str(tmp_path / "m"), attn_implementation="eager")
+    assert (identity.model_type, identity.n_layers, identity.n_heads, identity.n_kv_heads) == (family, 2, 6, 2)
+    cfg = ProfileConfig(tile=16, alpha=0.02, beta=0.05, gamma=0.2)  # mid thresholds: mixed bits on random weights
+    ids = tok(wiki_texts(1)[0], add_special_tokens=False).input_ids[:70]
+    prefix = profiling_prefix_ids(tok, cfg)
+    with torch.inference_mode():
+        out = model.base_model(input_ids=torch.tensor([prefix + ids]), output_attentions=True)
+    la, ca, near = b"", b"", []
+    for layer_attn in out.attentions:
+        l_la, l_ca, l_near = brute_force_bits(layer_attn[0].float().numpy(), len(prefix), 16,
+                                              cfg.alpha, cfg.beta, cfg.gamma)
+        la, ca, near = la + l_la, ca + l_ca, near + l_near
+    got = Profiler(model, tok, cfg, "torch").profile(ids)
+    flips = (np.unpackbits(np.frombuffer(la, np.uint8)) != np.unpackbits(np.frombuffer(got.la, np.uint8))).sum() \
+        + (np.unpackbits(np.frombuffer(ca, np.uint8)) != np.unpackbits(np.frombuffer(got.ca, np.uint8))).sum()
+    assert flips <= len(near), f"{family}: {flips} flips"
+    assert 0 < np.unpackbits(np.frombuffer(got.la, np.uint8)).mean() < 1
