@@ -87,8 +87,11 @@ def run(index_path: Path, questions: list[dict], max_new_tokens: int, batch: int
     from .engine import SiftEngine
     from .store import SiftIndex
 
-    model, tokenizer, _ = load_model(DEFAULT_MODEL)
-    index = SiftIndex.open(index_path)
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model, tokenizer, _ = load_model(DEFAULT_MODEL, device=device)
+    index = SiftIndex.open(index_path, device=device)
     engine = SiftEngine(model, tokenizer, index)
     echo(f"index {index_path}: generation {index.generation}, {len(index)} documents, tile {index.tile}; "
          f"backend {engine.backend}, block {engine.block}")
