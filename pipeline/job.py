@@ -23,7 +23,7 @@ from sift.errors import SiftError
 from . import index as idx
 from .config import BuildConfig
 from .corpus import SourceDoc, list_sources, read_source, resolve_duplicates
-from .model import ModelIdentity, fingerprint, resolve_model_dir
+from .model import DEFAULT_MODEL, ModelIdentity, fingerprint, resolve_model_dir
 from .profiler import content_hash, profiling_prefix_ids
 
 log = logging.getLogger("sift.build")
@@ -302,8 +302,8 @@ def run_build(corpus: str | Path, out: str | Path, cfg: BuildConfig, *, ray_addr
         from transformers import AutoConfig
 
         hf_config = AutoConfig.from_pretrained(model_dir)
-        identity = ModelIdentity.from_config(cfg.model if cfg.model != str(model_dir) else str(model_dir),
-                                             fingerprint(model_dir), hf_config)
+        name = DEFAULT_MODEL if cfg.model == DEFAULT_MODEL else str(model_dir)
+        identity = ModelIdentity.from_config(name, fingerprint(model_dir), hf_config)
         tokenizer = _tokenizer(str(model_dir))
         prefix_ids = profiling_prefix_ids(tokenizer, cfg.profile)
         max_tokens = cfg.corpus.max_tokens or (identity.max_position_embeddings - len(prefix_ids))
