@@ -1,8 +1,8 @@
 """Triton kernel of SIFT profiling (SPEC section 2): one layer's q/k -> LA/CA statistics -> packed bits.
 
-The reference twin is `profile_ref.profile_layer_ref`; both share `validate_profile_args` and `finish_bits`,
-so the kernel only has to produce the two statistics `finish_bits` reads. Two flash-style passes, never an
-L x L matrix:
+The reference twin is `profile_ref.profile_layer_ref`; both share `validate_profile_args`, and `_bits_kernel`
+is the one-launch twin of the reference's `finish_bits` (tested equal to it bit for bit), so the passes only
+have to produce the two statistics `finish_bits` reads. Two flash-style passes, never an L x L matrix:
 
 1. `_lse_kernel`, per (query head, block of BLOCK_M document rows): the row log-sum-exp over the row's
    causal keys (profiling prefix included), online, in log2 units -> lse2 [Hq, L]. Prefix rows are skipped:
@@ -15,9 +15,12 @@ L x L matrix:
    Comparing log2 A with log2(beta) instead of A with beta saves the exp2 of every cell (the pass is then
    bound by its one QK^T product); the two orders differ only for a probability within float rounding of
    beta, which is also where exp2 and the reference's softmax may disagree.
+3. `_bits_kernel`, per (head, block of output bytes): `finish_bits` (alpha / gamma thresholds, diagonal, sink
+   page, dense heads, MSB-first packing) straight into the layer's uint8 outputs; one launch instead of ~20
+   small torch ops, which dominated short (RAG-sized) documents.
 
 Memory: lse2 and key_counts are O(Hq * L); tile_max is O(Hq * P^2) (4 bytes per tile), so `profile_layer`
-runs pass 2 and `finish_bits` over chunks of heads whose tile maxima fit `stats_bytes`.
+runs pass 2 and the bits kernel over chunks of heads whose tile maxima fit `stats_bytes`.
 
 GQA: query head h reads key head h // (Hq // Hkv) in place; K is never expanded. q / k may have any strides
 (e.g. views of [L, H, D]). fp32 inputs use IEEE dot products so the bits match the CPU reference; fp16 /
@@ -35,8 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .bits import n_pages
-from .profile_ref import LayerBits, finish_bits, validate_profile_args
+from .bits import ca_nbytes, la_nbytes, n_pages
+from .profile_ref import LayerBits, validate_profile_args
 
 LOG2E = 1.4426950408889634
 FLT_MAX = 3.4028234663852886e38
@@ -121,8 +124,8 @@ def _tile_max(x, ROWS: tl.constexpr, COLS: tl.constexpr, TILE: tl.constexpr):
 
 @triton.jit
 def _stats_block(
-    acc, q_ptrs, k_op, Q_LSE2, TMAX, m0, n0, offs_n, rm, d_ok,
-    stride_ti, n_doc, n_pages, qk_mul, cap_mul, log2_beta,
+    acc, q_ptrs, k_op, Q_LSE, TMAX, m0, n0, offs_n, rm, d_ok,
+    stride_ti, n_doc, n_pages, qk_mul, cap_mul, log2_beta, lse_mul,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE: tl.constexpr, KEY_ROWS: tl.constexpr,
     CAUSAL_MASK: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -136,7 +139,7 @@ def _stats_block(
     offs_m = m0 + rm
     row_ok = offs_m < n_doc
     # Rows past the document get lse2 = +inf, so x = -inf: never counted, never a maximum.
-    lse2 = tl.load(Q_LSE2 + offs_m, mask=row_ok, other=float("inf"))
+    lse2 = tl.load(Q_LSE + offs_m, mask=row_ok, other=float("inf")) * lse_mul
     ti = m0 // TILE + tl.arange(0, BLOCK_M // TILE)
     tj = n0 // TILE + tl.arange(0, BLOCK_N // TILE)
     if KEY_ROWS:
@@ -165,9 +168,9 @@ def _stats_block(
 
 @triton.jit
 def _stats_kernel(
-    Q, K, LSE2, TMAX, COUNTS,
+    Q, K, LSE, TMAX, COUNTS,
     stride_qh, stride_ql, stride_qd, stride_kh, stride_kl, stride_kd, stride_lh, stride_th, stride_ti, stride_ch,
-    n_prefix, n_doc, n_pages, h_first, qk_mul, cap_mul, log2_beta,
+    n_prefix, n_doc, n_pages, h_first, qk_mul, cap_mul, log2_beta, lse_first, lse_mul,
     GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TILE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KEY_ROWS: tl.constexpr, SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -176,6 +179,9 @@ def _stats_kernel(
 
     TMAX[hc, i, j] = max A over tile (i, j)'s causal cells (written for every j <= i, 0 above the diagonal
     where a block reaches there); COUNTS[h, n] = |{document q >= n : A[q, n] >= beta}|.
+    LSE[h, lse_first + m] * lse_mul is document row m's lse2: the first pass's lse2 (lse_first 0, lse_mul 1)
+    or the forward's natural-log lse over all rows (lse_first n_prefix, lse_mul log2 e, rounded as
+    `lse * LOG2E` in fp32 torch would be).
     """
     hc = tl.program_id(0)
     h = h_first + hc
@@ -201,19 +207,19 @@ def _stats_kernel(
                        mask=d_ok[:, None] & n_ok[None, :], other=0.0)
         q_ptrs = q_base + (rm[:, None] * stride_ql + rd[None, :] * stride_qd)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.int32)
-    q_lse2 = LSE2 + h.to(tl.int64) * stride_lh
+    q_lse = LSE + h.to(tl.int64) * stride_lh + lse_first
     tmax_ptr = TMAX + hc.to(tl.int64) * stride_th
 
     # Query blocks from m_full on lie wholly at or below the key block: no causal mask.
     m_full = tl.minimum(tl.cdiv(n0 + BLOCK_N - 1, BLOCK_M) * BLOCK_M, n_doc)
     for m0 in range(m_lo, m_full, BLOCK_M):
-        acc = _stats_block(acc, q_ptrs, k_op, q_lse2, tmax_ptr, m0, n0, offs_n, rm, d_ok,
-                           stride_ti, n_doc, n_pages, qk_mul, cap_mul, log2_beta,
+        acc = _stats_block(acc, q_ptrs, k_op, q_lse, tmax_ptr, m0, n0, offs_n, rm, d_ok,
+                           stride_ti, n_doc, n_pages, qk_mul, cap_mul, log2_beta, lse_mul,
                            BLOCK_M, BLOCK_N, TILE, KEY_ROWS, True, SOFTCAP, DOT_PRECISION)
         q_ptrs += BLOCK_M * stride_ql
     for m0 in range(m_full, n_doc, BLOCK_M):
-        acc = _stats_block(acc, q_ptrs, k_op, q_lse2, tmax_ptr, m0, n0, offs_n, rm, d_ok,
-                           stride_ti, n_doc, n_pages, qk_mul, cap_mul, log2_beta,
+        acc = _stats_block(acc, q_ptrs, k_op, q_lse, tmax_ptr, m0, n0, offs_n, rm, d_ok,
+                           stride_ti, n_doc, n_pages, qk_mul, cap_mul, log2_beta, lse_mul,
                            BLOCK_M, BLOCK_N, TILE, KEY_ROWS, False, SOFTCAP, DOT_PRECISION)
         q_ptrs += BLOCK_M * stride_ql
     if KEY_ROWS:
@@ -221,6 +227,63 @@ def _stats_kernel(
     else:
         counts = tl.sum(acc, 0)
     tl.store(COUNTS + h.to(tl.int64) * stride_ch + offs_n, counts, mask=n_ok)
+
+
+@triton.jit
+def _bits_kernel(
+    TMAX, COUNTS, DENSE, LA, CA,
+    stride_th, stride_ti, stride_ch, stride_lah, stride_cah,
+    h_first, n_doc, n_pages, la_bits, la_bytes, ca_bytes, alpha, gamma,
+    TILE: tl.constexpr, LA_BYTES: tl.constexpr, CA_BYTES: tl.constexpr,
+    KEY_INDEX: tl.constexpr, SINK: tl.constexpr, HAS_DENSE: tl.constexpr,
+):
+    """`profile_ref.finish_bits` in one launch for heads h_first + program_id(1): packed LA and CA bytes.
+
+    Programs [0, cdiv(la_bytes, LA_BYTES)) write LA_BYTES bytes of LA each, the rest CA_BYTES bytes of CA.
+    Every byte is written, trailing bits 0. alpha / gamma are already float32 values, so the comparisons are
+    finish_bits' own (tile_max >= alpha; count / denom, correctly rounded, >= gamma).
+    """
+    pid = tl.program_id(0)
+    hc = tl.program_id(1)
+    h = h_first + hc
+    shifts = 7 - tl.arange(0, 8)  # MSB first
+    n_la = tl.cdiv(la_bytes, LA_BYTES)
+    dense = False
+    if HAS_DENSE:
+        dense = tl.load(DENSE + h) != 0
+    if pid < n_la:
+        rb = pid * LA_BYTES + tl.arange(0, LA_BYTES)
+        n = rb.to(tl.int64)[:, None] * 8 + tl.arange(0, 8)[None, :]  # [LA_BYTES, 8] bit index i(i+1)/2 + j
+        ok = n < la_bits
+        i = ((tl.sqrt((8 * n + 1).to(tl.float32)) - 1.0) * 0.5).to(tl.int64)
+        i = tl.where((i + 1) * (i + 2) // 2 <= n, i + 1, i)  # fp32 sqrt is off by at most one row
+        i = tl.where(i * (i + 1) // 2 > n, i - 1, i)
+        j = n - i * (i + 1) // 2
+        tm = tl.load(TMAX + hc.to(tl.int64) * stride_th + i * stride_ti + j, mask=ok, other=0.0)
+        bit = (tm >= alpha) | (i == j)
+        if SINK:
+            bit = bit | (j == 0)
+        if HAS_DENSE:
+            bit = bit | dense
+        bit = bit & ok
+        byte = tl.sum(bit.to(tl.int32) << shifts[None, :], 1)
+        tl.store(LA + h.to(tl.int64) * stride_lah + rb, byte.to(tl.uint8), mask=rb < la_bytes)
+    else:
+        rb = (pid - n_la) * CA_BYTES + tl.arange(0, CA_BYTES)
+        page = rb[:, None] * 8 + tl.arange(0, 8)[None, :]  # [CA_BYTES, 8]
+        key = page[:, :, None] * TILE + tl.arange(0, TILE)[None, None, :]  # [CA_BYTES, 8, TILE]
+        ok = key < n_doc
+        count = tl.load(COUNTS + h.to(tl.int64) * stride_ch + key, mask=ok, other=0)
+        if KEY_INDEX:
+            denom = key + 1
+        else:
+            denom = tl.where(ok, n_doc - key, 1)
+        hot = (tl.math.div_rn(count.to(tl.float32), denom.to(tl.float32)) >= gamma) & ok
+        page_hot = tl.max(hot.to(tl.int32), 2)  # [CA_BYTES, 8]
+        if HAS_DENSE:
+            page_hot = tl.where(dense & (page < n_pages), 1, page_hot)
+        byte = tl.sum(page_hot << shifts[None, :], 1)
+        tl.store(CA + h.to(tl.int64) * stride_cah + rb, byte.to(tl.uint8), mask=rb < ca_bytes)
 
 
 @dataclass(frozen=True)
@@ -337,22 +400,48 @@ def _launch_lse(q, k, *, n_prefix, scale, softcap, cfg: KernelConfig) -> torch.T
     return lse2
 
 
-def _launch_stats(q, k, lse2, key_counts, heads: range, *, n_prefix, tile, beta, scale, softcap,
-                  cfg: KernelConfig) -> torch.Tensor:
-    """Fills key_counts[heads] and returns tile_max [len(heads), P, P] fp32."""
+def _fp32(x: float) -> float:
+    """x rounded to float32, as the reference's torch.tensor(x, dtype=float32) compares it."""
+    return float(torch.tensor(x, dtype=torch.float32))
+
+
+@dataclass(frozen=True)
+class _Lse:
+    """Row lse as the stats pass reads it: tensor[h, first + m] * mul is document row m's lse2 (log2 units)."""
+
+    tensor: torch.Tensor
+    first: int
+    mul: float
+
+
+def _lse_input(lse: torch.Tensor | None, q, k, *, n_prefix, scale, softcap, cfg) -> _Lse:
+    """The forward's natural-log lse [Hq, Lp] as given (scaled to log2 in the kernel), else the first pass's."""
+    if lse is None:
+        return _Lse(_launch_lse(q, k, n_prefix=n_prefix, scale=scale, softcap=softcap, cfg=cfg), 0, 1.0)
+    if lse.dtype != torch.float32 or lse.stride(1) != 1:
+        lse = lse.to(torch.float32).contiguous()
+    return _Lse(lse, n_prefix, LOG2E)
+
+
+def _launch_stats(q, k, lse: _Lse, key_counts, heads: range, *, n_prefix, tile, beta, scale, softcap,
+                  cfg: KernelConfig, zero_upper: bool = True) -> torch.Tensor:
+    """Fills key_counts[heads] and returns tile_max [len(heads), P, P] fp32 (above the diagonal: 0 when
+    zero_upper, else whatever the allocation held; the bits read only the lower triangle)."""
     hq, lp, d = q.shape
     n_doc = lp - n_prefix
     p = n_pages(n_doc, tile)
     assert cfg.block_m % tile == 0 and cfg.block_n % tile == 0, (cfg, tile)
-    tile_max = torch.zeros(len(heads), p, p, dtype=torch.float32, device=q.device)
-    beta32 = float(torch.tensor(beta, dtype=torch.float32))
+    alloc = torch.zeros if zero_upper else torch.empty
+    tile_max = alloc(len(heads), p, p, dtype=torch.float32, device=q.device)
+    beta32 = _fp32(beta)
     log2_beta = math.log2(beta32) if beta32 > 0 else -FLT_MAX  # x = -inf (masked) never counts
     qk_mul, cap_mul = _score_muls(scale, softcap)
     with _device_of(q):
         _stats_kernel[(len(heads), triton.cdiv(n_doc, cfg.block_n))](
-            q, k, lse2, tile_max, key_counts,
-            *q.stride(), *k.stride(), lse2.stride(0), tile_max.stride(0), tile_max.stride(1), key_counts.stride(0),
-            n_prefix, n_doc, p, heads.start, qk_mul, cap_mul, log2_beta,
+            q, k, lse.tensor, tile_max, key_counts,
+            *q.stride(), *k.stride(), lse.tensor.stride(0), tile_max.stride(0), tile_max.stride(1),
+            key_counts.stride(0),
+            n_prefix, n_doc, p, heads.start, qk_mul, cap_mul, log2_beta, lse.first, lse.mul,
             GROUPS=hq // k.shape[0], HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), TILE=tile,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, KEY_ROWS=cfg.key_rows, SOFTCAP=softcap is not None,
             DOT_PRECISION=_dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -360,10 +449,28 @@ def _launch_stats(q, k, lse2, key_counts, heads: range, *, n_prefix, tile, beta,
     return tile_max
 
 
-def _lse2_from(lse: torch.Tensor | None, q, k, *, n_prefix, scale, softcap, cfg) -> torch.Tensor:
-    if lse is None:
-        return _launch_lse(q, k, n_prefix=n_prefix, scale=scale, softcap=softcap, cfg=cfg)
-    return (lse[:, n_prefix:].to(torch.float32) * LOG2E).contiguous()
+LA_BYTES_PER_PROGRAM = 64
+
+
+def _launch_bits(tile_max, key_counts, dense, la, ca, heads: range, *, n_doc, tile, alpha, gamma,
+                 ca_normalize, force_sink_page) -> None:
+    """`finish_bits` as one kernel: writes la[heads] / ca[heads] (uint8 rows of the whole layer's outputs).
+
+    tile_max: [len(heads), P, P] fp32 (lower triangle read); key_counts: [Hq, L] int32; dense: [Hq] uint8
+    (1 = dense head) or None.
+    """
+    p = n_pages(n_doc, tile)
+    ca_per_program = max(1, 512 // tile)  # 4096 keys a program
+    grid = (triton.cdiv(la.shape[1], LA_BYTES_PER_PROGRAM) + triton.cdiv(ca.shape[1], ca_per_program), len(heads))
+    with _device_of(tile_max):
+        _bits_kernel[grid](
+            tile_max, key_counts, dense if dense is not None else key_counts, la, ca,
+            tile_max.stride(0), tile_max.stride(1), key_counts.stride(0), la.stride(0), ca.stride(0),
+            heads.start, n_doc, p, p * (p + 1) // 2, la.shape[1], ca.shape[1], _fp32(alpha), _fp32(gamma),
+            TILE=tile, LA_BYTES=LA_BYTES_PER_PROGRAM, CA_BYTES=ca_per_program,
+            KEY_INDEX=ca_normalize == "key_index", SINK=force_sink_page, HAS_DENSE=dense is not None,
+            num_warps=4,
+        )
 
 
 def _configs(configs, tile, q, n_prefix) -> tuple[KernelConfig, KernelConfig]:
@@ -404,11 +511,12 @@ def profile_stats(
     _check_kernel_inputs(q, k, scale=scale, softcap=softcap, lse=lse, dense_heads=(), v=None)
     lse_cfg, stats_cfg = _configs(configs, tile, q, n_prefix)
     hq, lp, _ = q.shape
-    lse2 = _lse2_from(lse, q, k, n_prefix=n_prefix, scale=scale, softcap=softcap, cfg=lse_cfg)
+    lse_in = _lse_input(lse, q, k, n_prefix=n_prefix, scale=scale, softcap=softcap, cfg=lse_cfg)
     key_counts = torch.empty(hq, lp - n_prefix, dtype=torch.int32, device=q.device)
-    tile_max = _launch_stats(q, k, lse2, key_counts, range(hq), n_prefix=n_prefix, tile=tile, beta=beta,
+    tile_max = _launch_stats(q, k, lse_in, key_counts, range(hq), n_prefix=n_prefix, tile=tile, beta=beta,
                              scale=scale, softcap=softcap, cfg=stats_cfg)
-    return ProfileStats(tile_max=tile_max, key_counts=key_counts, lse=lse2 / LOG2E)
+    doc_lse = lse_in.tensor[:, lse_in.first:] * lse_in.mul / LOG2E
+    return ProfileStats(tile_max=tile_max, key_counts=key_counts, lse=doc_lse)
 
 
 def profile_layer(
@@ -448,20 +556,20 @@ def profile_layer(
     hq, lp, _ = q.shape
     n_doc = lp - n_prefix
     p = n_pages(n_doc, tile)
-    lse2 = _lse2_from(lse, q, k, n_prefix=n_prefix, scale=scale, softcap=softcap, cfg=lse_cfg)
+    lse_in = _lse_input(lse, q, k, n_prefix=n_prefix, scale=scale, softcap=softcap, cfg=lse_cfg)
     key_counts = torch.empty(hq, n_doc, dtype=torch.int32, device=q.device)
+    la = torch.empty(hq, la_nbytes(n_doc, tile), dtype=torch.uint8, device=q.device)
+    ca = torch.empty(hq, ca_nbytes(n_doc, tile), dtype=torch.uint8, device=q.device)
+    dense = None
+    if dense_heads:
+        flags = torch.zeros(hq, dtype=torch.uint8)
+        flags[[int(h) for h in dense_heads]] = 1
+        dense = flags.to(q.device)
     chunk = max(1, stats_bytes // (p * p * 4))
-    dense = sorted({int(h) for h in dense_heads})
-    la, ca = [], []
     for h0 in range(0, hq, chunk):
         heads = range(h0, min(h0 + chunk, hq))
-        tile_max = _launch_stats(q, k, lse2, key_counts, heads, n_prefix=n_prefix, tile=tile, beta=beta,
-                                 scale=scale, softcap=softcap, cfg=stats_cfg)
-        bits = finish_bits(tile_max, key_counts[heads.start:heads.stop], n_doc, tile=tile, alpha=alpha,
-                           gamma=gamma, ca_normalize=ca_normalize, force_sink_page=force_sink_page,
-                           dense_heads=[h - h0 for h in dense if h in heads])
-        la.append(bits.la)
-        ca.append(bits.ca)
-    if len(la) == 1:
-        return LayerBits(la=la[0], ca=ca[0]), None
-    return LayerBits(la=torch.cat(la), ca=torch.cat(ca)), None
+        tile_max = _launch_stats(q, k, lse_in, key_counts, heads, n_prefix=n_prefix, tile=tile, beta=beta,
+                                 scale=scale, softcap=softcap, cfg=stats_cfg, zero_upper=False)
+        _launch_bits(tile_max, key_counts, dense, la, ca, heads, n_doc=n_doc, tile=tile, alpha=alpha, gamma=gamma,
+                     ca_normalize=ca_normalize, force_sink_page=force_sink_page)
+    return LayerBits(la=la, ca=ca), None

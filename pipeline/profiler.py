@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from sift.errors import SiftError
+from sift.kernels.attention_lse import LSE_CHOICES, AttentionWithLse
 from sift.kernels.bits import n_pages
 from sift.kernels.profile_ref import LayerBits, profile_layer_ref
 
@@ -58,29 +59,30 @@ def _density(packed: torch.Tensor, n_bits: int) -> list[float]:
 class _Capture:
     """Per-forward state handed to the attention function through the model's kwargs."""
 
-    def __init__(self, n_prefix: int, profile: ProfileConfig, backend: str, dense: dict[int, tuple[int, ...]]):
+    def __init__(self, n_prefix: int, profile: ProfileConfig, backend: str, dense: dict[int, tuple[int, ...]],
+                 forward: AttentionWithLse):
         self.n_prefix = n_prefix
+        self.forward = forward
         self.profile = profile
         self.backend = backend
         self.dense = dense
         self.layers: dict[int, LayerBits] = {}
 
 
-def _attention_with_lse(module, query, key, value, scaling, softcap):
-    """The layer's output [1, Lp, Hq, D] and, where the backend exposes it, the row log-sum-exp [Hq, Lp]
+def _attention_with_lse(module, query, key, value, scaling, softcap, forward: AttentionWithLse):
+    """The layer's output [1, Lp, Hq, D] and, where an SDPA backend exposes it, the row log-sum-exp [Hq, Lp]
     (natural log, fp32), so the profiling kernel can skip its own first pass.
 
-    fp16/bf16 without soft-capping: flash SDPA (GQA native) returns both. Otherwise the model's SDPA gives the
-    output and the kernel computes the log-sum-exp itself."""
+    fp16/bf16 without soft-capping: cuDNN (else flash) SDPA returns both, checked once per shape class
+    (`sift.kernels.attention_lse`). Otherwise the model's SDPA gives the output and the kernel computes the
+    log-sum-exp itself."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if query.dtype in (torch.float16, torch.bfloat16) and softcap is None and query.is_cuda:
-        try:
-            out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
-                query, key, value, 0.0, True, False, scale=scaling)[:2]
-            return out.transpose(1, 2), lse[0].float()
-        except RuntimeError:  # shape the flash kernel does not take (e.g. head_dim > 256)
-            pass
+    if softcap is None:
+        result = forward(query, key, value, scale=scaling)
+        if result is not None:
+            out, lse = result
+            return out.transpose(1, 2), lse
     out, _ = sdpa_attention_forward(module, query, key, value, None, scaling=scaling, is_causal=True)
     return out, None
 
@@ -103,20 +105,28 @@ def _profile_attention(module, query, key, value, attention_mask, scaling=None, 
     else:
         from sift.kernels.profile import profile_layer
 
-        out, lse = _attention_with_lse(module, query, key, value, scaling, softcap)
+        out, lse = _attention_with_lse(module, query, key, value, scaling, softcap, c.forward)
         bits, _ = profile_layer(query[0], key[0], lse=lse, **args)
     c.layers[module.layer_idx] = bits
     return out, None
 
 
 class Profiler:
-    """Heavy setup once (model on its device, attention function registered); `profile(ids)` per document."""
+    """Heavy setup once (model on its device, attention function registered); `profile(ids)` per document.
 
-    def __init__(self, model, tokenizer, profile: ProfileConfig, backend: str):
+    lse_source ("triton" backend): which SDPA backend gives each layer's output and row log-sum-exp: "auto"
+    (cuDNN, else flash), "cudnn" or "flash"; `lse_plans` shows what each shape class ran (a plan with
+    source None: the kernel's own lse pass). The bits do not depend on it beyond float rounding.
+    """
+
+    def __init__(self, model, tokenizer, profile: ProfileConfig, backend: str, *, lse_source: str = "auto"):
         from transformers import AttentionInterface
 
         if backend not in ("torch", "triton"):
             raise SiftError(f"profiling backend {backend!r} must be 'torch' or 'triton'")
+        if lse_source not in LSE_CHOICES:
+            raise SiftError(f"lse_source {lse_source!r} must be one of {LSE_CHOICES}")
+        self.forward = AttentionWithLse(lse_source)
         AttentionInterface.register(ATTN_NAME, _profile_attention)
         model.set_attn_implementation(ATTN_NAME)
         self.model = model
@@ -134,6 +144,11 @@ class Profiler:
             self.dense[layer] = self.dense.get(layer, ()) + (head,)
         self.window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
 
+    @property
+    def lse_plans(self) -> dict:
+        """Shape class -> `Plan` (which SDPA backend gave the lse), for benchmarks and debugging."""
+        return dict(self.forward.plans)
+
     @torch.inference_mode()
     def profile(self, token_ids: list[int]) -> DocBits:
         n = len(token_ids)
@@ -144,7 +159,7 @@ class Profiler:
             raise SiftError(f"document of {n} tokens exceeds the model's sliding window ({self.window}); "
                             f"SIFT profiles full causal attention only: set corpus.max_tokens <= {self.window}")
         ids = torch.tensor([self.prefix_ids + list(token_ids)], device=self.model.device)
-        capture = _Capture(len(self.prefix_ids), self.profile_cfg, self.backend, self.dense)
+        capture = _Capture(len(self.prefix_ids), self.profile_cfg, self.backend, self.dense, self.forward)
         self.model.base_model(input_ids=ids, use_cache=False, sift_capture=capture)
         if len(capture.layers) != self.n_layers:
             raise RuntimeError(f"captured {len(capture.layers)} of {self.n_layers} layers: the model does not "

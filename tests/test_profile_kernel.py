@@ -241,3 +241,50 @@ def test_rejects_bad_input():
         profile_layer(q, k, configs=(KernelConfig(32, 16), KernelConfig(32, 16)), **{**args, "tile": 32})
     with pytest.raises(ValueError, match="n_prefix"):
         profile_layer(q, k, **{**args, "n_prefix": q.shape[1]})
+
+
+@pytest.mark.parametrize("n_doc,tile,normalize,sink,dense", [
+    (1, 16, "causal", True, ()),
+    (70, 16, "causal", True, ()),
+    (133, 32, "key_index", False, (1,)),
+    (300, 64, "causal", False, (0, 2)),
+    (1000, 128, "key_index", True, ()),
+    (4000, 16, "causal", True, (2,)),  # P = 250: LA rows straddle bytes, several LA and CA programs
+])
+def test_bits_kernel_matches_finish_bits(n_doc, tile, normalize, sink, dense):
+    """The bit-packing kernel against the torch `finish_bits` on the same statistics: exactly equal, with
+    tile maxima and concentrations placed exactly on, just below and just above the thresholds."""
+    from sift.kernels.profile import LA_BYTES_PER_PROGRAM, _launch_bits
+    from sift.kernels.profile_ref import finish_bits
+
+    hq, alpha, gamma = 3, 0.001, 0.25
+    p = n_pages(n_doc, tile)
+    g = torch.Generator().manual_seed(n_doc)
+    a32 = torch.tensor(alpha, dtype=torch.float32)
+    around = torch.stack([a32, torch.nextafter(a32, torch.tensor(0.0)), torch.nextafter(a32, torch.tensor(1.0))])
+    tile_max = torch.rand(hq, p, p, generator=g) * 0.002
+    pick = torch.rand(hq, p, p, generator=g) < 0.3
+    tile_max[pick] = around[torch.randint(0, 3, (int(pick.sum()),), generator=g)]
+    upper = torch.ones(p, p, dtype=torch.bool).triu(1)
+    tile_max = tile_max.masked_fill(upper, 7.0)  # garbage above the diagonal (>= alpha): must never be read
+    keys = torch.arange(n_doc)
+    denom = (n_doc - keys) if normalize == "causal" else (keys + 1)
+    # counts / denom near gamma = 1/4 for a few keys a page (exactly on it where denom % 4 == 0, else on either
+    # side), about gamma / 2 for the others: pages hot and cold.
+    counts = (denom.float() * gamma).floor().long() + torch.randint(-1, 2, (hq, n_doc), generator=g)
+    counts = counts.clamp(0).minimum(denom)
+    counts = torch.where(torch.rand(hq, n_doc, generator=g) < 4.0 / tile, counts, counts // 2).to(torch.int32)
+    ref = finish_bits(tile_max, counts, n_doc, tile=tile, alpha=alpha, gamma=gamma, ca_normalize=normalize,
+                      force_sink_page=sink, dense_heads=dense)
+    la = torch.full_like(ref.la, 0xAA)
+    ca = torch.full_like(ref.ca, 0xAA)
+    flags = torch.zeros(hq, dtype=torch.uint8)
+    flags[list(dense)] = 1
+    for h0, h1 in ((0, 1), (1, hq)):  # two head chunks, as profile_layer launches them
+        _launch_bits(tile_max[h0:h1], counts, flags if dense else None, la, ca, range(h0, h1), n_doc=n_doc,
+                     tile=tile, alpha=alpha, gamma=gamma, ca_normalize=normalize, force_sink_page=sink)
+    assert ref.la.shape[1] > LA_BYTES_PER_PROGRAM or n_doc < 4000
+    print(f"\nLA density {unpack_msb(ref.la, p * (p + 1) // 2).float().mean():.2f}, "
+          f"CA density {unpack_msb(ref.ca, p).float().mean():.2f}")
+    assert torch.equal(la, ref.la), (la != ref.la).nonzero()[:10]
+    assert torch.equal(ca, ref.ca), (ca != ref.ca).nonzero()[:10]

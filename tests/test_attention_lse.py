@@ -1,0 +1,139 @@
+"""The forward-with-lse picker (`sift.kernels.attention_lse`) on CPU: the row check against an fp32 recomputation,
+and the choice between backends, with the private SDPA ops replaced by fakes built on a dense reference written
+here (the real cuDNN / flash ops need a GPU; bench/bench_profile.py checks them there).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sift.kernels import attention_lse as al
+
+LOG2E = 1.4426950408889634
+
+
+def _dense(query, key, value, scale):
+    """Dense causal attention in fp32: out [1, Hq, Lp, Dv] in query's dtype, lse [1, Hq, Lp] natural log."""
+    g = query.shape[1] // key.shape[1]
+    k = key.float().repeat_interleave(g, dim=1)
+    v = value.float().repeat_interleave(g, dim=1)
+    s = query.float() @ k.transpose(-1, -2) * scale
+    lp = query.shape[2]
+    s = s.masked_fill(~torch.ones(lp, lp, dtype=torch.bool).tril(), float("-inf"))
+    return (torch.softmax(s, dim=-1) @ v).to(query.dtype), torch.logsumexp(s, dim=-1)
+
+
+def _inputs(hq=4, hkv=2, lp=37, d=16, dtype=torch.float16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    # Views of [1, Lp, H, D], as a transformers forward hands them over.
+    q = torch.randn(1, lp, hq, d, generator=g).to(dtype).transpose(1, 2)
+    k = torch.randn(1, lp, hkv, d, generator=g).to(dtype).transpose(1, 2)
+    v = torch.randn(1, lp, hkv, d, generator=g).to(dtype).transpose(1, 2)
+    return q, k, v, d ** -0.5
+
+
+def test_check_rows_accepts_the_dense_result_and_names_errors():
+    q, k, v, scale = _inputs()
+    out, lse = _dense(q, k, v, scale)
+    assert al.check_rows(q, k, v, out, lse[0], scale) is None
+    msg = al.check_rows(q, k, v, out, lse[0] * LOG2E, scale)  # log2 units
+    assert msg is not None and "lse" in msg
+    msg = al.check_rows(q, k, v, out.flip(1), lse[0], scale)  # heads in the wrong order
+    assert msg is not None and "output" in msg
+    bad = lse[0].clone()
+    bad[:, -1] = float("nan")
+    assert al.check_rows(q, k, v, out, bad, scale) is not None
+
+
+class _FakeOps:
+    """Stands in for `attention_lse._run`: per source, 'ok', 'ok4d' (lse with a trailing 1), 'no_gqa' (raises
+    unless K/V have the query heads), 'log2' (lse in log2 units), 'raise'."""
+
+    def __init__(self, **modes):
+        self.modes = modes
+        self.calls = []
+
+    def __call__(self, source, query, key, value, scale):
+        mode = self.modes[source]
+        self.calls.append((source, key.shape[1]))
+        if mode == "raise" or (mode == "no_gqa" and key.shape[1] != query.shape[1]):
+            raise RuntimeError(f"{source}: not supported\nsecond line")
+        out, lse = _dense(query, key, value, scale)
+        if mode == "ok4d":
+            lse = lse[..., None]
+        if mode == "log2":
+            lse = lse * LOG2E
+        return out, lse
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    def install(**modes):
+        ops = _FakeOps(**modes)
+        monkeypatch.setattr(al, "_run", ops)
+        monkeypatch.setattr(al, "_may_run", lambda query: True)
+        return ops
+    return install
+
+
+def test_auto_prefers_cudnn_and_checks_once_per_shape_class(fake, monkeypatch):
+    ops = fake(cudnn="ok4d", flash="ok")
+    checks = []
+    real_check = al.check_rows
+    monkeypatch.setattr(al, "check_rows", lambda *a: checks.append(1) or real_check(*a))
+    fwd = al.AttentionWithLse("auto")
+    q, k, v, scale = _inputs()
+    out, lse = fwd(q, k, v, scale=scale)
+    ref_out, ref_lse = _dense(q, k, v, scale)
+    assert lse.shape == (4, 37) and lse.dtype == torch.float32
+    torch.testing.assert_close(lse, ref_lse[0])
+    assert torch.equal(out, ref_out)
+    fwd(q, k, v, scale=scale)
+    q2, k2, v2, _ = _inputs(lp=50, seed=1)  # same power-of-two bucket (32..63): no new check
+    fwd(q2, k2, v2, scale=scale)
+    assert len(checks) == 1 and {s for s, _ in ops.calls} == {"cudnn"}
+    assert list(fwd.plans.values()) == [al.Plan("cudnn", False)]
+    q3, k3, v3, _ = _inputs(lp=70, seed=2)  # next bucket: checked again
+    fwd(q3, k3, v3, scale=scale)
+    assert len(checks) == 2
+
+
+def test_gqa_refused_natively_is_retried_with_expanded_kv(fake):
+    ops = fake(cudnn="no_gqa", flash="ok")
+    fwd = al.AttentionWithLse("auto")
+    q, k, v, scale = _inputs(hq=6, hkv=2)
+    with pytest.warns(UserWarning, match="expanded K/V"):
+        out, lse = fwd(q, k, v, scale=scale)
+    torch.testing.assert_close(lse, _dense(q, k, v, scale)[1][0])
+    assert list(fwd.plans.values()) == [al.Plan("cudnn", True)]
+    ops.calls.clear()
+    fwd(q, k, v, scale=scale)
+    assert ops.calls == [("cudnn", 6)]  # the plan goes straight to the expanded call
+
+
+def test_wrong_lse_falls_back_to_flash_with_a_warning(fake):
+    fake(cudnn="log2", flash="ok")
+    fwd = al.AttentionWithLse("auto")
+    q, k, v, scale = _inputs()
+    with pytest.warns(UserWarning, match="WRONG RESULT"):
+        _, lse = fwd(q, k, v, scale=scale)
+    torch.testing.assert_close(lse, _dense(q, k, v, scale)[1][0])
+    assert list(fwd.plans.values()) == [al.Plan("flash", False)]
+
+
+def test_no_usable_backend(fake):
+    fake(cudnn="raise", flash="log2")
+    q, k, v, scale = _inputs()
+    with pytest.warns(UserWarning, match="computes it"):
+        assert al.AttentionWithLse("auto")(q, k, v, scale=scale) is None
+    with pytest.raises(RuntimeError, match="'cudnn' unusable.*not supported"):
+        al.AttentionWithLse("cudnn")(q, k, v, scale=scale)
+    with pytest.raises(ValueError, match="lse source"):
+        al.AttentionWithLse("math")
+
+
+def test_cpu_and_fp32_need_no_backend():
+    q, k, v, scale = _inputs()
+    fwd = al.AttentionWithLse("auto")
+    assert fwd(q, k, v, scale=scale) is None  # CPU tensors: the caller runs SDPA and the kernel's lse pass
+    assert list(fwd.plans.values()) == [al.Plan(None)]
