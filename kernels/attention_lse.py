@@ -156,7 +156,7 @@ class AttentionWithLse:
                 plan = Plan(source, expand)
                 try:
                     out, lse = self._call(plan, query, key, value, scale)
-                except RuntimeError as e:  # the backend does not take these shapes / is not built in
+                except (RuntimeError, TypeError, ValueError) as e:  # shapes it does not take, not built in, op changed
                     first = (str(e).splitlines() or [type(e).__name__])[0][:200]
                     failures.append(f"{source}{' (K/V expanded)' if expand else ''}: {first}")
                     continue

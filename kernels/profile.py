@@ -39,10 +39,9 @@ import triton
 import triton.language as tl
 
 from .bits import ca_nbytes, la_nbytes, n_pages
-from .profile_ref import LayerBits, validate_profile_args
+from .profile_ref import LayerBits, finish_bits, validate_profile_args
 
 LOG2E = 1.4426950408889634
-FLT_MAX = 3.4028234663852886e38
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -124,46 +123,79 @@ def _tile_max(x, ROWS: tl.constexpr, COLS: tl.constexpr, TILE: tl.constexpr):
 
 @triton.jit
 def _stats_block(
-    acc, q_ptrs, k_op, Q_LSE, TMAX, m0, n0, offs_n, rm, d_ok,
+    acc, q_op, k_op, Q_LSE, TMAX, m0, n0, offs_n, rm,
     stride_ti, n_doc, n_pages, qk_mul, cap_mul, log2_beta, lse_mul,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILE: tl.constexpr, KEY_ROWS: tl.constexpr,
-    CAUSAL_MASK: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    CAUSAL_MASK: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, COUNT: tl.constexpr,
 ):
     """One query block against the program's key block: add to the per-key counts, store its tiles' maxima.
 
+    Per cell y = log2 A - log2 beta = s2 - (lse2 + log2 beta), one FMA from the raw q.k: counted iff y >= 0,
+    i.e. iff its sign bit is clear, so acc adds the sign bit shifted down (-1 per cell below beta, and per
+    masked or padded cell, which are -inf); the caller turns it into counts. The tile maxima of log2 A are
+    those of y plus log2 beta (one constant for all cells). COUNT False (beta = 0: every causal cell counts,
+    closed form in the caller) leaves log2 beta out (it is 0 there).
+
     KEY_ROWS: the scores are laid out [keys, queries] (k_op = k [BLOCK_N, D] is the stationary left operand,
-    queries stream in as the right one, like a flash forward) and acc [BLOCK_N] holds the per-key counts (a
-    row sum: within warps); else [queries, keys] (k_op = k^T [D, BLOCK_N]) and acc [BLOCK_M, BLOCK_N] counts
-    elementwise (a per-block column sum would cross warps), reduced once at the end.
+    q_op = q^T [D, BLOCK_M] streams in as the right one, like a flash forward) and acc [BLOCK_N] holds the
+    per-key sums (a row sum: within warps); else [queries, keys] (q_op = q [BLOCK_M, D], k_op = k^T
+    [D, BLOCK_N]) and acc [BLOCK_M, BLOCK_N] sums elementwise (a per-block column sum would cross warps),
+    reduced once at the end.
     """
     offs_m = m0 + rm
     row_ok = offs_m < n_doc
-    # Rows past the document get lse2 = +inf, so x = -inf: never counted, never a maximum.
+    # Rows past the document get lse2 = +inf, so y = -inf: below beta, never a maximum.
     lse2 = tl.load(Q_LSE + offs_m, mask=row_ok, other=float("inf")) * lse_mul
+    shift = lse2 + log2_beta if COUNT else lse2
     ti = m0 // TILE + tl.arange(0, BLOCK_M // TILE)
     tj = n0 // TILE + tl.arange(0, BLOCK_N // TILE)
     if KEY_ROWS:
-        qt = tl.load(q_ptrs, mask=d_ok[:, None] & row_ok[None, :], other=0.0)
-        x = _log2_scores(tl.dot(k_op, qt, input_precision=DOT_PRECISION), qk_mul, cap_mul, SOFTCAP)
-        x = x - lse2[None, :]
+        qk = tl.dot(k_op, q_op, input_precision=DOT_PRECISION)
+        if SOFTCAP:
+            y = _log2_scores(qk, qk_mul, cap_mul, SOFTCAP) - shift[None, :]
+        else:
+            y = qk * qk_mul - shift[None, :]
         if CAUSAL_MASK:
-            x = tl.where(offs_n[:, None] <= offs_m[None, :], x, float("-inf"))
-        acc += tl.sum((x >= log2_beta).to(tl.int32), 1)
-        tmax = _tile_max(x, BLOCK_N, BLOCK_M, TILE)  # [key tiles, query tiles]
+            y = tl.where(offs_n[:, None] <= offs_m[None, :], y, float("-inf"))
+        if COUNT:
+            acc += tl.sum(y.to(tl.int32, bitcast=True) >> 31, 1)
+        ymax = _tile_max(y, BLOCK_N, BLOCK_M, TILE)  # [key tiles, query tiles]
         tmax_ptrs = TMAX + tj[:, None] + ti[None, :] * stride_ti
         tmax_mask = (tj < n_pages)[:, None] & (ti < n_pages)[None, :]
     else:
-        q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-        x = _log2_scores(tl.dot(q, k_op, input_precision=DOT_PRECISION), qk_mul, cap_mul, SOFTCAP)
-        x = x - lse2[:, None]
+        qk = tl.dot(q_op, k_op, input_precision=DOT_PRECISION)
+        if SOFTCAP:
+            y = _log2_scores(qk, qk_mul, cap_mul, SOFTCAP) - shift[:, None]
+        else:
+            y = qk * qk_mul - shift[:, None]
         if CAUSAL_MASK:
-            x = tl.where(offs_n[None, :] <= offs_m[:, None], x, float("-inf"))
-        acc += (x >= log2_beta).to(tl.int32)
-        tmax = _tile_max(x, BLOCK_M, BLOCK_N, TILE)  # [query tiles, key tiles]
+            y = tl.where(offs_n[None, :] <= offs_m[:, None], y, float("-inf"))
+        if COUNT:
+            acc += y.to(tl.int32, bitcast=True) >> 31
+        ymax = _tile_max(y, BLOCK_M, BLOCK_N, TILE)  # [query tiles, key tiles]
         tmax_ptrs = TMAX + ti[:, None] * stride_ti + tj[None, :]
         tmax_mask = (ti < n_pages)[:, None] & (tj < n_pages)[None, :]
-    tl.store(tmax_ptrs, tl.exp2(tmax), mask=tmax_mask)
+    if COUNT:
+        ymax = ymax + log2_beta
+    tl.store(tmax_ptrs, tl.exp2(ymax), mask=tmax_mask)
     return acc
+
+
+@triton.jit
+def _load_q(Q, q_ptrs, h, row0, row_ok, d_ok,
+            BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, KEY_ROWS: tl.constexpr, TMA: tl.constexpr):
+    """The streamed operand: q rows [row0, row0 + BLOCK_M) of head h as [BLOCK_M, D], or [D, BLOCK_M] for
+    KEY_ROWS. TMA: Q is a [Hq, Lp, D] tensor descriptor (rows past Lp and columns past D read as 0);
+    else q_ptrs already point at the block (rows past the document masked to 0)."""
+    if TMA:
+        q = tl.reshape(Q.load([h, row0, 0]), [BLOCK_M, BLOCK_D])
+        if KEY_ROWS:
+            q = tl.trans(q)
+    elif KEY_ROWS:
+        q = tl.load(q_ptrs, mask=d_ok[:, None] & row_ok[None, :], other=0.0)
+    else:
+        q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    return q
 
 
 @triton.jit
@@ -173,7 +205,7 @@ def _stats_kernel(
     n_prefix, n_doc, n_pages, h_first, qk_mul, cap_mul, log2_beta, lse_first, lse_mul,
     GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TILE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KEY_ROWS: tl.constexpr, SOFTCAP: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, COUNT: tl.constexpr, TMA: tl.constexpr,
 ):
     """Document keys [n0, n0 + BLOCK_N) of head h_first + program_id(0) against every document query q >= key.
 
@@ -181,7 +213,8 @@ def _stats_kernel(
     where a block reaches there); COUNTS[h, n] = |{document q >= n : A[q, n] >= beta}|.
     LSE[h, lse_first + m] * lse_mul is document row m's lse2: the first pass's lse2 (lse_first 0, lse_mul 1)
     or the forward's natural-log lse over all rows (lse_first n_prefix, lse_mul log2 e, rounded as
-    `lse * LOG2E` in fp32 torch would be).
+    `lse * LOG2E` in fp32 torch would be). log2_beta: log2 of beta (beta > 0; COUNT False when beta = 0).
+    Q: pointer, or with TMA a [Hq, Lp, D] tensor descriptor of block [1, BLOCK_M, BLOCK_D].
     """
     hc = tl.program_id(0)
     h = h_first + hc
@@ -196,16 +229,20 @@ def _stats_kernel(
 
     k_base = K + (h // GROUPS).to(tl.int64) * stride_kh + (n_prefix + n0).to(tl.int64) * stride_kl
     m_lo = (n0 // BLOCK_M) * BLOCK_M
-    q_base = Q + h.to(tl.int64) * stride_qh + (n_prefix + m_lo).to(tl.int64) * stride_ql
+    q_ptrs = Q
+    if not TMA:
+        q_base = Q + h.to(tl.int64) * stride_qh + (n_prefix + m_lo).to(tl.int64) * stride_ql
+        if KEY_ROWS:
+            q_ptrs = q_base + (rd[:, None] * stride_qd + rm[None, :] * stride_ql)
+        else:
+            q_ptrs = q_base + (rm[:, None] * stride_ql + rd[None, :] * stride_qd)
     if KEY_ROWS:
         k_op = tl.load(k_base + (rn[:, None] * stride_kl + rd[None, :] * stride_kd),
                        mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        q_ptrs = q_base + (rd[:, None] * stride_qd + rm[None, :] * stride_ql)
         acc = tl.zeros([BLOCK_N], tl.int32)
     else:
         k_op = tl.load(k_base + (rd[:, None] * stride_kd + rn[None, :] * stride_kl),
                        mask=d_ok[:, None] & n_ok[None, :], other=0.0)
-        q_ptrs = q_base + (rm[:, None] * stride_ql + rd[None, :] * stride_qd)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.int32)
     q_lse = LSE + h.to(tl.int64) * stride_lh + lse_first
     tmax_ptr = TMAX + hc.to(tl.int64) * stride_th
@@ -213,20 +250,72 @@ def _stats_kernel(
     # Query blocks from m_full on lie wholly at or below the key block: no causal mask.
     m_full = tl.minimum(tl.cdiv(n0 + BLOCK_N - 1, BLOCK_M) * BLOCK_M, n_doc)
     for m0 in range(m_lo, m_full, BLOCK_M):
-        acc = _stats_block(acc, q_ptrs, k_op, q_lse, tmax_ptr, m0, n0, offs_n, rm, d_ok,
+        q_op = _load_q(Q, q_ptrs, h, n_prefix + m0, m0 + rm < n_doc, d_ok, BLOCK_M, BLOCK_D, KEY_ROWS, TMA)
+        acc = _stats_block(acc, q_op, k_op, q_lse, tmax_ptr, m0, n0, offs_n, rm,
                            stride_ti, n_doc, n_pages, qk_mul, cap_mul, log2_beta, lse_mul,
-                           BLOCK_M, BLOCK_N, TILE, KEY_ROWS, True, SOFTCAP, DOT_PRECISION)
-        q_ptrs += BLOCK_M * stride_ql
+                           BLOCK_M, BLOCK_N, TILE, KEY_ROWS, True, SOFTCAP, DOT_PRECISION, COUNT)
+        if not TMA:
+            q_ptrs += BLOCK_M * stride_ql
     for m0 in range(m_full, n_doc, BLOCK_M):
-        acc = _stats_block(acc, q_ptrs, k_op, q_lse, tmax_ptr, m0, n0, offs_n, rm, d_ok,
+        q_op = _load_q(Q, q_ptrs, h, n_prefix + m0, m0 + rm < n_doc, d_ok, BLOCK_M, BLOCK_D, KEY_ROWS, TMA)
+        acc = _stats_block(acc, q_op, k_op, q_lse, tmax_ptr, m0, n0, offs_n, rm,
                            stride_ti, n_doc, n_pages, qk_mul, cap_mul, log2_beta, lse_mul,
-                           BLOCK_M, BLOCK_N, TILE, KEY_ROWS, False, SOFTCAP, DOT_PRECISION)
-        q_ptrs += BLOCK_M * stride_ql
-    if KEY_ROWS:
-        counts = acc
+                           BLOCK_M, BLOCK_N, TILE, KEY_ROWS, False, SOFTCAP, DOT_PRECISION, COUNT)
+        if not TMA:
+            q_ptrs += BLOCK_M * stride_ql
+    if COUNT:
+        # acc sums -1 per visited cell below beta; every key of the block met the same query rows.
+        if KEY_ROWS:
+            below = -acc
+        else:
+            below = -tl.sum(acc, 0)
+        counts = tl.cdiv(n_doc - m_lo, BLOCK_M) * BLOCK_M - below
     else:
-        counts = tl.sum(acc, 0)
+        counts = n_doc - offs_n  # beta = 0: every document query q >= key
     tl.store(COUNTS + h.to(tl.int64) * stride_ch + offs_n, counts, mask=n_ok)
+
+
+@triton.jit
+def _la_bytes(TMAX, LA, dense, b0, n_bits, n_bytes, stride_ti, alpha,
+              BYTES: tl.constexpr, SINK: tl.constexpr, HAS_DENSE: tl.constexpr):
+    """LA bytes [b0, b0 + BYTES) of one head; TMAX / LA: that head's tile maxima [P, P] / output row."""
+    rb = b0 + tl.arange(0, BYTES)
+    n = rb.to(tl.int64)[:, None] * 8 + tl.arange(0, 8)[None, :]  # [BYTES, 8] bit index i(i+1)/2 + j
+    ok = n < n_bits
+    i = ((tl.sqrt((8 * n + 1).to(tl.float32)) - 1.0) * 0.5).to(tl.int64)
+    i = tl.where((i + 1) * (i + 2) // 2 <= n, i + 1, i)  # fp32 sqrt is off by at most one row
+    i = tl.where(i * (i + 1) // 2 > n, i - 1, i)
+    j = n - i * (i + 1) // 2
+    tm = tl.load(TMAX + i * stride_ti + j, mask=ok, other=0.0)
+    bit = (tm >= alpha) | (i == j)
+    if SINK:
+        bit = bit | (j == 0)
+    if HAS_DENSE:
+        bit = bit | dense
+    bit = bit & ok
+    byte = tl.sum(bit.to(tl.int32) << (7 - tl.arange(0, 8))[None, :], 1)  # MSB first
+    tl.store(LA + rb, byte.to(tl.uint8), mask=rb < n_bytes)
+
+
+@triton.jit
+def _ca_bytes(COUNTS, CA, dense, b0, n_doc, n_pages, n_bytes, gamma,
+              TILE: tl.constexpr, BYTES: tl.constexpr, KEY_INDEX: tl.constexpr, HAS_DENSE: tl.constexpr):
+    """CA bytes [b0, b0 + BYTES) of one head; COUNTS / CA: that head's key counts [L] / output row."""
+    rb = b0 + tl.arange(0, BYTES)
+    page = rb[:, None] * 8 + tl.arange(0, 8)[None, :]  # [BYTES, 8]
+    key = page[:, :, None] * TILE + tl.arange(0, TILE)[None, None, :]  # [BYTES, 8, TILE]
+    ok = key < n_doc
+    count = tl.load(COUNTS + key, mask=ok, other=0)
+    if KEY_INDEX:
+        denom = key + 1
+    else:
+        denom = tl.where(ok, n_doc - key, 1)
+    hot = (tl.math.div_rn(count.to(tl.float32), denom.to(tl.float32)) >= gamma) & ok
+    page_hot = tl.max(hot.to(tl.int32), 2)  # [BYTES, 8]
+    if HAS_DENSE:
+        page_hot = tl.where(dense & (page < n_pages), 1, page_hot)
+    byte = tl.sum(page_hot << (7 - tl.arange(0, 8))[None, :], 1)  # MSB first
+    tl.store(CA + rb, byte.to(tl.uint8), mask=rb < n_bytes)
 
 
 @triton.jit
@@ -246,44 +335,16 @@ def _bits_kernel(
     pid = tl.program_id(0)
     hc = tl.program_id(1)
     h = h_first + hc
-    shifts = 7 - tl.arange(0, 8)  # MSB first
     n_la = tl.cdiv(la_bytes, LA_BYTES)
     dense = False
     if HAS_DENSE:
         dense = tl.load(DENSE + h) != 0
     if pid < n_la:
-        rb = pid * LA_BYTES + tl.arange(0, LA_BYTES)
-        n = rb.to(tl.int64)[:, None] * 8 + tl.arange(0, 8)[None, :]  # [LA_BYTES, 8] bit index i(i+1)/2 + j
-        ok = n < la_bits
-        i = ((tl.sqrt((8 * n + 1).to(tl.float32)) - 1.0) * 0.5).to(tl.int64)
-        i = tl.where((i + 1) * (i + 2) // 2 <= n, i + 1, i)  # fp32 sqrt is off by at most one row
-        i = tl.where(i * (i + 1) // 2 > n, i - 1, i)
-        j = n - i * (i + 1) // 2
-        tm = tl.load(TMAX + hc.to(tl.int64) * stride_th + i * stride_ti + j, mask=ok, other=0.0)
-        bit = (tm >= alpha) | (i == j)
-        if SINK:
-            bit = bit | (j == 0)
-        if HAS_DENSE:
-            bit = bit | dense
-        bit = bit & ok
-        byte = tl.sum(bit.to(tl.int32) << shifts[None, :], 1)
-        tl.store(LA + h.to(tl.int64) * stride_lah + rb, byte.to(tl.uint8), mask=rb < la_bytes)
+        _la_bytes(TMAX + hc.to(tl.int64) * stride_th, LA + h.to(tl.int64) * stride_lah, dense, pid * LA_BYTES,
+                  la_bits, la_bytes, stride_ti, alpha, LA_BYTES, SINK, HAS_DENSE)
     else:
-        rb = (pid - n_la) * CA_BYTES + tl.arange(0, CA_BYTES)
-        page = rb[:, None] * 8 + tl.arange(0, 8)[None, :]  # [CA_BYTES, 8]
-        key = page[:, :, None] * TILE + tl.arange(0, TILE)[None, None, :]  # [CA_BYTES, 8, TILE]
-        ok = key < n_doc
-        count = tl.load(COUNTS + h.to(tl.int64) * stride_ch + key, mask=ok, other=0)
-        if KEY_INDEX:
-            denom = key + 1
-        else:
-            denom = tl.where(ok, n_doc - key, 1)
-        hot = (tl.math.div_rn(count.to(tl.float32), denom.to(tl.float32)) >= gamma) & ok
-        page_hot = tl.max(hot.to(tl.int32), 2)  # [CA_BYTES, 8]
-        if HAS_DENSE:
-            page_hot = tl.where(dense & (page < n_pages), 1, page_hot)
-        byte = tl.sum(page_hot << shifts[None, :], 1)
-        tl.store(CA + h.to(tl.int64) * stride_cah + rb, byte.to(tl.uint8), mask=rb < ca_bytes)
+        _ca_bytes(COUNTS + h.to(tl.int64) * stride_ch, CA + h.to(tl.int64) * stride_cah, dense,
+                  (pid - n_la) * CA_BYTES, n_doc, n_pages, ca_bytes, gamma, TILE, CA_BYTES, KEY_INDEX, HAS_DENSE)
 
 
 @dataclass(frozen=True)
@@ -300,14 +361,17 @@ class KernelConfig:
     num_warps: int = 4
     num_stages: int = 2
     key_rows: bool = False
+    tma: bool = False  # stats pass: stream q blocks with TMA (Hopper+; pointer loads where q does not allow it)
 
 
 def default_configs(tile: int, head_dim: int, dtype: torch.dtype) -> tuple[KernelConfig, KernelConfig]:
     """(lse pass, stats pass) launch parameters; the interpreter ignores warps and stages.
 
     16-bit, head_dim <= 128: 128 x 128 blocks in both passes and [queries, keys] scores in the stats pass,
-    the fastest of the H200 sweep at 16K tokens (bench/README_profile.md). fp32 (IEEE dots on FMA units, for
-    checks rather than speed): up to tile 64 both passes share one block shape and orientation, so a cell's
+    the fastest of the H200 sweep at 16K tokens (bench/README_profile.md), now with q streamed by TMA
+    (compiled for sm_90: 162 registers, no spills, 332 instructions a steady-loop iteration per thread,
+    against 255 registers with spills and 397 for pointer loads; not yet timed, the sweep has both).
+    fp32 (IEEE dots on FMA units, for checks rather than speed): up to tile 64 both passes share one block shape and orientation, so a cell's
     q.k comes out of the same instruction sequence in both and log2 A of a row's only key is exactly 0;
     more warps for bigger blocks keep the unrolled FMA dot's compile time down. Shared memory (227 KiB on
     Hopper, checked by compiling for sm_90) bounds blocks and stages for head_dim > 128.
@@ -324,7 +388,7 @@ def default_configs(tile: int, head_dim: int, dtype: torch.dtype) -> tuple[Kerne
                 KernelConfig(block_m=max(tile, 64), block_n=max(tile, 64), num_warps=8,
                              num_stages=2 if tile <= 64 else 1, key_rows=True))
     return (KernelConfig(block_m=128, block_n=128, num_warps=8, num_stages=3),
-            KernelConfig(block_m=128, block_n=128, num_warps=8, num_stages=3))
+            KernelConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, tma=True))
 
 
 @dataclass(frozen=True)
@@ -434,19 +498,37 @@ def _launch_stats(q, k, lse: _Lse, key_counts, heads: range, *, n_prefix, tile, 
     alloc = torch.zeros if zero_upper else torch.empty
     tile_max = alloc(len(heads), p, p, dtype=torch.float32, device=q.device)
     beta32 = _fp32(beta)
-    log2_beta = math.log2(beta32) if beta32 > 0 else -FLT_MAX  # x = -inf (masked) never counts
+    count = beta32 > 0  # beta = 0: every causal cell counts, no comparisons needed
+    log2_beta = math.log2(beta32) if count else 0.0
     qk_mul, cap_mul = _score_muls(scale, softcap)
+    block_d = triton.next_power_of_2(d)
+    q_arg = _q_descriptor(q, cfg.block_m, block_d) if cfg.tma else None
     with _device_of(q):
         _stats_kernel[(len(heads), triton.cdiv(n_doc, cfg.block_n))](
-            q, k, lse.tensor, tile_max, key_counts,
+            q if q_arg is None else q_arg, k, lse.tensor, tile_max, key_counts,
             *q.stride(), *k.stride(), lse.tensor.stride(0), tile_max.stride(0), tile_max.stride(1),
             key_counts.stride(0),
             n_prefix, n_doc, p, heads.start, qk_mul, cap_mul, log2_beta, lse.first, lse.mul,
-            GROUPS=hq // k.shape[0], HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), TILE=tile,
+            GROUPS=hq // k.shape[0], HEAD_DIM=d, BLOCK_D=block_d, TILE=tile,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, KEY_ROWS=cfg.key_rows, SOFTCAP=softcap is not None,
-            DOT_PRECISION=_dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            DOT_PRECISION=_dot_precision(q.dtype), COUNT=count, TMA=q_arg is not None,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return tile_max
+
+
+def _q_descriptor(q: torch.Tensor, block_m: int, block_d: int):
+    """A TMA descriptor of q [Hq, Lp, D] (block [1, block_m, block_d]), or None where TMA cannot read q: it
+    needs unit stride along D, 16-byte aligned base and strides, and a GPU that has it (sm_90+); the
+    interpreter emulates it."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    esize = q.element_size()
+    if q.stride(2) != 1 or q.data_ptr() % 16 or (q.stride(0) * esize) % 16 or (q.stride(1) * esize) % 16:
+        return None
+    if q.is_cuda and torch.cuda.get_device_capability(q.device)[0] < 9:
+        return None
+    return TensorDescriptor(q, list(q.shape), list(q.stride()), [1, block_m, block_d])
 
 
 LA_BYTES_PER_PROGRAM = 64
@@ -537,6 +619,7 @@ def profile_layer(
     lse: torch.Tensor | None = None,
     stats_bytes: int = 256 << 20,
     configs: tuple[KernelConfig, KernelConfig] | None = None,
+    bits: str = "kernel",
 ) -> tuple[LayerBits, None]:
     """One layer's SIFT bits for every query head, on the GPU; same meaning as `profile_layer_ref`.
 
@@ -547,8 +630,12 @@ def profile_layer(
        skips the first pass. Only the document rows are read.
     stats_bytes: budget for the [heads, P, P] fp32 tile maxima; heads are processed in chunks that fit it.
     configs: launch parameters (lse pass, stats pass); default `default_configs`.
+    bits: "kernel" (`_bits_kernel`) or "torch" (the reference's `finish_bits` on the same statistics: for
+       debugging, and for timing the path before the bits kernel); the two are equal bit for bit.
     Returns (LayerBits(la [Hq, ceil(P(P+1)/2/8)] uint8, ca [Hq, ceil(P/8)] uint8), None).
     """
+    if bits not in ("kernel", "torch"):
+        raise ValueError(f"bits={bits!r} must be 'kernel' or 'torch'")
     validate_profile_args(q, k, n_prefix=n_prefix, tile=tile, alpha=alpha, beta=beta, gamma=gamma,
                           ca_normalize=ca_normalize)
     _check_kernel_inputs(q, k, scale=scale, softcap=softcap, lse=lse, dense_heads=dense_heads, v=v)
@@ -570,6 +657,13 @@ def profile_layer(
         heads = range(h0, min(h0 + chunk, hq))
         tile_max = _launch_stats(q, k, lse_in, key_counts, heads, n_prefix=n_prefix, tile=tile, beta=beta,
                                  scale=scale, softcap=softcap, cfg=stats_cfg, zero_upper=False)
-        _launch_bits(tile_max, key_counts, dense, la, ca, heads, n_doc=n_doc, tile=tile, alpha=alpha, gamma=gamma,
-                     ca_normalize=ca_normalize, force_sink_page=force_sink_page)
+        if bits == "kernel":
+            _launch_bits(tile_max, key_counts, dense, la, ca, heads, n_doc=n_doc, tile=tile, alpha=alpha,
+                         gamma=gamma, ca_normalize=ca_normalize, force_sink_page=force_sink_page)
+        else:
+            ref = finish_bits(tile_max, key_counts[heads.start:heads.stop], n_doc, tile=tile, alpha=alpha,
+                              gamma=gamma, ca_normalize=ca_normalize, force_sink_page=force_sink_page,
+                              dense_heads=sorted({int(h) - h0 for h in dense_heads if int(h) in heads}))
+            la[heads.start:heads.stop] = ref.la
+            ca[heads.start:heads.stop] = ref.ca
     return LayerBits(la=la, ca=ca), None

@@ -33,6 +33,7 @@ class Case:
     tile: int = 16
     blocks: tuple[int, int] = (32, 16)  # (block_m, block_n) of both passes
     key_rows: bool = False  # stats pass scores laid out [keys, queries]
+    tma: bool = False  # stats pass streams q through a tensor descriptor
     thresholds: tuple[float, float, float] | None = None  # (alpha, beta, gamma); None: midpoints of the data
     ca_normalize: str = "causal"
     softcap: float | None = None
@@ -69,6 +70,14 @@ CASES = {
     "fp16_gqa4_d128": Case(dtype=torch.float16, hq=4, hkv=1, d=128, tile=32, blocks=(32, 32), n_doc=60,
                            key_rows=True),
     "strided": Case(strided=True, n_prefix=3, key_rows=True),
+    "thresholds_0_query_rows": Case(thresholds=(0.0, 0.0, 0.0), n_doc=45),
+    "d48": Case(d=48, n_doc=50),
+    "tma": Case(tma=True),
+    "tma_key_rows_strided": Case(tma=True, key_rows=True, strided=True, n_prefix=3),
+    "tma_fp16_gqa4_d128": Case(tma=True, dtype=torch.float16, hq=4, hkv=1, d=128, tile=32, blocks=(32, 32),
+                               n_doc=60, strided=True),
+    "tma_d48_no_prefix": Case(tma=True, d=48, n_doc=50, n_prefix=0),  # columns past D padded by the descriptor
+    "tma_paper_thresholds_one_token": Case(tma=True, thresholds=(0.001, 0.01, 0.1), n_doc=1, n_prefix=2),
 }
 
 
@@ -145,7 +154,7 @@ def _run_case(c: Case):
         denom = (n - keys) if c.ca_normalize == "causal" else (keys + 1)
         gamma = min(_midpoint(counts_ref.float() / denom, 0.95), 1.0)
 
-    configs = (KernelConfig(*c.blocks), KernelConfig(*c.blocks, key_rows=c.key_rows))
+    configs = (KernelConfig(*c.blocks), KernelConfig(*c.blocks, key_rows=c.key_rows, tma=c.tma))
     stats = profile_stats(q, k, scale=scale, n_prefix=c.n_prefix, tile=c.tile, beta=beta, softcap=c.softcap,
                           configs=configs)
 
@@ -213,6 +222,8 @@ def test_layer_defaults_without_lse_and_in_head_chunks(dtype):
     whole, _ = profile_layer(q, k, **args)
     chunked, _ = profile_layer(q, k, stats_bytes=p * p * 4, **args)  # one head per chunk
     assert torch.equal(chunked.la, whole.la) and torch.equal(chunked.ca, whole.ca)
+    torch_bits, _ = profile_layer(q, k, stats_bytes=p * p * 4, bits="torch", **args)  # finish_bits per chunk
+    assert torch.equal(torch_bits.la, whole.la) and torch.equal(torch_bits.ca, whole.ca)
     flips = int((unpack_msb(whole.la, p * (p + 1) // 2) != unpack_msb(ref.la, p * (p + 1) // 2)).sum()) \
         + int((unpack_msb(whole.ca, p) != unpack_msb(ref.ca, p)).sum())
     print(f"\n{dtype}: {flips} bit flips against the reference")
@@ -241,6 +252,8 @@ def test_rejects_bad_input():
         profile_layer(q, k, configs=(KernelConfig(32, 16), KernelConfig(32, 16)), **{**args, "tile": 32})
     with pytest.raises(ValueError, match="n_prefix"):
         profile_layer(q, k, **{**args, "n_prefix": q.shape[1]})
+    with pytest.raises(ValueError, match="bits="):
+        profile_layer(q, k, bits="numpy", **args)
 
 
 @pytest.mark.parametrize("n_doc,tile,normalize,sink,dense", [
