@@ -10,6 +10,9 @@ smoke version under TRITON_INTERPRET=1 (nothing timed) and writes bench/results/
 2. Time per layer, Llama-3-8B shape (Hq=32, Hkv=8, D=128, bf16, scale 1/sqrt(128), tile 64, 1-token prefix),
    q/k as the model hands them over (views of [L, H, D]), at 2K / 8K / 32K / 128K tokens: profile_layer, its
    two passes, and the same layer's dense causal forward with cuDNN and flash SDPA; peak memory of the call.
+   The GPU builder's per-layer cost, old next to new: "old" = flash SDPA with lse + the stats pass as it was
+   (pointer-loaded q, OLD_STATS) + the torch finish_bits; "new" = cuDNN SDPA with lse (sift.kernels.
+   attention_lse, checked) + the default stats pass + the bits kernel. Both given as x the cuDNN forward.
 3. A small sweep of launch parameters at 16K (each also checked against the default's bits).
 Exit status 1 if a check found an unexplained flip or failed.
 """
@@ -45,6 +48,7 @@ except ImportError:  # device machine: package not installed
     sys.modules["sift.kernels"] = module
     spec.loader.exec_module(module)
     from sift.kernels import profile as pk
+from sift.kernels import attention_lse  # noqa: E402
 from sift.kernels.bits import n_pages, tril_to_square, unpack_msb  # noqa: E402
 from sift.kernels.profile_ref import profile_layer_ref  # noqa: E402
 
@@ -63,10 +67,14 @@ KC = pk.KernelConfig
 # w4 configs use <= 112 KiB of shared memory, so two programs share an SM and one's tensor-core work can
 # overlap the other's ALU work; w8 ones run one program per SM (flash-forward style).
 LSE_SWEEP = [KC(128, 128, 8, 3), KC(128, 64, 8, 3), KC(128, 128, 8, 2), KC(64, 64, 4, 3)]
+# T = q streamed by TMA. w4 ones fit two programs per SM (<= 199 registers, <= 112 KiB shared memory compiled
+# for sm_90), so one's MMA can overlap the other's ALU work.
 STATS_SWEEP = [
-    KC(128, 128, 8, 3), KC(128, 128, 8, 2), KC(128, 64, 8, 3), KC(64, 128, 8, 3, key_rows=True),
-    KC(64, 128, 4, 3, key_rows=True), KC(128, 128, 8, 3, key_rows=True),
+    KC(128, 128, 8, 3), KC(128, 128, 8, 3, tma=True), KC(128, 128, 8, 2, tma=True), KC(64, 128, 4, 3),
+    KC(64, 128, 4, 3, tma=True), KC(64, 128, 4, 2, tma=True), KC(128, 64, 4, 3, tma=True),
+    KC(64, 128, 4, 3, key_rows=True, tma=True), KC(128, 128, 8, 3, key_rows=True, tma=True),
 ]
+OLD_STATS = KC(128, 128, 8, 3)  # the stats pass's default before TMA (pointer-loaded q)
 if SMOKE:  # the interpreter mishandles bf16: fp16, fewer heads
     LSE_SWEEP, STATS_SWEEP = LSE_SWEEP[:1], STATS_SWEEP[:2]
     HQ, HKV, DTYPE = 4, 1, torch.float16
@@ -77,7 +85,7 @@ def log(msg: str) -> None:
 
 
 def cfg_name(c: pk.KernelConfig) -> str:
-    return f"m{c.block_m}n{c.block_n}w{c.num_warps}s{c.num_stages}{'K' if c.key_rows else 'Q'}"
+    return f"m{c.block_m}n{c.block_n}w{c.num_warps}s{c.num_stages}{'K' if c.key_rows else 'Q'}{'T' if c.tma else ''}"
 
 
 def make_qk(n_ctx, hq, hkv, d, dtype, *, seed=0, strided=True, spread=1.5):
@@ -237,27 +245,19 @@ def sdpa_fn(backend, q, k, v):
         return expanded, "expanded"
 
 
-def flash_with_lse(q, k, v):
-    """Flash SDPA forward that also returns the row log-sum-exp [Hq, Lp] (natural log), as a GPU builder
-    running the model's own attention gets it for free; `profile_layer(lse=...)` then skips its first pass."""
+def forward_with_lse(source, q, k, v):
+    """The dense forward that also returns the row log-sum-exp [Hq, Lp] (natural log), as the GPU builder runs
+    it (`sift.kernels.attention_lse`, this source only, checked on its first call); `profile_layer(lse=...)`
+    then skips its first pass. Returns (fn, "native" or "expanded" GQA)."""
+    fwd = attention_lse.AttentionWithLse(source)
     q4, k4, v4 = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
-    op = torch.ops.aten._scaled_dot_product_flash_attention
 
-    def native():
-        return op(q4, k4, v4, 0.0, True, False, scale=SCALE)[1][0]
+    def fn():
+        return fwd(q4, k4, v4, scale=SCALE)[1]
 
-    try:
-        native()
-        return native, "native"
-    except RuntimeError:
-        g = q.shape[0] // k.shape[0]
-        ke, ve = k4.repeat_interleave(g, dim=1), v4.repeat_interleave(g, dim=1)
-
-        def expanded():
-            return op(q4, ke, ve, 0.0, True, False, scale=SCALE)[1][0]
-
-        expanded()
-        return expanded, "expanded"
+    fn()
+    plan = next(iter(fwd.plans.values()))
+    return fn, "expanded" if plan.expand_kv else "native"
 
 
 def time_length(n_doc):
@@ -289,18 +289,24 @@ def time_length(n_doc):
     lse = torch.zeros(HQ, lp, device=DEV)
     lse[:, n_prefix:] = lse2 / pk.LOG2E
     row["stats_and_bits_ms"] = bench_ms(lambda: pk.profile_layer(q, k, lse=lse, **args), n_doc)
-    if not SMOKE:
+    old = dict(configs=(lse_cfg, OLD_STATS), bits="torch")
+    row["old_stats_and_bits_ms"] = bench_ms(lambda: pk.profile_layer(q, k, lse=lse, **old, **args), n_doc)
+    mine, _ = profile()
+    theirs, _ = pk.profile_layer(q, k, lse=lse, **old, **args)
+    row["bit_flips_old_vs_new_stats"] = int((mine.la != theirs.la).sum() + (mine.ca != theirs.ca).sum())
+    for source in ("flash", "cudnn"):
+        if SMOKE:
+            continue
         try:
-            fn, gqa = flash_with_lse(q, k, v)
-            flash_lse = fn()
-            row["flash_lse_max_abs_err"] = (flash_lse[:, n_prefix:].float() - lse[:, n_prefix:]).abs().max().item()
-            mine, _ = profile()
-            theirs, _ = pk.profile_layer(q, k, lse=flash_lse, **args)
-            row["bit_flips_with_flash_lse"] = int((mine.la != theirs.la).sum() + (mine.ca != theirs.ca).sum())
-            row["flash_with_lse_ms"] = bench_ms(fn, n_doc)
-            row["flash_with_lse_gqa"] = gqa
+            fn, gqa = forward_with_lse(source, q, k, v)
+            fwd_lse = fn()
+            row[f"{source}_lse_max_abs_err"] = (fwd_lse[:, n_prefix:] - lse[:, n_prefix:]).abs().max().item()
+            theirs, _ = pk.profile_layer(q, k, lse=fwd_lse, **args)
+            row[f"bit_flips_with_{source}_lse"] = int((mine.la != theirs.la).sum() + (mine.ca != theirs.ca).sum())
+            row[f"{source}_with_lse_ms"] = bench_ms(fn, n_doc)
+            row[f"{source}_with_lse_gqa"] = gqa
         except Exception as e:  # noqa: BLE001
-            row["flash_with_lse_error"] = f"{type(e).__name__}: {e}"[:300]
+            row[f"{source}_with_lse_error"] = f"{type(e).__name__}: {e}"[:300]
     for backend in ("cudnn", "flash"):
         if SMOKE:
             continue
@@ -312,6 +318,14 @@ def time_length(n_doc):
         except Exception as e:  # noqa: BLE001 - a missing backend is reported, not fatal
             row[f"{backend}_error"] = f"{type(e).__name__}: {e}"[:300]
     row["profile_tflops"] = causal_flops / row["profile_ms"] / 1e9
+    # The builder's attention + bits per layer: old (flash + old stats + torch bits) vs new (cuDNN + defaults).
+    if "flash_with_lse_ms" in row:
+        row["layer_old_ms"] = row["flash_with_lse_ms"] + row["old_stats_and_bits_ms"]
+    if "cudnn_with_lse_ms" in row:
+        row["layer_new_ms"] = row["cudnn_with_lse_ms"] + row["stats_and_bits_ms"]
+    for key in ("layer_old_ms", "layer_new_ms"):
+        if key in row and "cudnn_ms" in row:
+            row[key.replace("_ms", "_over_cudnn")] = row[key] / row["cudnn_ms"]
     for backend in ("cudnn", "flash"):
         if f"{backend}_ms" in row:
             row[f"profile_over_{backend}"] = row["profile_ms"] / row[f"{backend}_ms"]
@@ -419,13 +433,17 @@ def main() -> int:
         print(f"sweep @{result['sweep']['n_doc']}: default {result['sweep']['default']}; best lse "
               f"{best(result['sweep']['lse'])}; best stats+bits {best(result['sweep']['stats'])}")
     print("profile = both passes + bits; stats = second pass + bits given the forward's lse; x = time / SDPA time")
-    print(f"{'L':>7} {'profile ms':>10} {'lse ms':>8} {'stats ms':>9} {'cudnn ms':>9} {'flash ms':>9} "
-          f"{'x cudnn':>8} {'x flash':>8} {'stats x':>8} {'peak MiB':>9}")
+    print("old stats = previous stats config + torch finish_bits; layer old = flash+lse + old stats; "
+          "layer new = cuDNN+lse + stats (the builder's attention + bits per layer)")
+    print(f"{'L':>7} {'profile ms':>10} {'lse ms':>8} {'stats ms':>9} {'old stats':>9} {'cudnn ms':>9} "
+          f"{'flash ms':>9} {'cudnn+lse':>9} {'flash+lse':>9} {'x cudnn':>8} {'stats x':>8} {'old x':>7} "
+          f"{'new x':>7} {'peak MiB':>9}")
     for r in result["timing"]:
         f = lambda key, w, fmt=".2f": f"{r[key]:{w}{fmt}}" if isinstance(r.get(key), float) else f"{'-':>{w}}"  # noqa: E731
         print(f"{r['n_doc']:>7} {f('profile_ms', 10)} {f('lse_pass_ms', 8)} {f('stats_and_bits_ms', 9)} "
-              f"{f('cudnn_ms', 9)} {f('flash_ms', 9)} {f('profile_over_cudnn', 8)} {f('profile_over_flash', 8)} "
-              f"{f('stats_over_cudnn', 8)} {f('profile_peak_mib', 9, '.0f')}")
+              f"{f('old_stats_and_bits_ms', 9)} {f('cudnn_ms', 9)} {f('flash_ms', 9)} {f('cudnn_with_lse_ms', 9)} "
+              f"{f('flash_with_lse_ms', 9)} {f('profile_over_cudnn', 8)} {f('stats_over_cudnn', 8)} "
+              f"{f('layer_old_over_cudnn', 7)} {f('layer_new_over_cudnn', 7)} {f('profile_peak_mib', 9, '.0f')}")
     print(f"ok={result['ok']} elapsed {result['elapsed_s']:.0f}s; errors: {result['errors'] or 'none'}")
     return 0 if result["ok"] else 1
 
