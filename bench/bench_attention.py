@@ -44,22 +44,26 @@ SMOKE = DEV == "cpu"  # CPU smoke run of this script under TRITON_INTERPRET=1: t
 BLOCK = 128
 HQ, HKV, D = (4, 1, 128) if SMOKE else (32, 8, 128)
 DTYPE = torch.float16 if SMOKE else torch.bfloat16  # bf16 is broken in the interpreter
-CONFIGS = [  # run 1 (2026-11-29) also timed n64w8s2k, n64w4s3k, n64w8s3q: all slower (bench/README_attention.md)
-    sa.KernelConfig(block_n=128, num_warps=8, num_stages=2, rope_on="k", skip_zero="split"),   # the default
-    sa.KernelConfig(block_n=128, num_warps=8, num_stages=2, rope_on="k", skip_zero="branch"),
-    sa.KernelConfig(block_n=128, num_warps=8, num_stages=2, rope_on="k", skip_zero="none"),
-    sa.KernelConfig(block_n=64, num_warps=8, num_stages=3, rope_on="k", skip_zero="split"),
-    sa.KernelConfig(block_n=128, num_warps=8, num_stages=2, rope_on="q", skip_zero="split"),
+CONFIGS = [  # runs 1-4 (2026-11-29) timed other variants (bench/README_attention.md)
+    sa.KernelConfig(block_n=128, num_warps=8, num_stages=2, rope_on="k"),                # the default
+    sa.KernelConfig(block_n=128, num_warps=8, num_stages=2, rope_on="k", mask_always=True),
+    sa.KernelConfig(block_n=128, num_warps=8, num_stages=3, rope_on="k"),
+    sa.KernelConfig(block_n=128, num_warps=8, num_stages=2, rope_on="q", q_reload=True, mask_always=True),
+    sa.KernelConfig(block_n=128, num_warps=8, num_stages=3, rope_on="k", mask_always=True),
 ]
+if os.environ.get("CONFIGS"):  # e.g. CONFIGS="128,8,2,k,0,1;128,8,3,k,0,1": block_n,warps,stages,rope_on,q_reload,tma
+    CONFIGS = [sa.KernelConfig(int(n), int(w), int(st), r, ql == "1", t == "1", ma == "1")
+               for n, w, st, r, ql, t, ma in (c.split(",") for c in os.environ["CONFIGS"].split(";"))]
 
 
 def cfg_name(c):
-    return f"n{c.block_n}w{c.num_warps}s{c.num_stages}{c.rope_on}-{c.skip_zero}"
+    return f"n{c.block_n}w{c.num_warps}s{c.num_stages}{c.rope_on}{'-reload' if c.q_reload else ''}" \
+           f"{'-tma' if c.tma else ''}{'-ma' if c.mask_always else ''}"
 
 
 def launch_name(c):
-    """Name of the launch shape: without RoPE, rope_on and skip_zero do not matter (same compiled kernel)."""
-    return f"n{c.block_n}w{c.num_warps}s{c.num_stages}"
+    """Name of the launch shape: without RoPE, rope_on and q_reload do not matter (same compiled kernel)."""
+    return f"n{c.block_n}w{c.num_warps}s{c.num_stages}{'-tma' if c.tma else ''}{'-ma' if c.mask_always else ''}"
 
 
 def delta_stats(ptr, idx, offset):
@@ -155,10 +159,11 @@ def correctness(results):
     ref = sa.sparse_attention_ref(q, k, v, *args, inv_freq, scale=D ** -0.5, block=BLOCK)
     ref_none = sa.sparse_attention_ref(q, k, v, *args, None, scale=D ** -0.5, block=BLOCK)
     checks = {}
+    v_zero_pad = v.masked_fill(pad[None, :, None], 0.0)  # TMA configs: V padding must be finite (the contract)
     for cfg in CONFIGS:
         for rope in (True, False):
             out = torch.full_like(q, float("nan"))
-            sa._launch(q, k, v, *args, inv_freq if rope else None, scale=D ** -0.5, block=BLOCK, out=out, config=cfg)
+            sa._launch(q, k, v_zero_pad if cfg.tma else v, *args, inv_freq if rope else None, scale=D ** -0.5, block=BLOCK, out=out, config=cfg)
             r, m, fin = rel_err(out, ref if rope else ref_none)
             checks[f"twin/{cfg_name(cfg)}/{'rope' if rope else 'none'}"] = dict(rel=r, max_abs=m, finite=fin,
                                                                                ok=fin and r < 1.5e-2)
@@ -240,10 +245,10 @@ def timings(results, lengths):
             try:
                 for tag, (ptr, idx), rope in (("sparse_rope", sp, True), ("sparse_none", sp, False),
                                               ("dense_rope", de, True)):
-                    if tag == "dense_rope" and (cfg.rope_on == "q" or cfg.skip_zero != "split"):
+                    if tag == "dense_rope" and cfg.rope_on == "q":
                         continue
                     key = f"{tag}/{name}"
-                    if tag == "sparse_none":  # the same kernel for every rope_on / skip_zero: time it once
+                    if tag == "sparse_none":  # the same kernel for every rope_on / q_reload: time it once
                         key = f"{tag}/{launch_name(cfg)}"
                         if key in done:
                             continue
@@ -326,7 +331,7 @@ def summary(results):
 def main():
     lengths = [int(x) for x in os.environ.get("LENGTHS", "1024" if SMOKE else "16384,32768,65536").split(",")]
     if SMOKE:
-        CONFIGS[:] = [CONFIGS[0], CONFIGS[1], CONFIGS[-1]]
+        CONFIGS[:] = [CONFIGS[0], CONFIGS[1], CONFIGS[3]]  # noqa
     results = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                    device="cpu (smoke)" if SMOKE else torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                    shapes=dict(B=1, Hq=HQ, Hkv=HKV, D=D, dtype="bf16", block=BLOCK),

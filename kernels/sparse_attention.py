@@ -33,44 +33,18 @@ HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 LOG2E = 1.4426950408889634
 
-# ROPE modes of the kernel (compile-time).
+# Modes of applying RoPE (compile-time).
+# ROPE_NONE: keys already at logical positions. ROPE_ON_K: each K tile is rotated by delta in registers (cos/sin
+# cached while delta is unchanged). ROPE_ON_Q: the Q tile is rotated by -delta instead, only when delta changes
+# (cached across the key blocks of one earlier segment), so K tiles go from memory to the tensor cores untouched.
 ROPE_NONE, ROPE_ON_K, ROPE_ON_Q = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
-
-
-# How key blocks with delta == 0 (R(0) = identity) skip the rotation (compile-time, RoPE modes only):
-# SKIP_SPLIT: the row's trailing run of delta == 0 blocks (its own segment: segments are contiguous in the block
-#   layout and rows are ascending) runs in a second loop that is the pre-rotated loop itself; the first loop
-#   rotates. Keeps every dot at loop level, so Triton still overlaps each P @ V wgmma with the next tile.
-# SKIP_BRANCH: one loop with a runtime branch on delta around the QK^T dots. Compiled for sm_90, the dots inside
-#   the branch make Triton wait on each P @ V wgmma right after issuing it (no overlap); kept for comparison.
-# SKIP_NONE: rotate every tile (the previous kernel, plus the cos/sin cache).
-SKIP_NONE, SKIP_SPLIT, SKIP_BRANCH = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
-SKIP_MODES = {"none": SKIP_NONE.value, "split": SKIP_SPLIT.value, "branch": SKIP_BRANCH.value}
-
-
-@triton.jit
-def _softmax_pv(s, kb, k_first, k_valid, qb, m_i, l_i, acc, v_head, stride_vn, stride_vd, qk_scale,
-                offs_m, offs_n, offs_d, BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Online-softmax update of (m_i, l_i, acc) with the raw scores s [BLOCK, BLOCK_N] of one key sub-tile."""
-    # Row r may see slot c of block kb iff c < k_valid, and c <= r on the diagonal block.
-    lim = tl.where(kb == qb, tl.minimum(offs_m, k_valid - 1), k_valid - 1)
-    s = tl.where((k_first + offs_n)[None, :] <= lim[:, None], s * qk_scale, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    p = tl.math.exp2(s - m_new[:, None])
-    alpha = tl.math.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    # Padding slots may hold anything (NaN too): zero them, since 0 * NaN would poison the row.
-    v = tl.load(v_head + (kb * BLOCK + k_first).to(tl.int64) * stride_vn + offs_d[None, :] * stride_vd,
-                mask=(k_first + offs_n)[:, None] < k_valid, other=0.0)
-    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
 
 
 @triton.jit
 def _rope_cos_sin(delta, Turns, offs_h, FAST_TRIG: tl.constexpr):
     """cos, sin [D/2] fp32 of delta * inv_freq. Angle in fp64 turns, reduced to [-1/2, 1/2) before fp32: exact
     at offsets of 200K and beyond. Turns is read here (an L1/L2 hit, once per change of delta) rather than held
-    in 16 registers across the loop: that pays for the registers the cached cos/sin take."""
+    in registers across the loop."""
     t = delta.to(tl.float64) * tl.load(Turns + offs_h)
     t = t - tl.floor(t + 0.5)
     angle = t.to(tl.float32) * 6.283185307179586
@@ -86,25 +60,90 @@ def _rope_cos_sin(delta, Turns, offs_h, FAST_TRIG: tl.constexpr):
 
 
 @triton.jit
-def _rotated_scores(q1, q2, k1, k2, cos, sin, ROPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Scores of the logical q, k: q . R(delta) k, with the rotation applied to K or (by -delta) to Q."""
-    if ROPE == ROPE_ON_K:
-        # k' = R(delta) k (rotate_half): k1' = k1 c - k2 s, k2' = k2 c + k1 s
-        k1f = k1.to(tl.float32)
-        k2f = k2.to(tl.float32)
-        k1r = (k1f * cos[None, :] - k2f * sin[None, :]).to(k1.dtype)
-        k2r = (k2f * cos[None, :] + k1f * sin[None, :]).to(k1.dtype)
-        s = tl.dot(q1, tl.trans(k1r), input_precision=DOT_PRECISION)
-        s = tl.dot(q2, tl.trans(k2r), s, input_precision=DOT_PRECISION)
+def _rotate(x1, x2, cos, sin):
+    """rotate_half RoPE of the halves x1, x2 [rows, D/2] by the angles (cos, sin) [D/2], in fp32."""
+    x1f = x1.to(tl.float32)
+    x2f = x2.to(tl.float32)
+    y1 = (x1f * cos[None, :] - x2f * sin[None, :]).to(x1.dtype)
+    y2 = (x2f * cos[None, :] + x1f * sin[None, :]).to(x1.dtype)
+    return y1, y2
+
+
+@triton.jit
+def _tile(j, q, q1, q2, q1r, q2r, q_ptr, q_off, qb, last_delta, cos, sin, m_i, l_i, acc,
+          Indices, BlockValid, BlockOffset, Turns, k_head, v_head, k_desc, v_desc, stride_qd, stride_kn, stride_kd,
+          stride_vn, stride_vd, qk_scale, offs_m, offs_n, offs_d, offs_h,
+          BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr, ROPE: tl.constexpr,
+          DIAG: tl.constexpr, Q_RELOAD: tl.constexpr, USE_TMA: tl.constexpr, MASK_ALWAYS: tl.constexpr,
+          DOT_PRECISION: tl.constexpr, FAST_TRIG: tl.constexpr):
+    """One key sub-tile j (entry j // SPLIT of the CSR row, sub-tile j % SPLIT): scores, mask, online softmax
+    and P @ V. DIAG: the query block's own block (causal mask by slot); otherwise only padding is masked."""
+    SPLIT: tl.constexpr = BLOCK // BLOCK_N
+    kb = tl.load(Indices + j // SPLIT)
+    k_first = (j % SPLIT) * BLOCK_N                        # first slot of this sub-tile inside block kb
+    k_valid = tl.load(BlockValid + kb)
+    slot = kb * BLOCK + k_first
+    k_ptr = k_head + slot.to(tl.int64) * stride_kn
+    if ROPE == ROPE_NONE:
+        if USE_TMA:
+            k = k_desc.load([slot, 0])
+        else:
+            k = tl.load(k_ptr + offs_d[None, :] * stride_kd)                  # [BLOCK_N, D]
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     else:
-        # q' = R(-delta) q, same scores: q1' = q1 c + q2 s, q2' = q2 c - q1 s
-        q1f = q1.to(tl.float32)
-        q2f = q2.to(tl.float32)
-        q1r = (q1f * cos[None, :] + q2f * sin[None, :]).to(q1.dtype)
-        q2r = (q2f * cos[None, :] - q1f * sin[None, :]).to(q1.dtype)
-        s = tl.dot(q1r, tl.trans(k1), input_precision=DOT_PRECISION)
-        s = tl.dot(q2r, tl.trans(k2), s, input_precision=DOT_PRECISION)
-    return s
+        if USE_TMA:
+            k1 = k_desc.load([slot, 0])
+            k2 = k_desc.load([slot, HALF])
+        else:
+            k1 = tl.load(k_ptr + offs_h[None, :] * stride_kd)                 # [BLOCK_N, D/2]
+            k2 = tl.load(k_ptr + (offs_h + HALF)[None, :] * stride_kd)
+        delta = tl.load(BlockOffset + kb) - q_off
+        if DIAG:
+            # The query block's own block: delta == 0 and R(0) is the identity (q1, q2 are unrotated here).
+            s = tl.dot(q1, tl.trans(k1), input_precision=DOT_PRECISION)
+            s = tl.dot(q2, tl.trans(k2), s, input_precision=DOT_PRECISION)
+        elif ROPE == ROPE_ON_K:
+            # k' = R(delta) k; cos/sin recomputed only when delta changes.
+            if delta != last_delta:
+                cos, sin = _rope_cos_sin(delta, Turns, offs_h, FAST_TRIG)
+                last_delta = delta
+            k1r, k2r = _rotate(k1, k2, cos, sin)
+            s = tl.dot(q1, tl.trans(k1r), input_precision=DOT_PRECISION)
+            s = tl.dot(q2, tl.trans(k2r), s, input_precision=DOT_PRECISION)
+        else:
+            # q' = R(-delta) q gives the same scores; the rotated Q is kept while delta is unchanged.
+            if delta != last_delta:
+                cos, sin = _rope_cos_sin(-delta, Turns, offs_h, FAST_TRIG)
+                if Q_RELOAD:  # re-read Q (L2) instead of holding the unrotated halves in registers
+                    q1 = tl.load(q_ptr + offs_h[None, :] * stride_qd)
+                    q2 = tl.load(q_ptr + (offs_h + HALF)[None, :] * stride_qd)
+                q1r, q2r = _rotate(q1, q2, cos, sin)
+                last_delta = delta
+            s = tl.dot(q1r, tl.trans(k1), input_precision=DOT_PRECISION)
+            s = tl.dot(q2r, tl.trans(k2), s, input_precision=DOT_PRECISION)
+    cols = k_first + offs_n
+    if DIAG:
+        # Row r sees slot c iff c <= r (and c < k_valid): the diagonal block is the query block itself.
+        lim = tl.where(kb == qb, tl.minimum(offs_m, k_valid - 1), k_valid - 1)
+        s = tl.where(cols[None, :] <= lim[:, None], s, float("-inf"))
+    elif MASK_ALWAYS:
+        s = tl.where((cols < k_valid)[None, :], s, float("-inf"))
+    elif k_first + BLOCK_N > k_valid:
+        # Only a segment's last block is partial: its padding slots (which may hold anything) are masked.
+        s = tl.where((cols < k_valid)[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    p = tl.math.exp2(s * qk_scale - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if USE_TMA:
+        # TMA cannot mask rows: padding slots of V must hold finite values (the caller's contract).
+        v = v_desc.load([slot, 0])
+    else:
+        # Padding slots of V may hold anything (NaN too): zero them, since 0 * NaN would poison the row.
+        v = tl.load(v_head + slot.to(tl.int64) * stride_vn + offs_d[None, :] * stride_vd,
+                    mask=cols[:, None] < k_valid, other=0.0)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return q1, q2, q1r, q2r, last_delta, cos, sin, m_new, l_i, acc
 
 
 @triton.jit
@@ -112,6 +151,7 @@ def _sparse_attn_fwd(
     Q, K, V, Out,                      # q [Hq, N, D]; k, v [Hkv, N, D]; out [Hq, N, D]
     Indptr, Indices,                   # int32 [Hq * NB + 1], int32 [nnz]
     BlockValid, BlockOffset,           # int32 [NB], int32 [NB]
+    QTokStart,                         # int32 [NB]: Q_TOKENS: row of q / out holding block b's first slot
     Turns,                             # fp64 [D/2]: inv_freq / (2 pi), rotations per position
     stride_qh, stride_qn, stride_qd,
     stride_kh, stride_kn, stride_kd,
@@ -123,13 +163,15 @@ def _sparse_attn_fwd(
     BLOCK_N: tl.constexpr,             # key sub-tile (divides BLOCK)
     HEAD_DIM: tl.constexpr,
     ROPE: tl.constexpr,                # ROPE_NONE / ROPE_ON_K / ROPE_ON_Q
-    SKIP_ZERO: tl.constexpr,           # SKIP_NONE / SKIP_SPLIT / SKIP_BRANCH (RoPE modes only)
+    Q_RELOAD: tl.constexpr,            # ROPE_ON_Q: re-read Q on a change of delta instead of holding it
+    USE_TMA: tl.constexpr,             # K / V tiles through tensor-memory-accelerator descriptors
+    MASK_ALWAYS: tl.constexpr,         # mask padding on every off-diagonal tile (else only on partial blocks)
+    Q_TOKENS: tl.constexpr,            # q / out hold real tokens only (no padding rows), block b from QTokStart[b]
     DOT_PRECISION: tl.constexpr,       # "ieee" for fp32 inputs, "tf32" otherwise (ignored for 16-bit)
     FAST_TRIG: tl.constexpr,           # MUFU sin/cos (GPU); False in the interpreter
 ):
     SPLIT: tl.constexpr = BLOCK // BLOCK_N
     HALF: tl.constexpr = HEAD_DIM // 2
-    SCAN: tl.constexpr = 64            # CSR entries inspected per step of the delta == 0 suffix scan
     # Heads vary fastest, so programs of one kv group run together (K/V reuse in L2), and late query blocks,
     # which list the most key blocks (causality), are launched first to shorten the tail.
     h = tl.program_id(0)
@@ -140,101 +182,95 @@ def _sparse_attn_fwd(
     start = tl.load(Indptr + row)
     end = tl.load(Indptr + row + 1)
     q_valid = tl.load(BlockValid + qb)
+    # The row's diagonal entry (its last, rows ascend) gets the causal mask after the unmasked main loop.
+    has_diag = end > start
+    if has_diag:
+        has_diag = tl.load(Indices + end - 1) == qb
+    mid = tl.where(has_diag, end - 1, end)
 
     offs_m = tl.arange(0, BLOCK)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     offs_h = tl.arange(0, HALF)
 
-    q_ptr = Q + h.to(tl.int64) * stride_qh + (qb * BLOCK).to(tl.int64) * stride_qn + offs_m[:, None] * stride_qn
+    if Q_TOKENS:
+        # Rows past the block's valid count are clamped to its last real token (always in bounds); their
+        # results are never stored.
+        q_row0 = tl.load(QTokStart + qb)
+        q_rows = tl.minimum(offs_m, tl.maximum(q_valid - 1, 0))
+    else:
+        q_row0 = qb * BLOCK
+        q_rows = offs_m
+    q_ptr = Q + h.to(tl.int64) * stride_qh + q_row0.to(tl.int64) * stride_qn + q_rows[:, None] * stride_qn
     k_head = K + kvh.to(tl.int64) * stride_kh + offs_n[:, None] * stride_kn
     v_head = V + kvh.to(tl.int64) * stride_vh + offs_n[:, None] * stride_vn
+    k_desc = 0
+    v_desc = 0
+    if USE_TMA:
+        KW: tl.constexpr = HEAD_DIM if ROPE == ROPE_NONE else HALF
+        k_desc = tl.make_tensor_descriptor(K + kvh.to(tl.int64) * stride_kh, shape=[NB * BLOCK, HEAD_DIM],
+                                           strides=[stride_kn, 1], block_shape=[BLOCK_N, KW])
+        v_desc = tl.make_tensor_descriptor(V + kvh.to(tl.int64) * stride_vh, shape=[NB * BLOCK, HEAD_DIM],
+                                           strides=[stride_vn, 1], block_shape=[BLOCK_N, HEAD_DIM])
 
     m_i = tl.full([BLOCK], -1.0e30, tl.float32)  # finite: a fully masked tile gives exp2(-inf) = 0, never NaN
     l_i = tl.zeros([BLOCK], tl.float32)
     acc = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
 
-    # Entries [start, mid) of the row go through the rotating loop, [mid, end) through the pre-rotated loop.
-    mid = start
-    if ROPE != ROPE_NONE:
+    if ROPE == ROPE_NONE:
+        q = tl.load(q_ptr + offs_d[None, :] * stride_qd)                      # [BLOCK, D]
+        q1 = q   # unused below
+        q2 = q
+        q1r = q
+        q2r = q
+    else:
+        q = tl.zeros([1], Q.dtype.element_ty)  # unused
         q1 = tl.load(q_ptr + offs_h[None, :] * stride_qd)                     # [BLOCK, D/2]
         q2 = tl.load(q_ptr + (offs_h + HALF)[None, :] * stride_qd)
-        q_off = tl.load(BlockOffset + qb)
-        mid = end
-        if SKIP_ZERO == SKIP_SPLIT:
-            # mid = start of the row's trailing run of delta == 0 entries, found SCAN entries at a time.
-            go = end > start
-            while go:
-                jj = mid - 1 - tl.arange(0, SCAN)
-                ok = jj >= start
-                kbs = tl.load(Indices + jj, mask=ok, other=0)
-                nonzero = ok & (tl.load(BlockOffset + kbs, mask=ok, other=0) != q_off)
-                last = tl.max(tl.where(nonzero, jj, -1))                       # last nonzero-delta entry
-                go = (last < 0) & (mid - SCAN > start)
-                mid = tl.where(last >= 0, last + 1, tl.maximum(mid - SCAN, start))
-        # cos/sin of the last delta (loop-carried): consecutive key blocks and sub-tiles of one earlier segment
-        # share delta, so they are computed once per run. The initial entry is delta = 0: cos = 1, sin = 0.
-        last_delta = tl.zeros([], tl.int32)
-        cos = tl.full([HALF], 1.0, tl.float32)
-        sin = tl.zeros([HALF], tl.float32)
-        for j in range(start * SPLIT, mid * SPLIT):
-            kb = tl.load(Indices + j // SPLIT)
-            k_first = (j % SPLIT) * BLOCK_N                 # first slot of this sub-tile inside block kb
-            k_valid = tl.load(BlockValid + kb)
-            k_ptr = k_head + (kb * BLOCK + k_first).to(tl.int64) * stride_kn
-            k1 = tl.load(k_ptr + offs_h[None, :] * stride_kd)                  # [BLOCK_N, D/2]
-            k2 = tl.load(k_ptr + (offs_h + HALF)[None, :] * stride_kd)
-            delta = tl.load(BlockOffset + kb) - q_off
-            if SKIP_ZERO == SKIP_BRANCH:
-                if delta == 0:
-                    s = tl.dot(q1, tl.trans(k1), input_precision=DOT_PRECISION)
-                    s = tl.dot(q2, tl.trans(k2), s, input_precision=DOT_PRECISION)
-                else:
-                    if delta != last_delta:
-                        cos, sin = _rope_cos_sin(delta, Turns, offs_h, FAST_TRIG)
-                        last_delta = delta
-                    s = _rotated_scores(q1, q2, k1, k2, cos, sin, ROPE, DOT_PRECISION)
-            else:
-                # delta == 0 can occur here (SKIP_NONE, or a block of another segment that starts at the same
-                # logical position as the query's): it is rotated like any other delta (by R(0), exact).
-                if delta != last_delta:
-                    cos, sin = _rope_cos_sin(delta, Turns, offs_h, FAST_TRIG)
-                    last_delta = delta
-                s = _rotated_scores(q1, q2, k1, k2, cos, sin, ROPE, DOT_PRECISION)
-            m_i, l_i, acc = _softmax_pv(s, kb, k_first, k_valid, qb, m_i, l_i, acc, v_head, stride_vn, stride_vd,
-                                        qk_scale, offs_m, offs_n, offs_d, BLOCK, DOT_PRECISION)
-
-    # Pre-rotated loop: all of the row without RoPE, its delta == 0 suffix with SKIP_SPLIT (R(0) = identity).
-    if mid < end:
-        q = tl.load(q_ptr + offs_d[None, :] * stride_qd)                      # [BLOCK, D]
-        for j in range(mid * SPLIT, end * SPLIT):
-            kb = tl.load(Indices + j // SPLIT)
-            k_first = (j % SPLIT) * BLOCK_N
-            k_valid = tl.load(BlockValid + kb)
-            k = tl.load(k_head + (kb * BLOCK + k_first).to(tl.int64) * stride_kn + offs_d[None, :] * stride_kd)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-            m_i, l_i, acc = _softmax_pv(s, kb, k_first, k_valid, qb, m_i, l_i, acc, v_head, stride_vn, stride_vd,
-                                        qk_scale, offs_m, offs_n, offs_d, BLOCK, DOT_PRECISION)
+        q1r, q2r = q1, q2   # rotated by -delta for the current delta (ROPE_ON_Q): delta 0 = identity
+    q_off = tl.load(BlockOffset + qb)
+    # cos/sin of the last delta (loop-carried). Initial delta 0: cos = 1, sin = 0.
+    last_delta = tl.zeros([], tl.int32)
+    cos = tl.full([HALF], 1.0, tl.float32)
+    sin = tl.zeros([HALF], tl.float32)
+    for j in range(start * SPLIT, mid * SPLIT):
+        q1, q2, q1r, q2r, last_delta, cos, sin, m_i, l_i, acc = _tile(
+            j, q, q1, q2, q1r, q2r, q_ptr, q_off, qb, last_delta, cos, sin, m_i, l_i, acc,
+            Indices, BlockValid, BlockOffset, Turns, k_head, v_head, k_desc, v_desc, stride_qd, stride_kn, stride_kd,
+            stride_vn, stride_vd, qk_scale, offs_m, offs_n, offs_d, offs_h,
+            BLOCK, BLOCK_N, HALF, ROPE, False, Q_RELOAD, USE_TMA, MASK_ALWAYS, DOT_PRECISION, FAST_TRIG)
+    for j in range(mid * SPLIT, end * SPLIT):
+        q1, q2, q1r, q2r, last_delta, cos, sin, m_i, l_i, acc = _tile(
+            j, q, q1, q2, q1r, q2r, q_ptr, q_off, qb, last_delta, cos, sin, m_i, l_i, acc,
+            Indices, BlockValid, BlockOffset, Turns, k_head, v_head, k_desc, v_desc, stride_qd, stride_kn, stride_kd,
+            stride_vn, stride_vd, qk_scale, offs_m, offs_n, offs_d, offs_h,
+            BLOCK, BLOCK_N, HALF, ROPE, True, Q_RELOAD, USE_TMA, MASK_ALWAYS, DOT_PRECISION, FAST_TRIG)
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)  # rows that saw no key (empty CSR row) stay 0
     out = acc / l_i[:, None]
-    out = tl.where((offs_m < q_valid)[:, None], out, 0.0)
-    o_ptr = Out + h.to(tl.int64) * stride_oh + (qb * BLOCK).to(tl.int64) * stride_on
-    tl.store(o_ptr + offs_m[:, None] * stride_on + offs_d[None, :] * stride_od, out.to(Out.dtype.element_ty))
+    o_ptr = Out + h.to(tl.int64) * stride_oh + q_row0.to(tl.int64) * stride_on
+    o_ptrs = o_ptr + offs_m[:, None] * stride_on + offs_d[None, :] * stride_od
+    if Q_TOKENS:
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=(offs_m < q_valid)[:, None])
+    else:
+        out = tl.where((offs_m < q_valid)[:, None], out, 0.0)
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty))
 
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Launch parameters of `_sparse_attn_fwd`. block_n divides the layout block; rope_on is "k" or "q"."""
+    """Launch parameters of `_sparse_attn_fwd`. block_n divides the layout block; rope_on is "k" or "q";
+    q_reload (rope_on="q" only): re-read Q from memory on a change of delta instead of holding it."""
 
     block_n: int
     num_warps: int
     num_stages: int
     rope_on: str = "k"
-    # How delta == 0 tiles skip the rotation: "split" / "branch" / "none" (SKIP_*). "none" (rotate every tile,
-    # cos/sin cached while delta is unchanged) measured fastest on the H200: RoPE +6..9% against +15..19% for
-    # the others (bench/results/attention-h200-2026-11-29-run3.json).
-    skip_zero: str = "none"
+    q_reload: bool = False
+    # K / V through TMA descriptors (needs unit last strides, 16-byte aligned rows, and finite V padding).
+    tma: bool = False
+    # Padding mask on every off-diagonal tile (a select per score) instead of a branch taken on partial blocks.
+    mask_always: bool = False
 
 
 def default_config(block: int, head_dim: int) -> KernelConfig:
@@ -244,16 +280,20 @@ def default_config(block: int, head_dim: int) -> KernelConfig:
     return KernelConfig(block_n=block, num_warps=4, num_stages=2, rope_on="k")
 
 
-def _validate(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, scale, block, out) -> None:
+def _validate(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, scale, block, out,
+              q_block_start=None) -> None:
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor) or x.dim() != 3:
             raise ValueError(f"{name} must be a 3-D tensor [H, N, D]; got {getattr(x, 'shape', type(x))}")
         if x.dtype not in DTYPES:
             raise ValueError(f"{name}.dtype={x.dtype} is unsupported; use one of {DTYPES}")
-    hq, n, d = q.shape
+    hq, n_q, d = q.shape
+    n = k.shape[1]  # physical slots
     hkv = k.shape[0]
-    if k.shape != v.shape or k.shape[1:] != (n, d):
-        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must both be [Hkv, N={n}, D={d}] like q")
+    if k.shape != v.shape or k.shape[2] != d:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must both be [Hkv, N, D={d}] like q")
+    if q_block_start is None and n_q != n:
+        raise ValueError(f"q has {n_q} rows and k {n} slots: without q_block_start q must be in the padded layout")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q, k, v must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
     if hq % hkv:
@@ -282,9 +322,15 @@ def _validate(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, sca
                                  or not inv_freq.is_floating_point()):
         raise ValueError(f"inv_freq must be None or a float tensor [D/2]={d // 2}; got "
                          f"{tuple(getattr(inv_freq, 'shape', ()))}")
-    if out is not None and (tuple(out.shape) != (hq, n, d) or out.dtype != q.dtype):
-        raise ValueError(f"out must be {q.dtype} [{hq}, {n}, {d}]; got {out.dtype} {tuple(out.shape)}")
-    tensors = [q, k, v, indptr, indices, block_valid, block_offset] + ([out] if out is not None else [])
+    if q_block_start is not None and (not isinstance(q_block_start, torch.Tensor) or q_block_start.dtype != torch.int32
+                                      or tuple(q_block_start.shape) != (nb,)):
+        raise ValueError(f"q_block_start must be None or int32 [NB={nb}]; got "
+                         f"{getattr(q_block_start, 'dtype', type(q_block_start))} "
+                         f"{tuple(getattr(q_block_start, 'shape', ()))}")
+    if out is not None and (tuple(out.shape) != (hq, n_q, d) or out.dtype != q.dtype):
+        raise ValueError(f"out must be {q.dtype} [{hq}, {n_q}, {d}]; got {out.dtype} {tuple(out.shape)}")
+    tensors = [q, k, v, indptr, indices, block_valid, block_offset] + ([out] if out is not None else []) \
+        + ([q_block_start] if q_block_start is not None else [])
     devices = {x.device for x in tensors}
     if len(devices) != 1:
         raise ValueError(f"all tensors must be on one device; got {sorted(map(str, devices))}")
@@ -307,7 +353,8 @@ def check_layout(indptr, indices, block_valid, block_offset, *, block: int) -> N
         raise ValueError(f"block_valid values must lie in [0, block={block}]")
 
 
-def sparse_attention(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, *, scale, block, out=None):
+def sparse_attention(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, *, scale, block, out=None,
+                     q_block_start=None):
     """Block-sparse causal attention with in-kernel RoPE of key tiles (forward).
 
     q: [Hq, N, D]; k, v: [Hkv, N, D] (any strides; fp16 / bf16 / fp32), N = NB * block, D in {64, 128}.
@@ -315,47 +362,86 @@ def sparse_attention(q, k, v, indptr, indices, block_valid, block_offset, inv_fr
     block_valid, block_offset: int32 [NB]. inv_freq: [D/2] float, or None when k is already at logical positions.
     scale: softmax scale. block: layout block in {16, 32, 64, 128}. out: optional [Hq, N, D] in q's dtype.
     Returns out [Hq, N, D] in q's dtype. Query rows beyond block_valid are 0.
+    q_block_start: optional int32 [NB]. When given, q and out hold only the real tokens ([Hq, n_tokens, D], any
+    strides, e.g. the model's own projections and a [n_tokens, Hq, D] buffer seen through a transpose): block
+    b's valid slots are rows q_block_start[b] .. + block_valid[b] - 1. No padded copy of q or out is made, and
+    out rows of padding do not exist. k, v stay in the padded layout (the position-free cache).
 
     Layout values are not checked here (that needs a device sync); see `check_layout`.
     """
     return _launch(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, scale=scale, block=block,
-                   out=out, config=None)
+                   out=out, config=None, q_block_start=q_block_start)
 
 
-def _launch(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, *, scale, block, out, config):
-    _validate(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, scale, block, out)
+def _tma_scratch(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _tma_ready(k, v) -> None:
+    """TMA descriptors built in the kernel need unit last strides, 16-byte aligned rows and a scratch allocator."""
+    for name, x in (("k", k), ("v", v)):
+        if x.stride(2) != 1 or (x.stride(1) * x.element_size()) % 16 or (x.stride(0) * x.element_size()) % 16 \
+                or x.data_ptr() % 16:
+            raise ValueError(f"{name} strides {x.stride()} do not allow TMA loads (need unit last stride and "
+                             f"16-byte aligned rows); use a config with tma=False")
+    triton.set_allocator(_tma_scratch)
+
+
+def _launch(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, *, scale, block, out, config,
+            q_block_start=None):
+    _validate(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, scale, block, out, q_block_start)
     if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"sparse_attention runs on CUDA tensors (got {q.device}); use sparse_attention_ref on CPU")
-    hq, n, d = q.shape
-    nb = n // block
+    hq, d = q.shape[0], q.shape[2]
+    nb = k.shape[1] // block
     cfg = config or default_config(block, d)
-    assert block % cfg.block_n == 0 and cfg.rope_on in ("k", "q") and cfg.skip_zero in SKIP_MODES, cfg
+    assert block % cfg.block_n == 0 and cfg.rope_on in ("k", "q"), cfg
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    tok_start = block_valid if q_block_start is None else q_block_start  # unused without Q_TOKENS
     if inv_freq is None:
         rope, turns = ROPE_NONE.value, torch.zeros(1, dtype=torch.float64, device=q.device)
     else:
         rope = (ROPE_ON_K if cfg.rope_on == "k" else ROPE_ON_Q).value
         turns = inv_freq.to(device=q.device, dtype=torch.float64) / (2.0 * math.pi)
+    if cfg.tma:
+        _tma_ready(k, v)
     _sparse_attn_fwd[(hq, nb)](
-        q, k, v, out, indptr, indices, block_valid, block_offset, turns,
+        q, k, v, out, indptr, indices, block_valid, block_offset, tok_start, turns,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         nb, float(scale) * LOG2E,
         GROUP=hq // k.shape[0], BLOCK=block, BLOCK_N=cfg.block_n, HEAD_DIM=d, ROPE=rope,
-        SKIP_ZERO=SKIP_MODES[cfg.skip_zero],
+        Q_RELOAD=cfg.q_reload, USE_TMA=cfg.tma, MASK_ALWAYS=cfg.mask_always, Q_TOKENS=q_block_start is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FAST_TRIG=q.device.type == "cuda",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 
 
-def sparse_attention_ref(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, *, scale, block, out=None):
+def sparse_attention_ref(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, *, scale, block, out=None,
+                         q_block_start=None):
     """Torch twin of `sparse_attention` (same signature and result); fp32 softmax, fp64 RoPE angles.
 
     Loops over (head, query block): meant for tests, debugging and small CPU prefill, not for speed.
     """
-    _validate(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, scale, block, out)
+    _validate(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, scale, block, out, q_block_start)
     check_layout(indptr, indices, block_valid, block_offset, block=block)
+    if q_block_start is not None:  # real-token rows -> padded slots, then back
+        n_slots = k.shape[1]
+        slot = torch.arange(n_slots, device=q.device)
+        b, c = slot // block, slot % block
+        real = c < block_valid.long()[b]
+        rows = (q_block_start.long()[b] + c)[real]
+        q_pad = q.new_zeros(q.shape[0], n_slots, q.shape[2])
+        q_pad[:, real] = q[:, rows]
+        o_pad = sparse_attention_ref(q_pad, k, v, indptr, indices, block_valid, block_offset, inv_freq,
+                                     scale=scale, block=block)
+        result = q.new_zeros(q.shape)
+        result[:, rows] = o_pad[:, real]
+        if out is None:
+            return result
+        out.copy_(result)
+        return out
     hq, n, d = q.shape
     nb = n // block
     group = hq // k.shape[0]

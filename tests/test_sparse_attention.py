@@ -230,15 +230,15 @@ def _delta_runs(layout: Layout, indptr, indices):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("skip_zero", ["split", "branch", "none"])
-@pytest.mark.parametrize("rope_on", ["k", "q"])
+@pytest.mark.parametrize("rope_on,q_reload", [("k", False), ("q", False), ("q", True)])
 @pytest.mark.parametrize("block,block_n", [(16, 16), (32, 16)])
-def test_mixed_zero_and_nonzero_deltas(block, block_n, rope_on, skip_zero, dtype):
+def test_mixed_zero_and_nonzero_deltas(block, block_n, rope_on, q_reload, dtype):
     """Rows whose key blocks mix delta == 0 (own segment, and another segment starting at the same logical
     position) with runs of equal nonzero deltas (several consecutive blocks of one earlier segment), and a delta
-    that comes back after a different one: exercises the delta == 0 skip (both the trailing run and a zero in
-    the middle of a row) and the cos/sin cache (hit, miss, refill)."""
-    if dtype == torch.float16 and (skip_zero != "none" or block != 32):
+    that comes back after a different one: exercises the cos/sin (rope_on="k") and rotated-Q (rope_on="q")
+    caches (hit, miss, refill, a zero delta in the middle of a row), the unmasked main loop next to the
+    diagonal block, and padded last blocks."""
+    if dtype == torch.float16 and (rope_on != "k" or block != 32):
         pytest.skip("fp16 only for the default mode with key sub-tiles (interpreter time)")
     gen = torch.Generator().manual_seed(19)
     d, hq, hkv = 64, 2, 1
@@ -255,15 +255,64 @@ def test_mixed_zero_and_nonzero_deltas(block, block_n, rope_on, skip_zero, dtype
     assert any(any(x == 0 and any(y != 0 for y in r[i:]) for i, x in enumerate(r)) for r in rows)  # 0 mid-row
     assert any(any(a == b != 0 for a, b in zip(r, r[1:])) for r in rows)               # cache hits
     assert any(any(x != 0 and x in r[:i] and r[i - 1] != x for i, x in enumerate(r)) for r in rows)  # refill
-    cfg = KernelConfig(block_n=block_n, num_warps=4, num_stages=2, rope_on=rope_on, skip_zero=skip_zero)
+    cfg = KernelConfig(block_n=block_n, num_warps=4, num_stages=2, rope_on=rope_on, q_reload=q_reload)
     out = run_kernel(q, k, v, indptr, indices, layout, inv_freq, d ** -0.5, config=cfg)
     ref = dense_reference(q_log, k_log, v.double(), layout, mask, d ** -0.5)
-    check_close(out, ref, dtype, f"mixed deltas block={block}/{block_n} rope_on={rope_on} skip={skip_zero}")
+    check_close(out, ref, dtype, f"mixed deltas block={block}/{block_n} rope_on={rope_on} q_reload={q_reload}")
     # Same mask with a random subset of blocks (gaps inside runs, rows that end on an earlier segment).
     indptr, indices, mask = make_csr(layout, hq, "random", gen)
     out = run_kernel(q, k, v, indptr, indices, layout, inv_freq, d ** -0.5, config=cfg)
     ref = dense_reference(q_log, k_log, v.double(), layout, mask, d ** -0.5)
-    check_close(out, ref, dtype, f"mixed deltas (random) block={block}/{block_n} rope_on={rope_on} skip={skip_zero}")
+    check_close(out, ref, dtype, f"mixed deltas (random) block={block}/{block_n} rope_on={rope_on} q_reload={q_reload}")
+
+
+@pytest.mark.parametrize("rope_on,q_reload,rope", [("k", False, True), ("q", True, True), ("k", False, False)])
+def test_tma_descriptor_loads(rope_on, q_reload, rope):
+    """K / V tiles through TMA descriptors: same result; NaN in K's padding is still masked (V's padding must be
+    finite under TMA, the launcher's documented contract, so it is zero here)."""
+    gen = torch.Generator().manual_seed(23)
+    block, d, hq, hkv, dtype = 32, 64, 4, 2, torch.float32
+    layout = make_layout([[20, 45, 70], [33, 17]], block, starts=[[0, 20, 100_000], [0, 70_000]])
+    inv_freq = default_inv_freq(d)
+    q, k, v, q_log, k_log = make_qkv(layout, hq, hkv, d, dtype, inv_freq, gen)
+    pad = layout.pos < 0
+    k[:, pad] = float("nan")
+    indptr, indices, mask = make_csr(layout, hq, "random", gen)
+    cfg = KernelConfig(block_n=16, num_warps=4, num_stages=2, rope_on=rope_on, q_reload=q_reload, tma=True)
+    if rope:
+        out = run_kernel(q, k, v, indptr, indices, layout, inv_freq, d ** -0.5, config=cfg)
+        ref = dense_reference(q_log, k_log, v.double(), layout, mask, d ** -0.5)
+    else:
+        out = run_kernel(q_log.to(dtype), k_log.to(dtype).masked_fill(pad[None, :, None], float("nan")), v,
+                         indptr, indices, layout, None, d ** -0.5, config=cfg)
+        ref = dense_reference(q_log.to(dtype).double(), k_log.to(dtype).double(), v.double(), layout, mask,
+                              d ** -0.5)
+    check_close(out, ref, dtype, f"tma rope_on={rope_on} rope={rope}")
+
+
+@pytest.mark.parametrize("rope_on,q_reload", [("k", False), ("q", True)])
+def test_queries_and_output_in_token_order(rope_on, q_reload):
+    """q_block_start: q and out hold only the real tokens (strided views, as the engine passes the model's
+    projections and o_proj's buffer); equal to the dense reference at the real slots, nothing else written."""
+    gen = torch.Generator().manual_seed(29)
+    block, d, hq, hkv, dtype = 32, 64, 4, 2, torch.float32
+    layout = make_layout([[20, 45, 70], [33, 17]], block, starts=[[0, 20, 100_000], [0, 70_000]])
+    inv_freq = default_inv_freq(d)
+    q, k, v, q_log, k_log = make_qkv(layout, hq, hkv, d, dtype, inv_freq, gen, nan_padding=True)
+    indptr, indices, mask = make_csr(layout, hq, "random", gen)
+    real = (layout.pos >= 0).nonzero()[:, 0]                      # physical slots of real tokens, in order
+    q_tok = q[:, real].transpose(0, 1).contiguous().transpose(0, 1)  # [Hq, n, D] view of an [n, Hq, D] buffer
+    nb = layout.n // block
+    starts = torch.searchsorted(real, torch.arange(nb) * block).to(torch.int32)
+    buf = torch.full((real.numel(), hq, d), 7.0)
+    cfg = KernelConfig(block_n=16, num_warps=4, num_stages=2, rope_on=rope_on, q_reload=q_reload)
+    _launch(q_tok, k, v, indptr, indices, layout.block_valid, layout.block_offset, inv_freq, scale=d ** -0.5,
+            block=block, out=buf.transpose(0, 1), config=cfg, q_block_start=starts)
+    ref = dense_reference(q_log, k_log, v.double(), layout, mask, d ** -0.5)[:, real]
+    check_close(buf.transpose(0, 1), ref, dtype, f"token-order q/out rope_on={rope_on}")
+    twin = sparse_attention_ref(q_tok, k, v, indptr, indices, layout.block_valid, layout.block_offset, inv_freq,
+                                scale=d ** -0.5, block=block, q_block_start=starts)
+    check_close(twin, ref, dtype, "token-order twin")
 
 
 def test_prerotated_keys_without_rope():
