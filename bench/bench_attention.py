@@ -44,21 +44,20 @@ SMOKE = DEV == "cpu"  # CPU smoke run of this script under TRITON_INTERPRET=1: t
 BLOCK = 128
 HQ, HKV, D = (4, 1, 128) if SMOKE else (32, 8, 128)
 DTYPE = torch.float16 if SMOKE else torch.bfloat16  # bf16 is broken in the interpreter
-CONFIGS = [  # runs 1-4 (2026-11-29) timed other variants (bench/README_attention.md)
-    sa.KernelConfig(block_n=128, num_warps=8, num_stages=2, rope_on="k"),                # the default
-    sa.KernelConfig(block_n=128, num_warps=8, num_stages=2, rope_on="k", mask_always=True),
-    sa.KernelConfig(block_n=128, num_warps=8, num_stages=3, rope_on="k"),
-    sa.KernelConfig(block_n=128, num_warps=8, num_stages=2, rope_on="q", q_reload=True, mask_always=True),
-    sa.KernelConfig(block_n=128, num_warps=8, num_stages=3, rope_on="k", mask_always=True),
+CONFIGS = [  # runs 1-6 (2026-11-29) timed other variants (bench/README_attention.md)
+    sa.KernelConfig(block_n=128, num_warps=8, num_stages=2, rope_on="k"),
+    sa.KernelConfig(block_n=128, num_warps=8, num_stages=2, rope_on="pre"),
+    sa.KernelConfig(block_n=128, num_warps=8, num_stages=2, rope_on="pre", pre_via_out=True),
+    sa.KernelConfig(block_n=128, num_warps=8, num_stages=3, rope_on="pre", pre_via_out=True),
 ]
 if os.environ.get("CONFIGS"):  # e.g. CONFIGS="128,8,2,k,0,1;128,8,3,k,0,1": block_n,warps,stages,rope_on,q_reload,tma
-    CONFIGS = [sa.KernelConfig(int(n), int(w), int(st), r, ql == "1", t == "1", ma == "1")
-               for n, w, st, r, ql, t, ma in (c.split(",") for c in os.environ["CONFIGS"].split(";"))]
+    CONFIGS = [sa.KernelConfig(int(f[0]), int(f[1]), int(f[2]), f[3], *(x == "1" for x in f[4:]))
+               for f in (c.split(",") for c in os.environ["CONFIGS"].split(";"))]
 
 
 def cfg_name(c):
     return f"n{c.block_n}w{c.num_warps}s{c.num_stages}{c.rope_on}{'-reload' if c.q_reload else ''}" \
-           f"{'-tma' if c.tma else ''}{'-ma' if c.mask_always else ''}"
+           f"{'-tma' if c.tma else ''}{'-ma' if c.mask_always else ''}{'-out' if c.pre_via_out else ''}"
 
 
 def launch_name(c):
@@ -215,13 +214,25 @@ def timings(results, lengths):
     gen = torch.Generator(device=DEV).manual_seed(1)
     inv_freq = 1.0 / (500000.0 ** (torch.arange(0, D, 2, dtype=torch.float32, device=DEV) / D))
     rows = []
-    for L in lengths:
-        n_full, rest = divmod(L - 512, 2048)
-        docs = [2048] * n_full + ([rest] if rest else [])
-        lay = layout_from_segments([docs + [512]])
+    for kind, L in [(kind, L) for kind in MASKS for L in lengths]:
         nb = L // BLOCK
-        assert lay["seg"].numel() == nb
-        mask = mask_a(lay["seg"], len(docs), gen)
+        if kind == "a":
+            n_full, rest = divmod(L - 512, 2048)
+            docs = [2048] * n_full + ([rest] if rest else [])
+            lay = layout_from_segments([docs + [512]])
+            assert lay["seg"].numel() == nb
+            mask = mask_a(lay["seg"], len(docs), gen)
+        else:  # mask (b): real SmolLM2 bits tiled to L, decoded by the runtime's block_indices (bench/masks.py)
+            sys.path.insert(0, str(ROOT / "bench"))
+            from masks import real_mask
+            rm = real_mask(L, HQ, DEV)
+            assert rm.layout.n_blocks == nb, (rm.layout.n_blocks, nb)
+            lay = dict(block_valid=rm.layout.block_valid, block_offset=rm.layout.block_offset)
+            counts = (rm.indptr[1:] - rm.indptr[:-1]).long()
+            rows_of = torch.repeat_interleave(torch.arange(HQ * nb, device=DEV), counts)
+            mask = torch.zeros(HQ * nb, nb, dtype=torch.bool, device=DEV)
+            mask[rows_of, rm.indices.long()] = True
+            mask = mask.view(HQ, nb, nb)
         ar = torch.arange(nb, device=DEV)
         causal = (ar[None, :] <= ar[:, None]).expand(HQ, nb, nb)
         q = torch.randn(HQ, L, D, device=DEV, dtype=DTYPE, generator=gen)
@@ -234,7 +245,7 @@ def timings(results, lengths):
         cells = (tiles - diag) * BLOCK * BLOCK + diag * BLOCK * (BLOCK + 1) // 2  # all heads
         dense_cells = HQ * L * (L + 1) // 2
         flops = lambda c: 4 * D * c  # noqa: E731
-        row = dict(L=L, tiles=tiles, tile_fraction=tiles / causal_tiles, cells=cells, dense_cells=dense_cells)
+        row = dict(mask=kind, L=L, tiles=tiles, tile_fraction=tiles / causal_tiles, cells=cells, dense_cells=dense_cells)
         sp = csr(mask)
         de = csr(causal)
         lv = (lay["block_valid"], lay["block_offset"])
@@ -245,7 +256,7 @@ def timings(results, lengths):
             try:
                 for tag, (ptr, idx), rope in (("sparse_rope", sp, True), ("sparse_none", sp, False),
                                               ("dense_rope", de, True)):
-                    if tag == "dense_rope" and cfg.rope_on == "q":
+                    if tag == "dense_rope" and (cfg.rope_on == "q" or kind != "a"):  # dense: mask-independent
                         continue
                     key = f"{tag}/{name}"
                     if tag == "sparse_none":  # the same kernel for every rope_on / q_reload: time it once
@@ -300,7 +311,7 @@ def timings(results, lengths):
 def summary(results):
     names = {cfg_name(c): launch_name(c) for c in CONFIGS}
     for row in results["timings"]:
-        print(row["L"], {k: round(v["ms"], 3) for k, v in row.items() if isinstance(v, dict) and "ms" in v})
+        print(row.get("mask", "a"), row["L"], {k: round(v["ms"], 3) for k, v in row.items() if isinstance(v, dict) and "ms" in v})
     print("\nRoPE overhead per config: sparse+rope ms (vs the same launch shape pre-rotated). d0% = tiles with "
           "delta == 0, trig% = tiles that recompute cos/sin")
     print("     L tiles%   d0% trig% | " + " | ".join(f"{n:>19s}" for n in names))
@@ -310,7 +321,7 @@ def summary(results):
             r, z = row.get(f"sparse_rope/{n}", {}).get("ms"), row.get(f"sparse_none/{ln}", {}).get("ms")
             cells.append(f"{r:8.3f} ({100 * (r / z - 1):+6.1f}%)" if r and z else f"{'n/a':>19s}")
         ds = row.get("delta_stats", {})
-        print(f"{row['L']:6d} {100 * row['tile_fraction']:6.1f} {100 * ds.get('delta0', float('nan')):5.1f} "
+        print(f"{row.get('mask', 'a')} {row['L']:6d} {100 * row['tile_fraction']:6.1f} {100 * ds.get('delta0', float('nan')):5.1f} "
               f"{100 * ds.get('trig_recompute', float('nan')):5.1f} | " + " | ".join(cells))
     print("\n     L tiles% | best sparse+rope (cfg)           | same shape no-rope | rope ovh | dense(ours) | "
           "flex   | cudnn  | flash")
@@ -323,9 +334,12 @@ def summary(results):
         none = row.get(f"sparse_none/{names.get(best, best)}", {}).get("ms", float("nan"))
         bd = min(dense.values()) if dense else float("nan")
         g = lambda key: row.get(key, {}).get("ms", float("nan"))  # noqa: E731
-        print(f"{row['L']:6d} {100 * row['tile_fraction']:6.1f} | {sparse[best]:7.3f} ms ({best:18s})   | "
+        print(f"{row.get('mask', 'a')} {row['L']:6d} {100 * row['tile_fraction']:6.1f} | {sparse[best]:7.3f} ms ({best:18s})   | "
               f"{none:7.3f} ms         | {100 * (sparse[best] / none - 1):+6.1f}% | {bd:7.3f} ms  | "
               f"{g('flex_sparse'):6.3f} | {g('cudnn_dense'):6.3f} | {g('flash_dense'):6.3f}")
+
+
+MASKS = [m for m in os.environ.get("MASKS", "a,b").split(",") if m]  # a: anchor generator; b: real SmolLM2 bits
 
 
 def main():

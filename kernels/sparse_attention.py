@@ -37,7 +37,10 @@ LOG2E = 1.4426950408889634
 # ROPE_NONE: keys already at logical positions. ROPE_ON_K: each K tile is rotated by delta in registers (cos/sin
 # cached while delta is unchanged). ROPE_ON_Q: the Q tile is rotated by -delta instead, only when delta changes
 # (cached across the key blocks of one earlier segment), so K tiles go from memory to the tensor cores untouched.
-ROPE_NONE, ROPE_ON_K, ROPE_ON_Q = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+# ROPE_PRE: a pass before the kernel (`rotate_key_blocks`) rotates each key block by its own segment offset into a
+# transient buffer (keys at logical positions), the kernel rotates the Q tile once by the query block's offset,
+# and the attention loop is the pre-rotated one. The stored (position-free) keys are untouched.
+ROPE_NONE, ROPE_ON_K, ROPE_ON_Q, ROPE_PRE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2), tl.constexpr(3)
 
 
 @triton.jit
@@ -70,6 +73,41 @@ def _rotate(x1, x2, cos, sin):
 
 
 @triton.jit
+def _rotate_blocks_kernel(K, Out, BlockOffset, Turns, stride_kh, stride_kn, stride_kd, stride_oh, stride_on,
+                          stride_od, BLOCK: tl.constexpr, HALF: tl.constexpr, FAST_TRIG: tl.constexpr):
+    """Rows of block b of head h rotated by block_offset[b] (local -> logical positions)."""
+    h = tl.program_id(0)
+    b = tl.program_id(1)
+    rows = (b * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    offs_h = tl.arange(0, HALF)
+    src = K + h.to(tl.int64) * stride_kh + rows[:, None] * stride_kn
+    dst = Out + h.to(tl.int64) * stride_oh + rows[:, None] * stride_on
+    x1 = tl.load(src + offs_h[None, :] * stride_kd)
+    x2 = tl.load(src + (offs_h + HALF)[None, :] * stride_kd)
+    cos, sin = _rope_cos_sin(tl.load(BlockOffset + b), Turns, offs_h, FAST_TRIG)
+    y1, y2 = _rotate(x1, x2, cos, sin)
+    tl.store(dst + offs_h[None, :] * stride_od, y1)
+    tl.store(dst + (offs_h + HALF)[None, :] * stride_od, y2)
+
+
+def rotate_key_blocks(k: torch.Tensor, block_offset: torch.Tensor, inv_freq: torch.Tensor, *, block: int,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """k [Hkv, NB * block, D] at segment-local positions -> the same keys at logical positions (every row of
+    block b rotated by block_offset[b]), a new contiguous tensor (or `out`). Angles as in the attention kernel
+    (fp64 turns reduced to one period, then fp32)."""
+    hkv, n, d = k.shape
+    if n % block or block_offset.shape != (n // block,) or inv_freq.shape != (d // 2,):
+        raise ValueError(f"k {tuple(k.shape)}, block_offset {tuple(block_offset.shape)}, inv_freq "
+                         f"{tuple(inv_freq.shape)} do not fit block={block}")
+    if out is None:
+        out = torch.empty((hkv, n, d), dtype=k.dtype, device=k.device)
+    turns = inv_freq.to(device=k.device, dtype=torch.float64) / (2.0 * math.pi)
+    _rotate_blocks_kernel[(hkv, n // block)](k, out, block_offset, turns, *k.stride(), *out.stride(), BLOCK=block,
+                                             HALF=d // 2, FAST_TRIG=k.device.type == "cuda", num_warps=4)
+    return out
+
+
+@triton.jit
 def _tile(j, q, q1, q2, q1r, q2r, q_ptr, q_off, qb, last_delta, cos, sin, m_i, l_i, acc,
           Indices, BlockValid, BlockOffset, Turns, k_head, v_head, k_desc, v_desc, stride_qd, stride_kn, stride_kd,
           stride_vn, stride_vd, qk_scale, offs_m, offs_n, offs_d, offs_h,
@@ -84,7 +122,7 @@ def _tile(j, q, q1, q2, q1r, q2r, q_ptr, q_off, qb, last_delta, cos, sin, m_i, l
     k_valid = tl.load(BlockValid + kb)
     slot = kb * BLOCK + k_first
     k_ptr = k_head + slot.to(tl.int64) * stride_kn
-    if ROPE == ROPE_NONE:
+    if ROPE == ROPE_NONE or ROPE == ROPE_PRE:
         if USE_TMA:
             k = k_desc.load([slot, 0])
         else:
@@ -167,6 +205,7 @@ def _sparse_attn_fwd(
     USE_TMA: tl.constexpr,             # K / V tiles through tensor-memory-accelerator descriptors
     MASK_ALWAYS: tl.constexpr,         # mask padding on every off-diagonal tile (else only on partial blocks)
     Q_TOKENS: tl.constexpr,            # q / out hold real tokens only (no padding rows), block b from QTokStart[b]
+    PRE_VIA_OUT: tl.constexpr,         # ROPE_PRE: pass the rotated Q through the program's output rows
     DOT_PRECISION: tl.constexpr,       # "ieee" for fp32 inputs, "tf32" otherwise (ignored for 16-bit)
     FAST_TRIG: tl.constexpr,           # MUFU sin/cos (GPU); False in the interpreter
 ):
@@ -207,7 +246,7 @@ def _sparse_attn_fwd(
     k_desc = 0
     v_desc = 0
     if USE_TMA:
-        KW: tl.constexpr = HEAD_DIM if ROPE == ROPE_NONE else HALF
+        KW: tl.constexpr = HEAD_DIM if (ROPE == ROPE_NONE or ROPE == ROPE_PRE) else HALF
         k_desc = tl.make_tensor_descriptor(K + kvh.to(tl.int64) * stride_kh, shape=[NB * BLOCK, HEAD_DIM],
                                            strides=[stride_kn, 1], block_shape=[BLOCK_N, KW])
         v_desc = tl.make_tensor_descriptor(V + kvh.to(tl.int64) * stride_vh, shape=[NB * BLOCK, HEAD_DIM],
@@ -217,8 +256,27 @@ def _sparse_attn_fwd(
     l_i = tl.zeros([BLOCK], tl.float32)
     acc = tl.zeros([BLOCK, HEAD_DIM], tl.float32)
 
+    q_off = tl.load(BlockOffset + qb)
     if ROPE == ROPE_NONE:
         q = tl.load(q_ptr + offs_d[None, :] * stride_qd)                      # [BLOCK, D]
+        q1 = q   # unused below
+        q2 = q
+        q1r = q
+        q2r = q
+    elif ROPE == ROPE_PRE:
+        # Keys arrive at logical positions: rotate Q to its logical positions once (by the block's offset).
+        q1 = tl.load(q_ptr + offs_h[None, :] * stride_qd)                     # [BLOCK, D/2]
+        q2 = tl.load(q_ptr + (offs_h + HALF)[None, :] * stride_qd)
+        cos_q, sin_q = _rope_cos_sin(q_off, Turns, offs_h, FAST_TRIG)
+        q1, q2 = _rotate(q1, q2, cos_q, sin_q)
+        q = tl.reshape(tl.permute(tl.join(q1, q2), (0, 2, 1)), [BLOCK, HEAD_DIM])  # [q1 | q2]
+        if PRE_VIA_OUT:
+            # Round trip through this program's own output rows, so the rotated Q is read from memory like the
+            # pre-rotated path's (a shared-memory wgmma operand) instead of staying in registers (which spills).
+            o_q = Out + h.to(tl.int64) * stride_oh + q_row0.to(tl.int64) * stride_on + offs_d[None, :] * stride_od
+            tl.store(o_q + offs_m[:, None] * stride_on, q.to(Out.dtype.element_ty), mask=(offs_m < q_valid)[:, None])
+            tl.debug_barrier()
+            q = tl.load(o_q + tl.minimum(offs_m, tl.maximum(q_valid - 1, 0))[:, None] * stride_on).to(q.dtype)
         q1 = q   # unused below
         q2 = q
         q1r = q
@@ -228,7 +286,6 @@ def _sparse_attn_fwd(
         q1 = tl.load(q_ptr + offs_h[None, :] * stride_qd)                     # [BLOCK, D/2]
         q2 = tl.load(q_ptr + (offs_h + HALF)[None, :] * stride_qd)
         q1r, q2r = q1, q2   # rotated by -delta for the current delta (ROPE_ON_Q): delta 0 = identity
-    q_off = tl.load(BlockOffset + qb)
     # cos/sin of the last delta (loop-carried). Initial delta 0: cos = 1, sin = 0.
     last_delta = tl.zeros([], tl.int32)
     cos = tl.full([HALF], 1.0, tl.float32)
@@ -259,7 +316,8 @@ def _sparse_attn_fwd(
 
 @dataclass(frozen=True)
 class KernelConfig:
-    """Launch parameters of `_sparse_attn_fwd`. block_n divides the layout block; rope_on is "k" or "q";
+    """Launch parameters of `_sparse_attn_fwd`. block_n divides the layout block; rope_on is "k", "q" or "pre"
+    (ROPE_ON_K / ROPE_ON_Q / ROPE_PRE);
     q_reload (rope_on="q" only): re-read Q from memory on a change of delta instead of holding it."""
 
     block_n: int
@@ -271,6 +329,8 @@ class KernelConfig:
     tma: bool = False
     # Padding mask on every off-diagonal tile (a select per score) instead of a branch taken on partial blocks.
     mask_always: bool = False
+    # rope_on="pre": hand the once-rotated Q tile to the loop through the program's own output rows (memory).
+    pre_via_out: bool = False
 
 
 def default_config(block: int, head_dim: int) -> KernelConfig:
@@ -395,15 +455,17 @@ def _launch(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, *, sc
     hq, d = q.shape[0], q.shape[2]
     nb = k.shape[1] // block
     cfg = config or default_config(block, d)
-    assert block % cfg.block_n == 0 and cfg.rope_on in ("k", "q"), cfg
+    assert block % cfg.block_n == 0 and cfg.rope_on in ("k", "q", "pre"), cfg
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     tok_start = block_valid if q_block_start is None else q_block_start  # unused without Q_TOKENS
     if inv_freq is None:
         rope, turns = ROPE_NONE.value, torch.zeros(1, dtype=torch.float64, device=q.device)
     else:
-        rope = (ROPE_ON_K if cfg.rope_on == "k" else ROPE_ON_Q).value
+        rope = {"k": ROPE_ON_K, "q": ROPE_ON_Q, "pre": ROPE_PRE}[cfg.rope_on].value
         turns = inv_freq.to(device=q.device, dtype=torch.float64) / (2.0 * math.pi)
+        if cfg.rope_on == "pre":  # one pass over K: keys to logical positions, in a transient buffer
+            k = rotate_key_blocks(k, block_offset, inv_freq, block=block)
     if cfg.tma:
         _tma_ready(k, v)
     _sparse_attn_fwd[(hq, nb)](
@@ -412,6 +474,7 @@ def _launch(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, *, sc
         nb, float(scale) * LOG2E,
         GROUP=hq // k.shape[0], BLOCK=block, BLOCK_N=cfg.block_n, HEAD_DIM=d, ROPE=rope,
         Q_RELOAD=cfg.q_reload, USE_TMA=cfg.tma, MASK_ALWAYS=cfg.mask_always, Q_TOKENS=q_block_start is not None,
+        PRE_VIA_OUT=cfg.pre_via_out,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FAST_TRIG=q.device.type == "cuda",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

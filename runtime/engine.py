@@ -186,6 +186,11 @@ class _Prefill:
         self.v_cache: dict[int, torch.Tensor] = {}
         self._n_slots = layout.n_slots + reserve_slots
         self._dense_csr = None
+        # Row of the packed real tokens holding each block's first slot (tokens are packed in physical order), so
+        # the kernel reads the model's q and writes the output in token order: no padded copies of either.
+        self.q_block_start = torch.searchsorted(
+            layout.token_phys.to(layout.device),
+            torch.arange(layout.n_blocks, device=layout.device) * layout.block).to(torch.int32)
 
     def _csr(self, layer: int, n_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.bits is None:
@@ -204,17 +209,23 @@ class _Prefill:
     def attend(self, layer: int, query, key, value, scale: float):
         """query [1, Hq, n_real, D], key / value [1, Hkv, n_real, D] -> [1, n_real, Hq, D]."""
         eng, lay = self.engine, self.layout
-        q = lay.scatter(query[0], dim=1)
         k_all, v_all = self._to_cache(key[0]), self._to_cache(value[0])
         k, v = k_all[:, : lay.n_slots], v_all[:, : lay.n_slots]
         with self.timer("decode"):
-            indptr, indices = self._csr(layer, q.shape[0])
+            indptr, indices = self._csr(layer, query.shape[1])
         self.nnz += indptr[-1]
+        if eng.backend == "triton":
+            with self.timer("attention"):
+                hq, n, d = query.shape[1:]
+                buf = torch.empty(n, hq, d, dtype=query.dtype, device=query.device)  # o_proj's layout
+                sparse_attention(query[0], k, v, indptr, indices, lay.block_valid, lay.block_offset, eng.inv_freq,
+                                 scale=scale, block=lay.block, out=buf.transpose(0, 1),
+                                 q_block_start=self.q_block_start)
+            self.k_cache[layer], self.v_cache[layer] = k_all, v_all
+            return buf.unsqueeze(0), None
+        q = lay.scatter(query[0], dim=1)
         with self.timer("attention"):
-            if eng.backend == "triton":
-                out = sparse_attention(q, k, v, indptr, indices, lay.block_valid, lay.block_offset, eng.inv_freq,
-                                       scale=scale, block=lay.block)
-            elif eng.backend == "reference":
+            if eng.backend == "reference":
                 out = sparse_attention_ref(q, k, v, indptr, indices, lay.block_valid, lay.block_offset,
                                            eng.inv_freq, scale=scale, block=lay.block)
             else:

@@ -207,7 +207,7 @@ def test_offsets_beyond_65535(dtype):
     check_close(out, dense_reference(q_log, k_log, v.double(), layout, mask, d ** -0.5), dtype, "large offsets")
 
 
-@pytest.mark.parametrize("rope_on", ["k", "q"])
+@pytest.mark.parametrize("rope_on", ["k", "q", "pre"])
 def test_key_subtiles_and_rope_side(rope_on):
     """block 32 processed as two 16-slot key sub-tiles; rotating Q by -delta gives the same scores."""
     gen = torch.Generator().manual_seed(5)
@@ -230,7 +230,7 @@ def _delta_runs(layout: Layout, indptr, indices):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("rope_on,q_reload", [("k", False), ("q", False), ("q", True)])
+@pytest.mark.parametrize("rope_on,q_reload", [("k", False), ("q", False), ("q", True), ("pre", False)])
 @pytest.mark.parametrize("block,block_n", [(16, 16), (32, 16)])
 def test_mixed_zero_and_nonzero_deltas(block, block_n, rope_on, q_reload, dtype):
     """Rows whose key blocks mix delta == 0 (own segment, and another segment starting at the same logical
@@ -290,7 +290,7 @@ def test_tma_descriptor_loads(rope_on, q_reload, rope):
     check_close(out, ref, dtype, f"tma rope_on={rope_on} rope={rope}")
 
 
-@pytest.mark.parametrize("rope_on,q_reload", [("k", False), ("q", True)])
+@pytest.mark.parametrize("rope_on,q_reload", [("k", False), ("q", True), ("pre", False)])
 def test_queries_and_output_in_token_order(rope_on, q_reload):
     """q_block_start: q and out hold only the real tokens (strided views, as the engine passes the model's
     projections and o_proj's buffer); equal to the dense reference at the real slots, nothing else written."""
@@ -313,6 +313,46 @@ def test_queries_and_output_in_token_order(rope_on, q_reload):
     twin = sparse_attention_ref(q_tok, k, v, indptr, indices, layout.block_valid, layout.block_offset, inv_freq,
                                 scale=d ** -0.5, block=block, q_block_start=starts)
     check_close(twin, ref, dtype, "token-order twin")
+
+
+def test_rotate_key_blocks_matches_reference():
+    """The pass of rope_on="pre": each block's rows rotated by its segment offset (here up to 300,000)."""
+    from sift.kernels.sparse_attention import rotate_key_blocks
+
+    gen = torch.Generator().manual_seed(31)
+    block, d = 16, 64
+    k = torch.randn(3, 5 * block, d, generator=gen)
+    offsets = torch.tensor([0, 7, 7, 65_536, 300_000], dtype=torch.int32)
+    inv_freq = default_inv_freq(d)
+    got = rotate_key_blocks(k.to(DEVICE), offsets.to(DEVICE), inv_freq.to(DEVICE), block=block).cpu()
+    ref = apply_rope_ref(k.double(), offsets.repeat_interleave(block).long(), inv_freq)
+    check_close(got, ref, torch.float32, "rotate_key_blocks")
+
+
+@pytest.mark.parametrize("token_order", [False, True])
+def test_pre_rotation_through_output_rows(token_order):
+    """rope_on="pre" with pre_via_out: the once-rotated Q tile passes through the program's own output rows (NaN
+    there beforehand, NaN in padding) and the result still equals the dense reference."""
+    gen = torch.Generator().manual_seed(37)
+    block, d, hq, hkv, dtype = 32, 64, 4, 2, torch.float32
+    layout = make_layout([[20, 45, 70], [33, 17]], block, starts=[[0, 20, 100_000], [0, 70_000]])
+    inv_freq = default_inv_freq(d)
+    q, k, v, q_log, k_log = make_qkv(layout, hq, hkv, d, dtype, inv_freq, gen, nan_padding=True)
+    indptr, indices, mask = make_csr(layout, hq, "random", gen)
+    cfg = KernelConfig(block_n=16, num_warps=4, num_stages=2, rope_on="pre", pre_via_out=True)
+    ref = dense_reference(q_log, k_log, v.double(), layout, mask, d ** -0.5)
+    if token_order:
+        real = (layout.pos >= 0).nonzero()[:, 0]
+        starts = torch.searchsorted(real, torch.arange(layout.n // block) * block).to(torch.int32)
+        out = torch.full((hq, real.numel(), d), float("nan"))
+        _launch(q[:, real], k, v, indptr, indices, layout.block_valid, layout.block_offset, inv_freq,
+                scale=d ** -0.5, block=block, out=out, config=cfg, q_block_start=starts)
+        ref = ref[:, real]
+    else:
+        out = torch.full_like(q, float("nan"))
+        _launch(q, k, v, indptr, indices, layout.block_valid, layout.block_offset, inv_freq, scale=d ** -0.5,
+                block=block, out=out, config=cfg)
+    check_close(out, ref, dtype, f"pre via out (token order {token_order})")
 
 
 def test_prerotated_keys_without_rope():
