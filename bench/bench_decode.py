@@ -31,7 +31,7 @@ import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
 from sift.kernels.bits import n_pages, pack_msb  # noqa: E402
-from sift.kernels.block_indices import block_indices, block_indices_ref, pack_doc_bits  # noqa: E402
+from sift.kernels.block_indices import block_indices, block_indices_ref, dense_indptr, pack_doc_bits  # noqa: E402
 from sift.kernels.decode_attention import (  # noqa: E402
     decode_attention,
     decode_attention_ref,
@@ -103,9 +103,21 @@ def bench_index_decode(context: int, dev: torch.device, gen: torch.Generator) ->
         raise AssertionError(f"block_indices differs from block_indices_ref at L={context}")
     dense = HQ * layout.causal_block_pairs
 
-    def decode_layer():  # what the runtime does per layer: the layer's offsets, then the decode
+    def decode_layer():  # the two-pass compact CSR: the layer's offsets, then the decode
         la, ca = bits.layer_ptrs(0)
         return block_indices(layout, bits.la_bytes, la, bits.ca_bytes, ca, TILE)
+
+    row_start = dense_indptr(layout, HQ)  # once per prefill in the engine
+
+    def decode_layer_one_pass():  # what the engine does per layer: offsets, then one pass into padded rows
+        la, ca = bits.layer_ptrs(0)
+        return block_indices(layout, bits.la_bytes, la, bits.ca_bytes, ca, TILE, padded=True, row_start=row_start)
+
+    starts, pidx, ends = decode_layer_one_pass()
+    compact = torch.cat([pidx[a:b] for a, b in zip(starts[:-1].tolist(), ends.tolist())])
+    if not (torch.equal((ends - starts[:-1]).cpu(), (ref_indptr[1:] - ref_indptr[:-1]).cpu())
+            and torch.equal(compact.cpu(), ref_indices.cpu())):
+        raise AssertionError(f"one-pass block_indices differs from block_indices_ref at L={context}")
 
     return {
         "n_tokens": layout.n_tokens,
@@ -117,6 +129,8 @@ def bench_index_decode(context: int, dev: torch.device, gen: torch.Generator) ->
         "index_decode_us": bench(lambda: block_indices(*args)),
         "index_decode_with_layer_ptrs_us": bench(decode_layer),
         "index_decode_device_us": queued_us(decode_layer),
+        "index_decode_one_pass_device_us": queued_us(decode_layer_one_pass),
+        "index_decode_one_pass_us": bench(decode_layer_one_pass),
     }
 
 

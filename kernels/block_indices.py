@@ -121,7 +121,7 @@ def pack_doc_bits(
 def _block_indices_kernel(
     indptr_ptr,  # int32 [Hq * NB + 1]: read in the fill pass
     indices_ptr,  # int32 [cap]: written in the fill pass
-    counts_ptr,  # int32 [Hq * NB]: written in the count pass
+    counts_ptr,  # int32 [Hq * NB]: row counts (count pass); row ends, indptr[row] + count (fill pass)
     block_kind_ptr,
     block_request_ptr,
     block_doc_ptr,
@@ -162,6 +162,7 @@ def _block_indices_kernel(
                 kb = start + jj
                 dst = indices_ptr + base[:, None] + (kb - rb0)[None, :]
                 tl.store(dst, tl.broadcast_to(kb[None, :], (HB, BLOCK_J)), mask=h_ok[:, None] & (kb <= qb)[None, :])
+            tl.store(counts_ptr + rows, base + (qb - rb0 + 1), mask=h_ok)
         else:
             tl.store(counts_ptr + rows, tl.zeros([HB], dtype=tl.int32) + (qb - rb0 + 1), mask=h_ok)
     else:
@@ -212,7 +213,9 @@ def _block_indices_kernel(
                 dst = indices_ptr + (base + count)[:, None] + pos
                 tl.store(dst, tl.broadcast_to(kb[None, :], (HB, BLOCK_J)), mask=keep & h_ok[:, None])
             count += tl.sum(k32, axis=1)
-        if not FILL:
+        if FILL:
+            tl.store(counts_ptr + rows, base + count, mask=h_ok)
+        else:
             tl.store(counts_ptr + rows, count, mask=h_ok)
 
 
@@ -248,8 +251,15 @@ def block_indices(
     tile: int,
     *,
     heads_per_program: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    padded: bool = False,
+    row_start: torch.Tensor | None = None,
+):
     """One layer's bits -> CSR (indptr: int32 [Hq * NB + 1], indices: int32 [Hq * layout.causal_block_pairs]).
+
+    padded=True: one pass instead of count, prefix sum and fill. Row r is written at the start it would have
+    with every block kept (`dense_indptr`, or `row_start` if given: compute it once per layout), and the result
+    is (row_start, indices, row_end) with row r's blocks in indices[row_start[r]:row_end[r]]: what
+    `sparse_attention(..., row_end=...)` reads.
 
     la_bytes / ca_bytes: uint8 flat buffers; la_ptr / ca_ptr: int64 [n_docs, Hq] byte offset of each
     (document, head) vector, documents in layout order. Only indices[:indptr[-1]] is defined.
@@ -280,6 +290,12 @@ def block_indices(
     block_j = max(8, min(64, 8192 // (hb * r * r)))
     meta = dict(TILE=tile, R=r, HB=hb, BLOCK_J=block_j)
     grid = (nb, triton.cdiv(n_heads, hb))
+    if padded:
+        starts = dense_indptr(layout, n_heads) if row_start is None else row_start
+        if starts.dtype != torch.int32 or starts.shape != (n_heads * nb + 1,) or starts.device != dev:
+            raise ValueError(f"row_start must be int32 [Hq * NB + 1]={n_heads * nb + 1} on {dev} (dense_indptr)")
+        _block_indices_kernel[grid](starts, indices, counts, *args, FILL=True, **meta)
+        return starts, indices, counts
     _block_indices_kernel[grid](indptr, indices, counts, *args, FILL=False, **meta)
     torch.cumsum(counts, 0, dtype=torch.int32, out=indptr[1:])
     _block_indices_kernel[grid](indptr, indices, counts, *args, FILL=True, **meta)
@@ -348,6 +364,17 @@ def block_indices_ref(
     return indptr, indices
 
 
+def dense_indptr(layout: BatchLayout, n_heads: int) -> torch.Tensor:
+    """indptr of the dense pattern (every block of the request up to the diagonal), int32 [Hq * NB + 1], on the
+    layout's device without a host synchronisation: the row starts of `block_indices(..., padded=True)`."""
+    nb, dev = layout.n_blocks, layout.device
+    first = layout.req_first_block.long()[layout.block_request.long()]  # [NB]
+    counts = (torch.arange(nb, device=dev) - first + 1).repeat(n_heads)  # [Hq * NB]
+    indptr = torch.zeros(n_heads * nb + 1, dtype=torch.int32, device=dev)
+    torch.cumsum(counts, 0, dtype=torch.int32, out=indptr[1:])
+    return indptr
+
+
 def dense_block_indices(layout: BatchLayout, n_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     """mode="dense": every block of the request up to the diagonal, for every head. Same outputs as
     `block_indices`, built on the device without a host synchronisation (indices exactly Hq *
@@ -355,8 +382,7 @@ def dense_block_indices(layout: BatchLayout, n_heads: int) -> tuple[torch.Tensor
     nb, dev = layout.n_blocks, layout.device
     first = layout.req_first_block.long()[layout.block_request.long()]  # [NB]
     counts = (torch.arange(nb, device=dev) - first + 1).repeat(n_heads)  # [Hq * NB]
-    indptr = torch.zeros(n_heads * nb + 1, dtype=torch.int32, device=dev)
-    torch.cumsum(counts, 0, dtype=torch.int32, out=indptr[1:])
+    indptr = dense_indptr(layout, n_heads)
     total = n_heads * layout.causal_block_pairs
     row_of = torch.repeat_interleave(torch.arange(n_heads * nb, device=dev), counts, output_size=total)
     within = torch.arange(total, device=dev) - indptr[:-1].long()[row_of]

@@ -187,7 +187,7 @@ def _tile(j, q, q1, q2, q1r, q2r, q_ptr, q_off, qb, last_delta, cos, sin, m_i, l
 @triton.jit
 def _sparse_attn_fwd(
     Q, K, V, Out,                      # q [Hq, N, D]; k, v [Hkv, N, D]; out [Hq, N, D]
-    Indptr, Indices,                   # int32 [Hq * NB + 1], int32 [nnz]
+    Indptr, RowEnd, Indices,           # int32 [Hq * NB + 1], int32 [Hq * NB] (row r ends there), int32 [nnz]
     BlockValid, BlockOffset,           # int32 [NB], int32 [NB]
     QTokStart,                         # int32 [NB]: Q_TOKENS: row of q / out holding block b's first slot
     Turns,                             # fp64 [D/2]: inv_freq / (2 pi), rotations per position
@@ -219,7 +219,7 @@ def _sparse_attn_fwd(
 
     row = h * NB + qb
     start = tl.load(Indptr + row)
-    end = tl.load(Indptr + row + 1)
+    end = tl.load(RowEnd + row)
     q_valid = tl.load(BlockValid + qb)
     # The row's diagonal entry (its last, rows ascend) gets the causal mask after the unmasked main loop.
     has_diag = end > start
@@ -341,7 +341,7 @@ def default_config(block: int, head_dim: int) -> KernelConfig:
 
 
 def _validate(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, scale, block, out,
-              q_block_start=None) -> None:
+              q_block_start=None, row_end=None) -> None:
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor) or x.dim() != 3:
             raise ValueError(f"{name} must be a 3-D tensor [H, N, D]; got {getattr(x, 'shape', type(x))}")
@@ -382,6 +382,10 @@ def _validate(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, sca
                                  or not inv_freq.is_floating_point()):
         raise ValueError(f"inv_freq must be None or a float tensor [D/2]={d // 2}; got "
                          f"{tuple(getattr(inv_freq, 'shape', ()))}")
+    if row_end is not None and (not isinstance(row_end, torch.Tensor) or row_end.dtype != torch.int32
+                                or tuple(row_end.shape) != (hq * nb,)):
+        raise ValueError(f"row_end must be None or int32 [Hq * NB={hq * nb}]; got "
+                         f"{getattr(row_end, 'dtype', type(row_end))} {tuple(getattr(row_end, 'shape', ()))}")
     if q_block_start is not None and (not isinstance(q_block_start, torch.Tensor) or q_block_start.dtype != torch.int32
                                       or tuple(q_block_start.shape) != (nb,)):
         raise ValueError(f"q_block_start must be None or int32 [NB={nb}]; got "
@@ -390,7 +394,7 @@ def _validate(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, sca
     if out is not None and (tuple(out.shape) != (hq, n_q, d) or out.dtype != q.dtype):
         raise ValueError(f"out must be {q.dtype} [{hq}, {n_q}, {d}]; got {out.dtype} {tuple(out.shape)}")
     tensors = [q, k, v, indptr, indices, block_valid, block_offset] + ([out] if out is not None else []) \
-        + ([q_block_start] if q_block_start is not None else [])
+        + ([q_block_start] if q_block_start is not None else []) + ([row_end] if row_end is not None else [])
     devices = {x.device for x in tensors}
     if len(devices) != 1:
         raise ValueError(f"all tensors must be on one device; got {sorted(map(str, devices))}")
@@ -414,7 +418,7 @@ def check_layout(indptr, indices, block_valid, block_offset, *, block: int) -> N
 
 
 def sparse_attention(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, *, scale, block, out=None,
-                     q_block_start=None):
+                     q_block_start=None, row_end=None):
     """Block-sparse causal attention with in-kernel RoPE of key tiles (forward).
 
     q: [Hq, N, D]; k, v: [Hkv, N, D] (any strides; fp16 / bf16 / fp32), N = NB * block, D in {64, 128}.
@@ -426,11 +430,13 @@ def sparse_attention(q, k, v, indptr, indices, block_valid, block_offset, inv_fr
     strides, e.g. the model's own projections and a [n_tokens, Hq, D] buffer seen through a transpose): block
     b's valid slots are rows q_block_start[b] .. + block_valid[b] - 1. No padded copy of q or out is made, and
     out rows of padding do not exist. k, v stay in the padded layout (the position-free cache).
+    row_end: optional int32 [Hq * NB]: row r lists indices[indptr[r]:row_end[r]] (rows with spare capacity,
+    as `block_indices(..., padded=True)` writes them in one pass); default indptr[1:] (compact CSR).
 
     Layout values are not checked here (that needs a device sync); see `check_layout`.
     """
     return _launch(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, scale=scale, block=block,
-                   out=out, config=None, q_block_start=q_block_start)
+                   out=out, config=None, q_block_start=q_block_start, row_end=row_end)
 
 
 def _tma_scratch(size: int, alignment: int, stream):
@@ -448,8 +454,9 @@ def _tma_ready(k, v) -> None:
 
 
 def _launch(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, *, scale, block, out, config,
-            q_block_start=None):
-    _validate(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, scale, block, out, q_block_start)
+            q_block_start=None, row_end=None):
+    _validate(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, scale, block, out, q_block_start,
+              row_end)
     if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"sparse_attention runs on CUDA tensors (got {q.device}); use sparse_attention_ref on CPU")
     hq, d = q.shape[0], q.shape[2]
@@ -469,7 +476,8 @@ def _launch(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, *, sc
     if cfg.tma:
         _tma_ready(k, v)
     _sparse_attn_fwd[(hq, nb)](
-        q, k, v, out, indptr, indices, block_valid, block_offset, tok_start, turns,
+        q, k, v, out, indptr, indptr[1:] if row_end is None else row_end, indices, block_valid, block_offset,
+        tok_start, turns,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         nb, float(scale) * LOG2E,
         GROUP=hq // k.shape[0], BLOCK=block, BLOCK_N=cfg.block_n, HEAD_DIM=d, ROPE=rope,
@@ -482,12 +490,21 @@ def _launch(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, *, sc
 
 
 def sparse_attention_ref(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, *, scale, block, out=None,
-                         q_block_start=None):
+                         q_block_start=None, row_end=None):
     """Torch twin of `sparse_attention` (same signature and result); fp32 softmax, fp64 RoPE angles.
 
     Loops over (head, query block): meant for tests, debugging and small CPU prefill, not for speed.
     """
-    _validate(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, scale, block, out, q_block_start)
+    _validate(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, scale, block, out, q_block_start,
+              row_end)
+    if row_end is not None:  # rows with spare capacity -> compact CSR
+        starts, ends = indptr[:-1].long().cpu(), row_end.long().cpu()
+        if bool((ends < starts).any()) or (ends.numel() and int(ends.max()) > indices.numel()):
+            raise ValueError("row_end must satisfy indptr[r] <= row_end[r] <= len(indices)")
+        idx = indices.cpu()
+        indices = torch.cat([idx[a:b] for a, b in zip(starts.tolist(), ends.tolist())] or [idx[:0]]).to(q.device)
+        indptr = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(ends - starts, 0)]).to(
+            device=q.device, dtype=torch.int32)
     check_layout(indptr, indices, block_valid, block_offset, block=block)
     if q_block_start is not None:  # real-token rows -> padded slots, then back
         n_slots = k.shape[1]

@@ -35,7 +35,7 @@ from typing import Sequence
 import torch
 
 from sift.errors import SiftError
-from sift.kernels.block_indices import DocBits, block_indices, block_indices_ref, dense_block_indices
+from sift.kernels.block_indices import DocBits, block_indices, block_indices_ref, dense_block_indices, dense_indptr
 from sift.kernels.decode_attention import decode_attention, decode_attention_ref, layout_kv_table
 from sift.kernels.layout import BatchLayout, build_layout
 from sift.kernels.rope import apply_rope_ref, rope_inv_freq
@@ -186,20 +186,27 @@ class _Prefill:
         self.v_cache: dict[int, torch.Tensor] = {}
         self._n_slots = layout.n_slots + reserve_slots
         self._dense_csr = None
+        self._row_start = None
         # Row of the packed real tokens holding each block's first slot (tokens are packed in physical order), so
         # the kernel reads the model's q and writes the output in token order: no padded copies of either.
         self.q_block_start = torch.searchsorted(
             layout.token_phys.to(layout.device),
             torch.arange(layout.n_blocks, device=layout.device) * layout.block).to(torch.int32)
 
-    def _csr(self, layer: int, n_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _csr(self, layer: int, n_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """-> (indptr, indices, row_end): row r is indices[indptr[r]:row_end[r]] (row_end None: compact CSR)."""
         if self.bits is None:
             if self._dense_csr is None:
                 self._dense_csr = dense_block_indices(self.layout, n_heads)
-            return self._dense_csr
+            return (*self._dense_csr, None)
         la_ptr, ca_ptr = self.bits.layer_ptrs(layer)
-        decode = block_indices if self.engine.backend == "triton" else block_indices_ref
-        return decode(self.layout, self.bits.la_bytes, la_ptr, self.bits.ca_bytes, ca_ptr, self.engine.tile)
+        if self.engine.backend == "triton":  # one pass: rows at their dense starts (computed once per prefill)
+            if self._row_start is None:
+                self._row_start = dense_indptr(self.layout, n_heads)
+            return block_indices(self.layout, self.bits.la_bytes, la_ptr, self.bits.ca_bytes, ca_ptr,
+                                 self.engine.tile, padded=True, row_start=self._row_start)
+        return (*block_indices_ref(self.layout, self.bits.la_bytes, la_ptr, self.bits.ca_bytes, ca_ptr,
+                                   self.engine.tile), None)
 
     def _to_cache(self, x: torch.Tensor) -> torch.Tensor:
         """[H, n_real, D] -> [H, N + reserve, D]: real tokens at their physical slots, padding 0."""
@@ -212,15 +219,15 @@ class _Prefill:
         k_all, v_all = self._to_cache(key[0]), self._to_cache(value[0])
         k, v = k_all[:, : lay.n_slots], v_all[:, : lay.n_slots]
         with self.timer("decode"):
-            indptr, indices = self._csr(layer, query.shape[1])
-        self.nnz += indptr[-1]
+            indptr, indices, row_end = self._csr(layer, query.shape[1])
+        self.nnz += indptr[-1] if row_end is None else (row_end - indptr[:-1]).sum()
         if eng.backend == "triton":
             with self.timer("attention"):
                 hq, n, d = query.shape[1:]
                 buf = torch.empty(n, hq, d, dtype=query.dtype, device=query.device)  # o_proj's layout
                 sparse_attention(query[0], k, v, indptr, indices, lay.block_valid, lay.block_offset, eng.inv_freq,
                                  scale=scale, block=lay.block, out=buf.transpose(0, 1),
-                                 q_block_start=self.q_block_start)
+                                 q_block_start=self.q_block_start, row_end=row_end)
             self.k_cache[layer], self.v_cache[layer] = k_all, v_all
             return buf.unsqueeze(0), None
         q = lay.scatter(query[0], dim=1)

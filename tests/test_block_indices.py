@@ -14,6 +14,7 @@ from sift.kernels.block_indices import (
     block_indices,
     block_indices_ref,
     dense_block_indices,
+    dense_indptr,
     pack_doc_bits,
 )
 from sift.kernels.layout import build_layout
@@ -105,6 +106,14 @@ def decode_both(requests, tile, block, n_heads, fill, seed=0):
     want = expected_csr(requests, layout, la_bits, ca_bits, tile, n_heads)
     got_kernel = block_indices(layout, bits.la_bytes, la_ptr, bits.ca_bytes, ca_ptr, tile)
     got_ref = block_indices_ref(layout, bits.la_bytes, la_ptr, bits.ca_bytes, ca_ptr, tile)
+    # One-pass mode: rows at their dense starts, each ending at row_end; compacted it is the same CSR.
+    starts, idx, ends = block_indices(layout, bits.la_bytes, la_ptr, bits.ca_bytes, ca_ptr, tile, padded=True)
+    assert torch.equal(starts, dense_indptr(layout, n_heads))
+    assert bool((ends >= starts[:-1]).all()) and bool((ends <= starts[1:]).all())
+    compact = torch.cat([idx[a:b] for a, b in zip(starts[:-1].tolist(), ends.tolist())])
+    ptr = torch.zeros_like(starts)
+    ptr[1:] = torch.cumsum(ends - starts[:-1], 0)
+    assert_csr_equal((ptr, compact.to(torch.int32)), want, "one-pass (padded) kernel")
     return layout, want, got_kernel, got_ref
 
 

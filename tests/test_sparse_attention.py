@@ -355,6 +355,32 @@ def test_pre_rotation_through_output_rows(token_order):
     check_close(out, ref, dtype, f"pre via out (token order {token_order})")
 
 
+def test_rows_with_spare_capacity_row_end():
+    """row_end: rows start with gaps after them (as the one-pass decode writes them, garbage in the gaps); the
+    kernel and the twin read indices[indptr[r]:row_end[r]] and equal the dense reference."""
+    gen = torch.Generator().manual_seed(41)
+    block, d, hq, hkv, dtype = 16, 64, 4, 2, torch.float32
+    layout = make_layout([[20, 45, 70]], block, starts=[[0, 20, 100_000]])
+    inv_freq = default_inv_freq(d)
+    q, k, v, q_log, k_log = make_qkv(layout, hq, hkv, d, dtype, inv_freq, gen, nan_padding=True)
+    indptr, indices, mask = make_csr(layout, hq, "random", gen)
+    counts = (indptr[1:] - indptr[:-1]).long()
+    cap = counts + torch.randint(0, 3, counts.shape, generator=gen)
+    starts = torch.zeros(counts.numel() + 1, dtype=torch.int32)
+    starts[1:] = torch.cumsum(cap, 0)
+    padded = torch.full((int(starts[-1]),), 10_000, dtype=torch.int32)  # out-of-range garbage in the gaps
+    for r in range(counts.numel()):
+        padded[starts[r]:starts[r] + counts[r]] = indices[indptr[r]:indptr[r + 1]]
+    row_end = (starts[:-1] + counts).to(torch.int32)
+    ref = dense_reference(q_log, k_log, v.double(), layout, mask, d ** -0.5)
+    out = sparse_attention(q, k, v, starts, padded, layout.block_valid, layout.block_offset, inv_freq,
+                           scale=d ** -0.5, block=block, row_end=row_end)
+    check_close(out, ref, dtype, "row_end kernel")
+    twin = sparse_attention_ref(q, k, v, starts, padded, layout.block_valid, layout.block_offset, inv_freq,
+                                scale=d ** -0.5, block=block, row_end=row_end)
+    check_close(twin, ref, dtype, "row_end twin")
+
+
 def test_prerotated_keys_without_rope():
     """inv_freq=None: q and k already at logical positions, no rotation in the kernel."""
     gen = torch.Generator().manual_seed(9)
