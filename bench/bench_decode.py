@@ -109,9 +109,11 @@ def bench_index_decode(context: int, dev: torch.device, gen: torch.Generator) ->
 
     row_start = dense_indptr(layout, HQ)  # once per prefill in the engine
 
-    def decode_layer_one_pass():  # what the engine does per layer: offsets, then one pass into padded rows
-        la, ca = bits.layer_ptrs(0)
-        return block_indices(layout, bits.la_bytes, la, bits.ca_bytes, ca, TILE, padded=True, row_start=row_start)
+    all_la, all_ca = bits.all_layer_ptrs()  # once per prefill in the engine
+
+    def decode_layer_one_pass():  # what the engine does per layer: one pass into padded rows
+        return block_indices(layout, bits.la_bytes, all_la[0], bits.ca_bytes, all_ca[0], TILE, padded=True,
+                             row_start=row_start)
 
     starts, pidx, ends = decode_layer_one_pass()
     compact = torch.cat([pidx[a:b] for a, b in zip(starts[:-1].tolist(), ends.tolist())])
@@ -119,7 +121,23 @@ def bench_index_decode(context: int, dev: torch.device, gen: torch.Generator) ->
             and torch.equal(compact.cpu(), ref_indices.cpu())):
         raise AssertionError(f"one-pass block_indices differs from block_indices_ref at L={context}")
 
+    sweep = {}  # launch shapes of the one-pass decode: heads per program, key blocks per step, warps
+    for hb, bj, nw in ((8, 64, 4), (4, 64, 4), (2, 64, 4), (1, 64, 4), (4, 128, 4), (2, 128, 4), (2, 64, 2),
+                       (1, 64, 2), (1, 128, 4), (1, 32, 1)):
+        la, ca = bits.layer_ptrs(0)
+        f = lambda: block_indices(layout, bits.la_bytes, la, bits.ca_bytes, ca, TILE, padded=True,  # noqa: E731
+                                  row_start=row_start, heads_per_program=hb, block_j=bj, num_warps=nw)
+        try:
+            _, gidx, gends = f()
+        except Exception as e:  # a launch shape that does not compile is recorded, not fatal
+            sweep[f"hb{hb}_j{bj}_w{nw}"] = repr(e)[:200]
+            continue
+        gcompact = torch.cat([gidx[a:b] for a, b in zip(starts[:-1].tolist(), gends.tolist())])
+        if not (torch.equal(gends, ends) and torch.equal(gcompact, compact)):
+            raise AssertionError(f"one-pass decode hb={hb} block_j={bj} w={nw} differs from the reference")
+        sweep[f"hb{hb}_j{bj}_w{nw}"] = queued_us(f)
     return {
+        "one_pass_sweep_device_us": sweep,
         "n_tokens": layout.n_tokens,
         "n_docs": n_docs,
         "n_blocks": layout.n_blocks,

@@ -187,6 +187,7 @@ class _Prefill:
         self._n_slots = layout.n_slots + reserve_slots
         self._dense_csr = None
         self._row_start = None
+        self._ptrs = None
         # Row of the packed real tokens holding each block's first slot (tokens are packed in physical order), so
         # the kernel reads the model's q and writes the output in token order: no padded copies of either.
         self.q_block_start = torch.searchsorted(
@@ -199,7 +200,9 @@ class _Prefill:
             if self._dense_csr is None:
                 self._dense_csr = dense_block_indices(self.layout, n_heads)
             return (*self._dense_csr, None)
-        la_ptr, ca_ptr = self.bits.layer_ptrs(layer)
+        if self._ptrs is None:  # every layer's vector offsets, once per prefill
+            self._ptrs = self.bits.all_layer_ptrs()
+        la_ptr, ca_ptr = self._ptrs[0][layer], self._ptrs[1][layer]
         if self.engine.backend == "triton":  # one pass: rows at their dense starts (computed once per prefill)
             if self._row_start is None:
                 self._row_start = dense_indptr(self.layout, n_heads)

@@ -103,6 +103,8 @@ def decode_both(requests, tile, block, n_heads, fill, seed=0):
     la_bits, ca_bits, la_blobs, ca_blobs = make_bits(n_tokens, tile, n_heads, fill, gen)
     bits = pack_doc_bits(la_blobs, ca_blobs, n_tokens, tile=tile, n_layers=N_LAYERS, n_heads=n_heads)
     la_ptr, ca_ptr = bits.layer_ptrs(LAYER)
+    all_la, all_ca = bits.all_layer_ptrs()
+    assert torch.equal(all_la[LAYER], la_ptr) and torch.equal(all_ca[LAYER], ca_ptr)
     want = expected_csr(requests, layout, la_bits, ca_bits, tile, n_heads)
     got_kernel = block_indices(layout, bits.la_bytes, la_ptr, bits.ca_bytes, ca_ptr, tile)
     got_ref = block_indices_ref(layout, bits.la_bytes, la_ptr, bits.ca_bytes, ca_ptr, tile)
