@@ -4,8 +4,14 @@ Layout (physical): the requests of a batch are packed into N = NB * block token 
 each document, query) is padded to whole blocks, real tokens first. q and k are stored rotated at
 *segment-local* positions; `block_offset[b]` is the logical position of the first token of block b's segment.
 For query block qb and key block kb the score of the logical (fully rotated) q and k equals
-`q . R(delta) k` with `delta = block_offset[kb] - block_offset[qb]`, so the kernel rotates each loaded K tile
-once by `delta` (LazyAttention): one physical copy of a document's keys serves any placement.
+`q . R(delta) k` with `delta = block_offset[kb] - block_offset[qb]`: one physical copy of a document's keys
+serves any placement. Three ways to apply it (`KernelConfig.rope_on`):
+  "pre" (default for block 128): `rotate_key_blocks` rotates the layer's keys by their blocks' offsets into a
+      transient buffer (one pass over K), the kernel rotates each Q tile once by its block's offset, and the
+      attention loop is the pre-rotated one (fastest on the H200: bench/README_attention.md, run 7);
+  "k": each loaded K tile is rotated by delta in the loop (LazyAttention; cos/sin cached while delta holds);
+  "q": the Q tile is rotated by -delta instead, only when delta changes.
+The stored keys are never modified.
 
 Sparsity is CSR over (head, query block): row `h * NB + qb` lists the key blocks (global block ids, ascending)
 that query block qb of head h attends to. The diagonal block is masked causally by slot; key slots at or beyond
