@@ -50,19 +50,19 @@ CONFIGS = [  # runs 1-6 (2026-11-29) timed other variants (bench/README_attentio
     sa.KernelConfig(block_n=128, num_warps=8, num_stages=2, rope_on="pre", pre_via_out=True),
     sa.KernelConfig(block_n=128, num_warps=8, num_stages=3, rope_on="pre", pre_via_out=True),
 ]
-if os.environ.get("CONFIGS"):  # e.g. CONFIGS="128,8,2,k,0,1;128,8,3,k,0,1": block_n,warps,stages,rope_on,q_reload,tma
+if os.environ.get("CONFIGS"):  # e.g. CONFIGS="128,8,2,pre,0,1;128,8,2,k": block_n,warps,stages,rope_on[,q_reload,pre_via_out]
     CONFIGS = [sa.KernelConfig(int(f[0]), int(f[1]), int(f[2]), f[3], *(x == "1" for x in f[4:]))
                for f in (c.split(",") for c in os.environ["CONFIGS"].split(";"))]
 
 
 def cfg_name(c):
     return f"n{c.block_n}w{c.num_warps}s{c.num_stages}{c.rope_on}{'-reload' if c.q_reload else ''}" \
-           f"{'-tma' if c.tma else ''}{'-ma' if c.mask_always else ''}{'-out' if c.pre_via_out else ''}"
+           f"{'-out' if c.pre_via_out else ''}"
 
 
 def launch_name(c):
     """Name of the launch shape: without RoPE, rope_on and q_reload do not matter (same compiled kernel)."""
-    return f"n{c.block_n}w{c.num_warps}s{c.num_stages}{'-tma' if c.tma else ''}{'-ma' if c.mask_always else ''}"
+    return f"n{c.block_n}w{c.num_warps}s{c.num_stages}"
 
 
 def delta_stats(ptr, idx, offset):
@@ -158,11 +158,10 @@ def correctness(results):
     ref = sa.sparse_attention_ref(q, k, v, *args, inv_freq, scale=D ** -0.5, block=BLOCK)
     ref_none = sa.sparse_attention_ref(q, k, v, *args, None, scale=D ** -0.5, block=BLOCK)
     checks = {}
-    v_zero_pad = v.masked_fill(pad[None, :, None], 0.0)  # TMA configs: V padding must be finite (the contract)
     for cfg in CONFIGS:
         for rope in (True, False):
             out = torch.full_like(q, float("nan"))
-            sa._launch(q, k, v_zero_pad if cfg.tma else v, *args, inv_freq if rope else None, scale=D ** -0.5, block=BLOCK, out=out, config=cfg)
+            sa._launch(q, k, v, *args, inv_freq if rope else None, scale=D ** -0.5, block=BLOCK, out=out, config=cfg)
             r, m, fin = rel_err(out, ref if rope else ref_none)
             checks[f"twin/{cfg_name(cfg)}/{'rope' if rope else 'none'}"] = dict(rel=r, max_abs=m, finite=fin,
                                                                                ok=fin and r < 1.5e-2)

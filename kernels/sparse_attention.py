@@ -115,11 +115,10 @@ def rotate_key_blocks(k: torch.Tensor, block_offset: torch.Tensor, inv_freq: tor
 
 @triton.jit
 def _tile(j, q, q1, q2, q1r, q2r, q_ptr, q_off, qb, last_delta, cos, sin, m_i, l_i, acc,
-          Indices, BlockValid, BlockOffset, Turns, k_head, v_head, k_desc, v_desc, stride_qd, stride_kn, stride_kd,
+          Indices, BlockValid, BlockOffset, Turns, k_head, v_head, stride_qd, stride_kn, stride_kd,
           stride_vn, stride_vd, qk_scale, offs_m, offs_n, offs_d, offs_h,
           BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr, ROPE: tl.constexpr,
-          DIAG: tl.constexpr, Q_RELOAD: tl.constexpr, USE_TMA: tl.constexpr, MASK_ALWAYS: tl.constexpr,
-          DOT_PRECISION: tl.constexpr, FAST_TRIG: tl.constexpr):
+          DIAG: tl.constexpr, Q_RELOAD: tl.constexpr, DOT_PRECISION: tl.constexpr, FAST_TRIG: tl.constexpr):
     """One key sub-tile j (entry j // SPLIT of the CSR row, sub-tile j % SPLIT): scores, mask, online softmax
     and P @ V. DIAG: the query block's own block (causal mask by slot); otherwise only padding is masked."""
     SPLIT: tl.constexpr = BLOCK // BLOCK_N
@@ -129,18 +128,11 @@ def _tile(j, q, q1, q2, q1r, q2r, q_ptr, q_off, qb, last_delta, cos, sin, m_i, l
     slot = kb * BLOCK + k_first
     k_ptr = k_head + slot.to(tl.int64) * stride_kn
     if ROPE == ROPE_NONE or ROPE == ROPE_PRE:
-        if USE_TMA:
-            k = k_desc.load([slot, 0])
-        else:
-            k = tl.load(k_ptr + offs_d[None, :] * stride_kd)                  # [BLOCK_N, D]
+        k = tl.load(k_ptr + offs_d[None, :] * stride_kd)                      # [BLOCK_N, D]
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     else:
-        if USE_TMA:
-            k1 = k_desc.load([slot, 0])
-            k2 = k_desc.load([slot, HALF])
-        else:
-            k1 = tl.load(k_ptr + offs_h[None, :] * stride_kd)                 # [BLOCK_N, D/2]
-            k2 = tl.load(k_ptr + (offs_h + HALF)[None, :] * stride_kd)
+        k1 = tl.load(k_ptr + offs_h[None, :] * stride_kd)                     # [BLOCK_N, D/2]
+        k2 = tl.load(k_ptr + (offs_h + HALF)[None, :] * stride_kd)
         delta = tl.load(BlockOffset + kb) - q_off
         if DIAG:
             # The query block's own block: delta == 0 and R(0) is the identity (q1, q2 are unrotated here).
@@ -170,8 +162,6 @@ def _tile(j, q, q1, q2, q1r, q2r, q_ptr, q_off, qb, last_delta, cos, sin, m_i, l
         # Row r sees slot c iff c <= r (and c < k_valid): the diagonal block is the query block itself.
         lim = tl.where(kb == qb, tl.minimum(offs_m, k_valid - 1), k_valid - 1)
         s = tl.where(cols[None, :] <= lim[:, None], s, float("-inf"))
-    elif MASK_ALWAYS:
-        s = tl.where((cols < k_valid)[None, :], s, float("-inf"))
     elif k_first + BLOCK_N > k_valid:
         # Only a segment's last block is partial: its padding slots (which may hold anything) are masked.
         s = tl.where((cols < k_valid)[None, :], s, float("-inf"))
@@ -179,13 +169,9 @@ def _tile(j, q, q1, q2, q1r, q2r, q_ptr, q_off, qb, last_delta, cos, sin, m_i, l
     p = tl.math.exp2(s * qk_scale - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
-    if USE_TMA:
-        # TMA cannot mask rows: padding slots of V must hold finite values (the caller's contract).
-        v = v_desc.load([slot, 0])
-    else:
-        # Padding slots of V may hold anything (NaN too): zero them, since 0 * NaN would poison the row.
-        v = tl.load(v_head + slot.to(tl.int64) * stride_vn + offs_d[None, :] * stride_vd,
-                    mask=cols[:, None] < k_valid, other=0.0)
+    # Padding slots of V may hold anything (NaN too): zero them, since 0 * NaN would poison the row.
+    v = tl.load(v_head + slot.to(tl.int64) * stride_vn + offs_d[None, :] * stride_vd,
+                mask=cols[:, None] < k_valid, other=0.0)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return q1, q2, q1r, q2r, last_delta, cos, sin, m_new, l_i, acc
 
@@ -208,8 +194,6 @@ def _sparse_attn_fwd(
     HEAD_DIM: tl.constexpr,
     ROPE: tl.constexpr,                # ROPE_NONE / ROPE_ON_K / ROPE_ON_Q
     Q_RELOAD: tl.constexpr,            # ROPE_ON_Q: re-read Q on a change of delta instead of holding it
-    USE_TMA: tl.constexpr,             # K / V tiles through tensor-memory-accelerator descriptors
-    MASK_ALWAYS: tl.constexpr,         # mask padding on every off-diagonal tile (else only on partial blocks)
     Q_TOKENS: tl.constexpr,            # q / out hold real tokens only (no padding rows), block b from QTokStart[b]
     PRE_VIA_OUT: tl.constexpr,         # ROPE_PRE: pass the rotated Q through the program's output rows
     DOT_PRECISION: tl.constexpr,       # "ieee" for fp32 inputs, "tf32" otherwise (ignored for 16-bit)
@@ -249,14 +233,6 @@ def _sparse_attn_fwd(
     q_ptr = Q + h.to(tl.int64) * stride_qh + q_row0.to(tl.int64) * stride_qn + q_rows[:, None] * stride_qn
     k_head = K + kvh.to(tl.int64) * stride_kh + offs_n[:, None] * stride_kn
     v_head = V + kvh.to(tl.int64) * stride_vh + offs_n[:, None] * stride_vn
-    k_desc = 0
-    v_desc = 0
-    if USE_TMA:
-        KW: tl.constexpr = HEAD_DIM if (ROPE == ROPE_NONE or ROPE == ROPE_PRE) else HALF
-        k_desc = tl.make_tensor_descriptor(K + kvh.to(tl.int64) * stride_kh, shape=[NB * BLOCK, HEAD_DIM],
-                                           strides=[stride_kn, 1], block_shape=[BLOCK_N, KW])
-        v_desc = tl.make_tensor_descriptor(V + kvh.to(tl.int64) * stride_vh, shape=[NB * BLOCK, HEAD_DIM],
-                                           strides=[stride_vn, 1], block_shape=[BLOCK_N, HEAD_DIM])
 
     m_i = tl.full([BLOCK], -1.0e30, tl.float32)  # finite: a fully masked tile gives exp2(-inf) = 0, never NaN
     l_i = tl.zeros([BLOCK], tl.float32)
@@ -299,15 +275,15 @@ def _sparse_attn_fwd(
     for j in range(start * SPLIT, mid * SPLIT):
         q1, q2, q1r, q2r, last_delta, cos, sin, m_i, l_i, acc = _tile(
             j, q, q1, q2, q1r, q2r, q_ptr, q_off, qb, last_delta, cos, sin, m_i, l_i, acc,
-            Indices, BlockValid, BlockOffset, Turns, k_head, v_head, k_desc, v_desc, stride_qd, stride_kn, stride_kd,
+            Indices, BlockValid, BlockOffset, Turns, k_head, v_head, stride_qd, stride_kn, stride_kd,
             stride_vn, stride_vd, qk_scale, offs_m, offs_n, offs_d, offs_h,
-            BLOCK, BLOCK_N, HALF, ROPE, False, Q_RELOAD, USE_TMA, MASK_ALWAYS, DOT_PRECISION, FAST_TRIG)
+            BLOCK, BLOCK_N, HALF, ROPE, False, Q_RELOAD, DOT_PRECISION, FAST_TRIG)
     for j in range(mid * SPLIT, end * SPLIT):
         q1, q2, q1r, q2r, last_delta, cos, sin, m_i, l_i, acc = _tile(
             j, q, q1, q2, q1r, q2r, q_ptr, q_off, qb, last_delta, cos, sin, m_i, l_i, acc,
-            Indices, BlockValid, BlockOffset, Turns, k_head, v_head, k_desc, v_desc, stride_qd, stride_kn, stride_kd,
+            Indices, BlockValid, BlockOffset, Turns, k_head, v_head, stride_qd, stride_kn, stride_kd,
             stride_vn, stride_vd, qk_scale, offs_m, offs_n, offs_d, offs_h,
-            BLOCK, BLOCK_N, HALF, ROPE, True, Q_RELOAD, USE_TMA, MASK_ALWAYS, DOT_PRECISION, FAST_TRIG)
+            BLOCK, BLOCK_N, HALF, ROPE, True, Q_RELOAD, DOT_PRECISION, FAST_TRIG)
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)  # rows that saw no key (empty CSR row) stay 0
     out = acc / l_i[:, None]
@@ -331,10 +307,6 @@ class KernelConfig:
     num_stages: int
     rope_on: str = "k"
     q_reload: bool = False
-    # K / V through TMA descriptors (needs unit last strides, 16-byte aligned rows, and finite V padding).
-    tma: bool = False
-    # Padding mask on every off-diagonal tile (a select per score) instead of a branch taken on partial blocks.
-    mask_always: bool = False
     # rope_on="pre": hand the once-rotated Q tile to the loop through the program's own output rows (memory).
     pre_via_out: bool = False
 
@@ -445,20 +417,6 @@ def sparse_attention(q, k, v, indptr, indices, block_valid, block_offset, inv_fr
                    out=out, config=None, q_block_start=q_block_start, row_end=row_end)
 
 
-def _tma_scratch(size: int, alignment: int, stream):
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def _tma_ready(k, v) -> None:
-    """TMA descriptors built in the kernel need unit last strides, 16-byte aligned rows and a scratch allocator."""
-    for name, x in (("k", k), ("v", v)):
-        if x.stride(2) != 1 or (x.stride(1) * x.element_size()) % 16 or (x.stride(0) * x.element_size()) % 16 \
-                or x.data_ptr() % 16:
-            raise ValueError(f"{name} strides {x.stride()} do not allow TMA loads (need unit last stride and "
-                             f"16-byte aligned rows); use a config with tma=False")
-    triton.set_allocator(_tma_scratch)
-
-
 def _launch(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, *, scale, block, out, config,
             q_block_start=None, row_end=None):
     _validate(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, scale, block, out, q_block_start,
@@ -479,15 +437,13 @@ def _launch(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, *, sc
         turns = inv_freq.to(device=q.device, dtype=torch.float64) / (2.0 * math.pi)
         if cfg.rope_on == "pre":  # one pass over K: keys to logical positions, in a transient buffer
             k = rotate_key_blocks(k, block_offset, inv_freq, block=block)
-    if cfg.tma:
-        _tma_ready(k, v)
     _sparse_attn_fwd[(hq, nb)](
         q, k, v, out, indptr, indptr[1:] if row_end is None else row_end, indices, block_valid, block_offset,
         tok_start, turns,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         nb, float(scale) * LOG2E,
         GROUP=hq // k.shape[0], BLOCK=block, BLOCK_N=cfg.block_n, HEAD_DIM=d, ROPE=rope,
-        Q_RELOAD=cfg.q_reload, USE_TMA=cfg.tma, MASK_ALWAYS=cfg.mask_always, Q_TOKENS=q_block_start is not None,
+        Q_RELOAD=cfg.q_reload, Q_TOKENS=q_block_start is not None,
         PRE_VIA_OUT=cfg.pre_via_out,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FAST_TRIG=q.device.type == "cuda",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

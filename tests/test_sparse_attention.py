@@ -238,8 +238,8 @@ def test_mixed_zero_and_nonzero_deltas(block, block_n, rope_on, q_reload, dtype)
     that comes back after a different one: exercises the cos/sin (rope_on="k") and rotated-Q (rope_on="q")
     caches (hit, miss, refill, a zero delta in the middle of a row), the unmasked main loop next to the
     diagonal block, and padded last blocks."""
-    if dtype == torch.float16 and (rope_on != "k" or block != 32):
-        pytest.skip("fp16 only for the default mode with key sub-tiles (interpreter time)")
+    if dtype == torch.float16 and (q_reload or rope_on == "q" or block != 32):
+        pytest.skip("fp16 only for the default modes (k, pre) with key sub-tiles (interpreter time)")
     gen = torch.Generator().manual_seed(19)
     d, hq, hkv = 64, 2, 1
     # Segments 0/2 and 1/3 start at the same logical positions, segment 4 later (offsets past 65,535 in the
@@ -264,30 +264,6 @@ def test_mixed_zero_and_nonzero_deltas(block, block_n, rope_on, q_reload, dtype)
     out = run_kernel(q, k, v, indptr, indices, layout, inv_freq, d ** -0.5, config=cfg)
     ref = dense_reference(q_log, k_log, v.double(), layout, mask, d ** -0.5)
     check_close(out, ref, dtype, f"mixed deltas (random) block={block}/{block_n} rope_on={rope_on} q_reload={q_reload}")
-
-
-@pytest.mark.parametrize("rope_on,q_reload,rope", [("k", False, True), ("q", True, True), ("k", False, False)])
-def test_tma_descriptor_loads(rope_on, q_reload, rope):
-    """K / V tiles through TMA descriptors: same result; NaN in K's padding is still masked (V's padding must be
-    finite under TMA, the launcher's documented contract, so it is zero here)."""
-    gen = torch.Generator().manual_seed(23)
-    block, d, hq, hkv, dtype = 32, 64, 4, 2, torch.float32
-    layout = make_layout([[20, 45, 70], [33, 17]], block, starts=[[0, 20, 100_000], [0, 70_000]])
-    inv_freq = default_inv_freq(d)
-    q, k, v, q_log, k_log = make_qkv(layout, hq, hkv, d, dtype, inv_freq, gen)
-    pad = layout.pos < 0
-    k[:, pad] = float("nan")
-    indptr, indices, mask = make_csr(layout, hq, "random", gen)
-    cfg = KernelConfig(block_n=16, num_warps=4, num_stages=2, rope_on=rope_on, q_reload=q_reload, tma=True)
-    if rope:
-        out = run_kernel(q, k, v, indptr, indices, layout, inv_freq, d ** -0.5, config=cfg)
-        ref = dense_reference(q_log, k_log, v.double(), layout, mask, d ** -0.5)
-    else:
-        out = run_kernel(q_log.to(dtype), k_log.to(dtype).masked_fill(pad[None, :, None], float("nan")), v,
-                         indptr, indices, layout, None, d ** -0.5, config=cfg)
-        ref = dense_reference(q_log.to(dtype).double(), k_log.to(dtype).double(), v.double(), layout, mask,
-                              d ** -0.5)
-    check_close(out, ref, dtype, f"tma rope_on={rope_on} rope={rope}")
 
 
 @pytest.mark.parametrize("rope_on,q_reload", [("k", False), ("q", True), ("pre", False)])
