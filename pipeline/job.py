@@ -180,7 +180,7 @@ class ProfileShardWriter:
         if rows["doc_id"]:
             table = pa.Table.from_pydict(rows, schema=idx.DOCS_SCHEMA)
             info = idx.write_table(self.index_dir, table, kind="part", profile_key=self.profile_key,
-                                   backend=self.backend)
+                                   backend=self.profiler.backend_label)
         return {
             "shard": [info.to_dict() if info else None],
             "doc_ids": [rows["doc_id"]],

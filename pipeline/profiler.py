@@ -69,6 +69,15 @@ class _Capture:
         self.layers: dict[int, LayerBits] = {}
 
 
+def backend_label(backend: str, plans) -> str:
+    """"torch", or "triton" plus the lse sources of the `Plan`s used ("+cudnn-lse", "+flash-lse", and
+    "+triton-lse" where the kernel's own first pass ran)."""
+    if backend == "torch":
+        return "torch"
+    sources = sorted({plan.source or "triton" for plan in plans})
+    return "+".join(["triton"] + [f"{source}-lse" for source in sources])
+
+
 def _attention_with_lse(module, query, key, value, scaling, softcap, forward: AttentionWithLse):
     """The layer's output [1, Lp, Hq, D] and, where an SDPA backend exposes it, the row log-sum-exp [Hq, Lp]
     (natural log, fp32), so the profiling kernel can skip its own first pass.
@@ -148,6 +157,13 @@ class Profiler:
     def lse_plans(self) -> dict:
         """Shape class -> `Plan` (which SDPA backend gave the lse), for benchmarks and debugging."""
         return dict(self.forward.plans)
+
+    @property
+    def backend_label(self) -> str:
+        """What produced the bits so far, as recorded in the index: "torch", or "triton" plus where each layer's
+        output and log-sum-exp came from ("+cudnn-lse", "+flash-lse", "+triton-lse" for the kernel's own pass),
+        so a fallback is never silent."""
+        return backend_label(self.backend, self.forward.plans.values())
 
     @torch.inference_mode()
     def profile(self, token_ids: list[int]) -> DocBits:

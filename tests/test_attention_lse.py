@@ -137,3 +137,15 @@ def test_cpu_and_fp32_need_no_backend():
     fwd = al.AttentionWithLse("auto")
     assert fwd(q, k, v, scale=scale) is None  # CPU tensors: the caller runs SDPA and the kernel's lse pass
     assert list(fwd.plans.values()) == [al.Plan(None)]
+
+
+def test_backend_label_records_the_lse_source():
+    """The index records where each layer's lse came from, so a fallback is visible in the manifest."""
+    from sift.kernels.attention_lse import Plan
+    from sift.pipeline.profiler import backend_label
+
+    assert backend_label("torch", [Plan("cudnn")]) == "torch"
+    assert backend_label("triton", []) == "triton"
+    assert backend_label("triton", [Plan("cudnn"), Plan("cudnn", expand_kv=True)]) == "triton+cudnn-lse"
+    assert backend_label("triton", [Plan("flash"), Plan(None), Plan("cudnn")]) == \
+        "triton+cudnn-lse+flash-lse+triton-lse"
