@@ -18,20 +18,10 @@ from pathlib import Path
 
 os.environ.pop("TRITON_INTERPRET", None)
 ROOT = Path(__file__).resolve().parents[1]
-try:
-    from sift.kernels import sparse_attention as sa
-except ImportError:  # not installed: map kernels/ to sift.kernels as bench_attention.py does
-    import importlib.util
-    import types
+from _checkout import use_checkout  # noqa: E402
 
-    sys.modules["sift"] = types.ModuleType("sift")
-    sys.modules["sift"].__path__ = []
-    spec = importlib.util.spec_from_file_location("sift.kernels", ROOT / "kernels" / "__init__.py",
-                                                  submodule_search_locations=[str(ROOT / "kernels")])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["sift.kernels"] = module
-    spec.loader.exec_module(module)
-    from sift.kernels import sparse_attention as sa
+use_checkout()
+from sift.kernels import sparse_attention as sa  # noqa: E402
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402

@@ -13,30 +13,21 @@ Run on the device machine from the repository root:  PYTHONUNBUFFERED=1 python3 
 from __future__ import annotations
 
 import datetime
-import importlib.util
 import json
 import math
 import os
 import sys
 import time
-import types
 from pathlib import Path
 
 import torch
 import triton
 
 ROOT = Path(__file__).resolve().parents[1]
-try:
-    from sift.kernels import sparse_attention as sa
-except ImportError:  # device machine: package not installed
-    sys.modules["sift"] = types.ModuleType("sift")
-    sys.modules["sift"].__path__ = []
-    spec = importlib.util.spec_from_file_location("sift.kernels", ROOT / "kernels" / "__init__.py",
-                                                  submodule_search_locations=[str(ROOT / "kernels")])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["sift.kernels"] = module
-    spec.loader.exec_module(module)
-    from sift.kernels import sparse_attention as sa
+from _checkout import use_checkout  # noqa: E402
+
+use_checkout()
+from sift.kernels import sparse_attention as sa  # noqa: E402
 from sift.kernels.rope import apply_rope_ref
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

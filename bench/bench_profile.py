@@ -19,14 +19,12 @@ Exit status 1 if a check found an unexplained flip or failed.
 from __future__ import annotations
 
 import datetime
-import importlib.util
 import json
 import math
 import os
 import sys
 import time
 import traceback
-import types
 from pathlib import Path
 
 import torch
@@ -37,17 +35,10 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-try:
-    from sift.kernels import profile as pk
-except ImportError:  # device machine: package not installed
-    sys.modules["sift"] = types.ModuleType("sift")
-    sys.modules["sift"].__path__ = [str(ROOT / "sift")]
-    spec = importlib.util.spec_from_file_location("sift.kernels", ROOT / "kernels" / "__init__.py",
-                                                  submodule_search_locations=[str(ROOT / "kernels")])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["sift.kernels"] = module
-    spec.loader.exec_module(module)
-    from sift.kernels import profile as pk
+from _checkout import use_checkout  # noqa: E402
+
+use_checkout()
+from sift.kernels import profile as pk  # noqa: E402
 from sift.kernels import attention_lse  # noqa: E402
 from sift.kernels.bits import n_pages, tril_to_square, unpack_msb  # noqa: E402
 from sift.kernels.profile_ref import profile_layer_ref  # noqa: E402

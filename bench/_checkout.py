@@ -1,0 +1,29 @@
+"""Make `sift.*` importable from this checkout when the package is not installed (the GPU machine runs the
+bench scripts straight from the repository): the folder mapping of pyproject.toml, `sift` -> common/,
+`sift.kernels` -> kernels/, `sift.pipeline` -> pipeline/, `sift.runtime` -> runtime/. A no-op when installed."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FOLDERS = {"sift": "common", "sift.kernels": "kernels", "sift.pipeline": "pipeline", "sift.runtime": "runtime"}
+
+
+def _map(name: str, folder: str) -> None:
+    spec = importlib.util.spec_from_file_location(name, ROOT / folder / "__init__.py",
+                                                  submodule_search_locations=[str(ROOT / folder)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+
+
+def use_checkout() -> None:
+    try:
+        import sift.kernels  # noqa: F401
+    except ImportError:
+        for name in ("sift", "sift.kernels"):  # the others load lazily through sift's path below
+            sys.modules.pop(name, None)
+        _map("sift", FOLDERS["sift"])
+        _map("sift.kernels", FOLDERS["sift.kernels"])
