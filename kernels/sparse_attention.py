@@ -107,9 +107,18 @@ def rotate_key_blocks(k: torch.Tensor, block_offset: torch.Tensor, inv_freq: tor
                          f"{tuple(inv_freq.shape)} do not fit block={block}")
     if out is None:
         out = torch.empty((hkv, n, d), dtype=k.dtype, device=k.device)
-    turns = inv_freq.to(device=k.device, dtype=torch.float64) / (2.0 * math.pi)
-    _rotate_blocks_kernel[(hkv, n // block)](k, out, block_offset, turns, *k.stride(), *out.stride(), BLOCK=block,
-                                             HALF=d // 2, FAST_TRIG=k.device.type == "cuda", num_warps=4)
+    return _rotate_key_blocks(k, block_offset, _turns(inv_freq, k.device), block, out)
+
+
+def _turns(inv_freq: torch.Tensor, device) -> torch.Tensor:
+    """fp64 [D/2]: rotations per position, what the kernels form angles from."""
+    return inv_freq.to(device=device, dtype=torch.float64) / (2.0 * math.pi)
+
+
+def _rotate_key_blocks(k, block_offset, turns, block: int, out):
+    _rotate_blocks_kernel[(k.shape[0], k.shape[1] // block)](
+        k, out, block_offset, turns, *k.stride(), *out.stride(), BLOCK=block, HALF=k.shape[2] // 2,
+        FAST_TRIG=k.device.type == "cuda", num_warps=4)
     return out
 
 
@@ -434,9 +443,10 @@ def _launch(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, *, sc
         rope, turns = ROPE_NONE.value, torch.zeros(1, dtype=torch.float64, device=q.device)
     else:
         rope = {"k": ROPE_ON_K, "q": ROPE_ON_Q, "pre": ROPE_PRE}[cfg.rope_on].value
-        turns = inv_freq.to(device=q.device, dtype=torch.float64) / (2.0 * math.pi)
+        turns = _turns(inv_freq, q.device)
         if cfg.rope_on == "pre":  # one pass over K: keys to logical positions, in a transient buffer
-            k = rotate_key_blocks(k, block_offset, inv_freq, block=block)
+            k = _rotate_key_blocks(k, block_offset, turns, block, torch.empty(k.shape, dtype=k.dtype,
+                                                                              device=k.device))
     _sparse_attn_fwd[(hq, nb)](
         q, k, v, out, indptr, indptr[1:] if row_end is None else row_end, indices, block_valid, block_offset,
         tok_start, turns,
