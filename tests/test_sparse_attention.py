@@ -118,6 +118,17 @@ def make_qkv(layout: Layout, hq, hkv, d, dtype, inv_freq, gen, nan_padding=False
     return q, k, v, q_log, k_log
 
 
+def random_case(seed: int, block: int, segments, starts):
+    """4 query / 2 kv heads, head_dim 64, fp32, NaN in padding, a random block mask: the case the token-order,
+    pre-rotation and row_end tests share. -> (layout, inv_freq, q, k, v, q_log, k_log, indptr, indices, mask, gen)."""
+    gen = torch.Generator().manual_seed(seed)
+    layout = make_layout(segments, block, starts=starts)
+    inv_freq = default_inv_freq(64)
+    q, k, v, q_log, k_log = make_qkv(layout, 4, 2, 64, torch.float32, inv_freq, gen, nan_padding=True)
+    indptr, indices, mask = make_csr(layout, 4, "random", gen)
+    return layout, inv_freq, q, k, v, q_log, k_log, indptr, indices, mask, gen
+
+
 def default_inv_freq(d, theta=10000.0):
     return 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
 
@@ -270,12 +281,9 @@ def test_mixed_zero_and_nonzero_deltas(block, block_n, rope_on, q_reload, dtype)
 def test_queries_and_output_in_token_order(rope_on, q_reload):
     """q_block_start: q and out hold only the real tokens (strided views, as the engine passes the model's
     projections and o_proj's buffer); equal to the dense reference at the real slots, nothing else written."""
-    gen = torch.Generator().manual_seed(29)
-    block, d, hq, hkv, dtype = 32, 64, 4, 2, torch.float32
-    layout = make_layout([[20, 45, 70], [33, 17]], block, starts=[[0, 20, 100_000], [0, 70_000]])
-    inv_freq = default_inv_freq(d)
-    q, k, v, q_log, k_log = make_qkv(layout, hq, hkv, d, dtype, inv_freq, gen, nan_padding=True)
-    indptr, indices, mask = make_csr(layout, hq, "random", gen)
+    block, d, hq, dtype = 32, 64, 4, torch.float32
+    layout, inv_freq, q, k, v, q_log, k_log, indptr, indices, mask, _ = random_case(
+        29, block, [[20, 45, 70], [33, 17]], [[0, 20, 100_000], [0, 70_000]])
     real = (layout.pos >= 0).nonzero()[:, 0]                      # physical slots of real tokens, in order
     q_tok = q[:, real].transpose(0, 1).contiguous().transpose(0, 1)  # [Hq, n, D] view of an [n, Hq, D] buffer
     nb = layout.n // block
@@ -309,12 +317,9 @@ def test_rotate_key_blocks_matches_reference():
 def test_pre_rotation_through_output_rows(token_order):
     """rope_on="pre" with pre_via_out: the once-rotated Q tile passes through the program's own output rows (NaN
     there beforehand, NaN in padding) and the result still equals the dense reference."""
-    gen = torch.Generator().manual_seed(37)
-    block, d, hq, hkv, dtype = 32, 64, 4, 2, torch.float32
-    layout = make_layout([[20, 45, 70], [33, 17]], block, starts=[[0, 20, 100_000], [0, 70_000]])
-    inv_freq = default_inv_freq(d)
-    q, k, v, q_log, k_log = make_qkv(layout, hq, hkv, d, dtype, inv_freq, gen, nan_padding=True)
-    indptr, indices, mask = make_csr(layout, hq, "random", gen)
+    block, d, hq, dtype = 32, 64, 4, torch.float32
+    layout, inv_freq, q, k, v, q_log, k_log, indptr, indices, mask, _ = random_case(
+        37, block, [[20, 45, 70], [33, 17]], [[0, 20, 100_000], [0, 70_000]])
     cfg = KernelConfig(block_n=16, num_warps=4, num_stages=2, rope_on="pre", pre_via_out=True)
     ref = dense_reference(q_log, k_log, v.double(), layout, mask, d ** -0.5)
     if token_order:
@@ -334,12 +339,9 @@ def test_pre_rotation_through_output_rows(token_order):
 def test_rows_with_spare_capacity_row_end():
     """row_end: rows start with gaps after them (as the one-pass decode writes them, garbage in the gaps); the
     kernel and the twin read indices[indptr[r]:row_end[r]] and equal the dense reference."""
-    gen = torch.Generator().manual_seed(41)
-    block, d, hq, hkv, dtype = 16, 64, 4, 2, torch.float32
-    layout = make_layout([[20, 45, 70]], block, starts=[[0, 20, 100_000]])
-    inv_freq = default_inv_freq(d)
-    q, k, v, q_log, k_log = make_qkv(layout, hq, hkv, d, dtype, inv_freq, gen, nan_padding=True)
-    indptr, indices, mask = make_csr(layout, hq, "random", gen)
+    block, d, dtype = 16, 64, torch.float32
+    layout, inv_freq, q, k, v, q_log, k_log, indptr, indices, mask, gen = random_case(
+        41, block, [[20, 45, 70]], [[0, 20, 100_000]])
     counts = (indptr[1:] - indptr[:-1]).long()
     cap = counts + torch.randint(0, 3, counts.shape, generator=gen)
     starts = torch.zeros(counts.numel() + 1, dtype=torch.int32)
