@@ -10,7 +10,7 @@
 Every GPU result is checked against its reference before it is timed. Times are triton.testing.do_bench medians
 in microseconds. Writes $OUT/decode.json when $OUT is set.
 
-Run from the repository root: `PYTHONPATH=. python3 bench/bench_decode.py` (the package need not be installed).
+Run from the repository root: `python3 bench/bench_decode.py` (the package need not be installed).
 """
 from __future__ import annotations
 
@@ -18,13 +18,11 @@ import json
 import math
 import os
 import pathlib
-import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-import sift  # noqa: E402
+from _checkout import use_checkout  # noqa: E402
 
-sift.__path__.append(str(ROOT))  # the folder mapping of pyproject.toml: sift.kernels -> kernels/
+use_checkout()
 
 import torch  # noqa: E402
 import triton  # noqa: E402

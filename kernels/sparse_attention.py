@@ -318,10 +318,17 @@ class KernelConfig:
     q_reload: bool = False
     # rope_on="pre": hand the once-rotated Q tile to the loop through the program's own output rows (memory).
     pre_via_out: bool = False
+    # "triton": `_sparse_attn_fwd`; "gluon": the warp-specialised Hopper kernel (`sparse_attention_sm90`, sm_90,
+    # block 128, head_dim 128, 16-bit, rope_on "pre"; num_stages = its K/V ring depth). Other calls fall back.
+    backend: str = "triton"
 
 
-def default_config(block: int, head_dim: int) -> KernelConfig:
-    """Tuned on H200 (bench/README_attention.md); the interpreter ignores warps and stages."""
+def default_config(block: int, head_dim: int, backend: str = "gluon") -> KernelConfig:
+    """Tuned on H200 (bench/README_attention.md); the interpreter ignores warps and stages. Block 128 takes the
+    Gluon Hopper kernel where it applies (`sparse_attention_sm90.supports`; the launcher falls back to
+    `default_config(..., backend="triton")` elsewhere: other GPUs, head_dim 64, fp32, the interpreter)."""
+    if block == 128 and backend == "gluon":
+        return KernelConfig(block_n=128, num_warps=4, num_stages=2, rope_on="pre", backend="gluon")
     if block == 128:  # run 7: sparse + RoPE 0.975 / 2.761 / 8.353 ms at 16K / 32K / 64K, mask (a)
         return KernelConfig(block_n=128, num_warps=8, num_stages=2, rope_on="pre", pre_via_out=True)
     return KernelConfig(block_n=block, num_warps=4, num_stages=2, rope_on="k")
@@ -439,6 +446,19 @@ def _launch(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, *, sc
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     tok_start = block_valid if q_block_start is None else q_block_start  # unused without Q_TOKENS
+    if cfg.backend == "gluon":
+        from . import sparse_attention_sm90 as sm90
+        if cfg.rope_on == "pre" and sm90.supports(q, k, v, block, out):
+            turns = (_turns(inv_freq, q.device) if inv_freq is not None
+                     else torch.zeros(d // 2, dtype=torch.float64, device=q.device))
+            if inv_freq is not None:
+                k = _rotate_key_blocks(k, block_offset, turns, block, torch.empty(k.shape, dtype=k.dtype,
+                                                                                  device=k.device))
+            return sm90.launch(q, k, v, out, indptr, indptr[1:] if row_end is None else row_end, indices,
+                               block_valid, block_offset, tok_start, turns, scale_log2=float(scale) * LOG2E,
+                               rope=inv_freq is not None, q_tokens=q_block_start is not None,
+                               stages=cfg.num_stages)
+        cfg = default_config(block, d, backend="triton")
     if inv_freq is None:
         rope, turns = ROPE_NONE.value, torch.zeros(1, dtype=torch.float64, device=q.device)
     else:

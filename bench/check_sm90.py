@@ -1,0 +1,154 @@
+"""Quick H200 check of the Gluon Hopper kernel (kernels/sparse_attention_sm90.py) against the torch twin and the tl
+kernel, then a short timing of mask (a). Meant to run under `timeout` (a barrier bug hangs rather than fails).
+
+    PYTHONUNBUFFERED=1 timeout 300 python3 bench/check_sm90.py [16384,32768,65536]
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import triton
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_attention as ba  # noqa: E402
+from bench_attention import BLOCK, D, DEV, csr, layout_from_segments, mask_a, rel_err, sa  # noqa: E402
+
+GLUON = sa.KernelConfig(block_n=128, num_warps=4, num_stages=2, rope_on="pre", backend="gluon")
+TL = sa.KernelConfig(block_n=128, num_warps=8, num_stages=2, rope_on="pre", pre_via_out=True)
+# Tile orders (band, sec, dynamic) of the persistent kernel: "-" = NB (one band) / Hkv (all heads together).
+ORDERS = [(None if b == "-" else int(b), None if c == "-" else int(c), d == "1")
+          for b, c, d in (o.split("/") for o in os.environ.get("ORDERS", "-/-/1;-/-/0;-/1/1").split(";"))]
+ROUNDS = int(os.environ.get("ROUNDS", "2"))
+
+
+def check(name, fn_out, ref, tol=1.5e-2):
+    r, m, fin = rel_err(fn_out, ref)
+    ok = fin and r < tol
+    print(f"check {name:40s} rel {r:.2e} max_abs {m:.2e} {'OK' if ok else 'FAIL'}", flush=True)
+    return ok
+
+
+def main():
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, D, 2, dtype=torch.float32, device=DEV) / D))
+    ok = True
+    # 1. Padded layout, many short segments, NaN in padding, offsets past 65,535, GQA 4, random mask.
+    rng = torch.Generator().manual_seed(1)
+    segs = [torch.randint(1, 400, (30,), generator=rng).tolist(), torch.randint(1, 300, (6,), generator=rng).tolist()]
+    starts = [torch.tensor([0] + segs[0][:-1]).cumsum(0).tolist(),
+              [0, 70_000, 150_000, 150_000 + segs[1][2], 200_000, 200_000 + segs[1][4]]]
+    lay = layout_from_segments(segs, starts)
+    nb = lay["seg"].numel()
+    n = nb * BLOCK
+    hq, hkv = 8, 2
+    q = torch.randn(hq, n, D, device=DEV, dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(hkv, n, D, device=DEV, dtype=torch.bfloat16, generator=gen)
+    v = torch.randn(hkv, n, D, device=DEV, dtype=torch.bfloat16, generator=gen)
+    pad = lay["pos"] < 0
+    for x in (q, k, v):
+        x[:, pad] = float("nan")
+    ar = torch.arange(nb, device=DEV)
+    causal = (ar[None, :] <= ar[:, None]) & (lay["req"][:, None] == lay["req"][None, :])
+    mask = (torch.rand(hq, nb, nb, device=DEV, generator=gen) < 0.4) & causal
+    mask |= torch.eye(nb, dtype=torch.bool, device=DEV)
+    mask[1, 5] = False   # one empty row: output must be 0
+    indptr, indices = csr(mask)
+    args = (indptr, indices, lay["block_valid"], lay["block_offset"])
+    for rope in (True, False):
+        f = inv_freq if rope else None
+        ref = sa.sparse_attention_ref(q, k, v, *args, f, scale=D ** -0.5, block=BLOCK)
+        out = torch.full_like(q, float("nan"))
+        sa._launch(q, k, v, *args, f, scale=D ** -0.5, block=BLOCK, out=out, config=GLUON)
+        torch.cuda.synchronize()
+        ok &= check(f"padded/{'rope' if rope else 'none'}", out, ref)
+    # 2. Token order: q the transpose view of an [n_tok, Hq, D] buffer, out likewise (the engine's layout).
+    valid = lay["block_valid"].long()
+    tok_start = torch.zeros(nb, dtype=torch.int32, device=DEV)
+    tok_start[1:] = valid.cumsum(0)[:-1].to(torch.int32)
+    n_tok = int(valid.sum())
+    real = ~pad
+    q_tok = torch.empty(n_tok, hq, D, device=DEV, dtype=torch.bfloat16)
+    q_tok.copy_(q[:, real].transpose(0, 1))
+    out_tok = torch.full((n_tok, hq, D), float("nan"), device=DEV, dtype=torch.bfloat16)
+    sa._launch(q_tok.transpose(0, 1), k, v, *args, inv_freq, scale=D ** -0.5, block=BLOCK,
+               out=out_tok.transpose(0, 1), config=GLUON, q_block_start=tok_start)
+    ref = sa.sparse_attention_ref(q, k, v, *args, inv_freq, scale=D ** -0.5, block=BLOCK)
+    torch.cuda.synchronize()
+    ok &= check("token_order/rope", out_tok.transpose(0, 1), ref[:, real])
+    # 3. Bigger: mask (a) at 16K, GQA 4, against the tl kernel (bf16 both) and the twin on a few heads.
+    ba.HQ = 32
+    L = 16384
+    n_full, rest = divmod(L - 512, 2048)
+    lay = layout_from_segments([[2048] * n_full + ([rest] if rest else []) + [512]])
+    m = mask_a(lay["seg"], n_full + (1 if rest else 0), gen)
+    sp = csr(m)
+    q = torch.randn(32, L, D, device=DEV, dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(8, L, D, device=DEV, dtype=torch.bfloat16, generator=gen)
+    v = torch.randn(8, L, D, device=DEV, dtype=torch.bfloat16, generator=gen)
+    lv = (lay["block_valid"], lay["block_offset"])
+    o_g = sa._launch(q, k, v, *sp, *lv, inv_freq, scale=D ** -0.5, block=BLOCK, out=None, config=GLUON)
+    o_t = sa._launch(q, k, v, *sp, *lv, inv_freq, scale=D ** -0.5, block=BLOCK, out=None, config=TL)
+    torch.cuda.synchronize()
+    ok &= check("mask_a16k/gluon_vs_tl", o_g, o_t)
+    print("ALL OK" if ok else "SOME FAILED", flush=True)
+
+    lengths = [int(x) for x in (sys.argv[1] if len(sys.argv) > 1 else "16384,32768,65536").split(",")]
+    rows = []
+    for L in lengths:
+        nb = L // BLOCK
+        n_full, rest = divmod(L - 512, 2048)
+        docs = [2048] * n_full + ([rest] if rest else [])
+        lay = layout_from_segments([docs + [512]])
+        m = mask_a(lay["seg"], len(docs), gen)
+        sp = csr(m)
+        ar = torch.arange(nb, device=DEV)
+        de = csr((ar[None, :] <= ar[:, None]).expand(32, nb, nb))
+        q = torch.randn(32, L, D, device=DEV, dtype=torch.bfloat16, generator=gen)
+        k = torch.randn(8, L, D, device=DEV, dtype=torch.bfloat16, generator=gen)
+        v = torch.randn(8, L, D, device=DEV, dtype=torch.bfloat16, generator=gen)
+        out = torch.empty_like(q)
+        lv = (lay["block_valid"], lay["block_offset"])
+        row = dict(L=L, tile_fraction=m.sum().item() / (32 * nb * (nb + 1) // 2))
+        from sift.kernels import sparse_attention_sm90 as sm90
+        launch = sm90.launch
+        variants = [("tl", TL, None, None, True)] + [
+            (f"gluon-b{b}s{c}{'-dyn' if dyn else ''}", GLUON, b, c, dyn) for b, c, dyn in ORDERS]
+        for _ in range(ROUNDS):  # interleaved rounds, the minimum of the medians is kept
+            for name, cfg, band, sec, dyn in variants:
+                sm90.launch = lambda *a, **kw: launch(*a, **{**kw, "band": band, "sec": sec, "dynamic": dyn})  # noqa
+                for tag, (ptr, idx), f in (("sparse_rope", sp, inv_freq), ("sparse_none", sp, None),
+                                           ("dense_rope", de, inv_freq)):
+                    if (name == "tl" and tag == "dense_rope") or (tag == "sparse_none" and name != "tl"
+                                                                  and name != variants[1][0]):
+                        continue
+                    fn = lambda: sa._launch(q, k, v, ptr, idx, *lv, f, scale=D ** -0.5, block=BLOCK,  # noqa
+                                            out=out, config=cfg)
+                    ms = round(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"), 4)
+                    row[f"{name}/{tag}"] = min(ms, row.get(f"{name}/{tag}", ms))
+        sm90.launch = launch
+        kbuf = torch.empty_like(k)
+        turns = sa._turns(inv_freq, DEV)
+        row["rotate_key_pass"] = round(triton.testing.do_bench(
+            lambda: sa._rotate_key_blocks(k, lay["block_offset"], turns, BLOCK, kbuf), warmup=25, rep=100,
+            return_mode="median"), 4)
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        kx, vx = k.repeat_interleave(4, 0)[None], v.repeat_interleave(4, 0)[None]
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            row["cudnn_dense"] = round(triton.testing.do_bench(
+                lambda: torch.nn.functional.scaled_dot_product_attention(q[None], kx, vx, is_causal=True),
+                warmup=25, rep=100, return_mode="median"), 4)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        del q, k, v, out, kx, vx
+        torch.cuda.empty_cache()
+    out_dir = os.environ.get("OUT")
+    if out_dir:
+        with open(os.path.join(out_dir, "check_sm90.json"), "w") as fh:
+            json.dump(dict(device=torch.cuda.get_device_name(), ok=ok, timings=rows), fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
