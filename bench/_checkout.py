@@ -3,6 +3,7 @@ bench scripts straight from the repository): the folder mapping of pyproject.tom
 `sift.kernels` -> kernels/, `sift.pipeline` -> pipeline/, `sift.runtime` -> runtime/. A no-op when installed."""
 from __future__ import annotations
 
+import importlib.abc
 import importlib.util
 import sys
 from pathlib import Path
@@ -19,11 +20,22 @@ def _map(name: str, folder: str) -> None:
     spec.loader.exec_module(module)
 
 
+class _Folders(importlib.abc.MetaPathFinder):
+    """sift.pipeline / sift.runtime load from their folders when first imported (pipeline pulls in Ray)."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name in FOLDERS and name not in ("sift", "sift.kernels"):
+            return importlib.util.spec_from_file_location(name, ROOT / FOLDERS[name] / "__init__.py",
+                                                          submodule_search_locations=[str(ROOT / FOLDERS[name])])
+        return None
+
+
 def use_checkout() -> None:
     try:
         import sift.kernels  # noqa: F401
     except ImportError:
-        for name in ("sift", "sift.kernels"):  # the others load lazily through sift's path below
+        for name in ("sift", "sift.kernels"):
             sys.modules.pop(name, None)
         _map("sift", FOLDERS["sift"])
         _map("sift.kernels", FOLDERS["sift.kernels"])
+        sys.meta_path.append(_Folders())

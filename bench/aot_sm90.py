@@ -2,6 +2,7 @@
 
     python bench/aot_sm90.py                       # the default configs, RoPE modes "pre" / "k" and pre-rotated
     python bench/aot_sm90.py 128,8,2,pre,0,1 128,8,3,k   # block_n,warps,stages,rope_on[,q_reload,pre_via_out]
+    python bench/aot_sm90.py gluon                 # the Gluon Hopper kernel (kernels/sparse_attention_sm90.py)
 
 Uses Triton's own ptxas (shipped in the wheel) on the PTX the JIT would build for an H100/H200 (bf16, head_dim
 128, block 128, GQA 4, unit last strides, 16-divisible pointers and strides). A spill in the steady loop or a
@@ -75,6 +76,13 @@ def ptxas_report(ptx: str) -> str:
 
 
 def main(argv: list[str]) -> None:
+    if argv == ["gluon"]:  # the warp-specialised Hopper kernel (kernels/sparse_attention_sm90.py)
+        from sift.kernels import sparse_attention_sm90 as sm90
+        for rope, q_tokens in ((True, True), (False, False)):
+            kernel = sm90.compile_for_sm90(rope=rope, q_tokens=q_tokens)
+            print(f"gluon rope={rope} q_tokens={q_tokens}: shared memory {kernel.metadata.shared} B, "
+                  f"{ptxas_report(kernel.asm['ptx'])}", flush=True)
+        return
     if argv:
         configs = []
         for spec in argv:

@@ -33,13 +33,9 @@ import time
 from types import SimpleNamespace
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-try:
-    import sift.runtime  # noqa: F401  (installed)
-except ImportError:  # this checkout: the folder mapping of pyproject.toml, sift.runtime -> runtime/
-    sys.path.insert(0, str(ROOT))
-    import sift
+from _checkout import use_checkout  # noqa: E402
 
-    sift.__path__.append(str(ROOT))
+use_checkout()
 
 import pyarrow as pa  # noqa: E402
 import torch  # noqa: E402

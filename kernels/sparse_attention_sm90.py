@@ -35,6 +35,10 @@ from triton.language.extra import libdevice
 BLOCK = gl.constexpr(128)  # layout block = query rows per tile = key rows per K/V buffer
 ROWS = gl.constexpr(64)    # query rows per consumer warpgroup
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
+# Launch shape: the default partition (consumer warpgroup 0) has NUM_WARPS warps, plus a 4-warp consumer and a
+# 1-warp producer = 12 warps after rounding; MAXNREG * 384 threads fits the SM's 64K registers, and the
+# partitions rebalance to 240 / 240 / 24 registers (setmaxnreg).
+NUM_WARPS, MAXNREG = 4, 168
 
 
 @gluon.jit
@@ -362,5 +366,36 @@ def launch(q, k, v, out, indptr, row_end, indices, block_valid, block_offset, to
         hq, nb, q.shape[1], k.shape[1], min(band or nb, nb), sec or k.shape[0], out.stride(0), out.stride(1),
         scale_log2,
         GROUP=hq // k.shape[0], HEAD_DIM=d, STAGES=stages, ROPE=rope, Q_TOKENS=q_tokens, QHR=q_rows, KHR=k_rows, DYNAMIC=dynamic,
-        num_warps=4, maxnreg=168)
+        num_warps=NUM_WARPS, maxnreg=MAXNREG)
     return out
+
+
+def compile_for_sm90(*, rope: bool = True, q_tokens: bool = True, q_rows: bool = False, k_rows: bool = True,
+                     group: int = 4, stages: int = 2, dtype: torch.dtype = torch.bfloat16):
+    """Compile the kernel for sm_90 on any machine (no GPU needed: Triton's bundled ptxas) and return the
+    CompiledKernel (`.metadata.shared` bytes, `.asm["ptx"]`, `.asm["cubin"]`). Used by CI to keep the kernel
+    compiling and within shared memory, and by bench/aot_sm90.py for register / spill reports."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    dt = _GL_DTYPES[dtype]
+    name = {torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    ql = gl.NVMMASharedLayout.get_default_for([ROWS.value, 128], dt)
+    kl = gl.NVMMASharedLayout.get_default_for([BLOCK.value, 128], dt)
+    sig = {"q_desc": f"tensordesc<{name}[{ROWS.value}, 128],{ql!r}>",
+           "k_desc": f"tensordesc<{name}[{BLOCK.value}, 128],{kl!r}>",
+           "v_desc": f"tensordesc<{name}[{BLOCK.value}, 128],{kl!r}>", "Out": f"*{name}"}
+    sig.update({p: "*i32" for p in ("Indptr", "RowEnd", "Indices", "BlockValid", "BlockOffset", "QTokStart",
+                                    "Counter")})
+    sig.update(Turns="*fp64", qk_scale="fp32")
+    sig.update({p: "i32" for p in ("n_heads", "NB", "n_q", "n_k", "band", "sec", "stride_oh", "stride_on")})
+    const = dict(GROUP=group, HEAD_DIM=128, STAGES=stages, ROPE=rope, Q_TOKENS=q_tokens, QHR=q_rows, KHR=k_rows,
+                 DYNAMIC=True)
+    sig.update({p: "constexpr" for p in const})
+    missing = set(_sparse_attn_fwd_sm90.arg_names) - set(sig)
+    if missing:
+        raise RuntimeError(f"compile_for_sm90 does not know the kernel arguments {sorted(missing)}")
+    target = GPUTarget("cuda", 90, 32)
+    options = triton.compiler.make_backend(target).parse_options(dict(num_warps=NUM_WARPS, maxnreg=MAXNREG))
+    return triton.compile(GluonASTSource(fn=_sparse_attn_fwd_sm90, signature=sig, constexprs=const), target=target,
+                          options=options.__dict__)
