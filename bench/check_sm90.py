@@ -20,8 +20,9 @@ GLUON = sa.KernelConfig(block_n=128, num_warps=4, num_stages=2, rope_on="pre", b
 TL = sa.KernelConfig(block_n=128, num_warps=8, num_stages=2, rope_on="pre", pre_via_out=True)
 # Tile orders (band, sec, dynamic) of the persistent kernel: "-" = NB (one band) / Hkv (all heads together).
 ORDERS = [(None if b == "-" else int(b), None if c == "-" else int(c), d == "1")
-          for b, c, d in (o.split("/") for o in os.environ.get("ORDERS", "-/-/1;-/-/0;-/1/1").split(";"))]
+          for b, c, d in (o.split("/") for o in os.environ.get("ORDERS", "-/1/1").split(";"))]
 ROUNDS = int(os.environ.get("ROUNDS", "2"))
+PAIRS = int(os.environ.get("PAIRS", "7"))
 
 
 def check(name, fn_out, ref, tol=1.5e-2):
@@ -129,6 +130,18 @@ def main():
                     ms = round(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"), 4)
                     row[f"{name}/{tag}"] = min(ms, row.get(f"{name}/{tag}", ms))
         sm90.launch = launch
+        # RoPE overhead of the default config, paired: rope and pre-rotated calls alternate, the median of the
+        # per-pair ratios is kept (single timings of either varied by several percent between runs).
+        ratios = []
+        for _ in range(PAIRS):
+            t = {}
+            for f in (inv_freq, None):
+                fn = lambda: sa._launch(q, k, v, *sp, *lv, f, scale=D ** -0.5, block=BLOCK, out=out,  # noqa
+                                        config=GLUON)
+                t[f is None] = triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+            ratios.append(t[False] / t[True])
+        row["rope_overhead_paired"] = round(sorted(ratios)[len(ratios) // 2] - 1, 4)
+        row["rope_overhead_pairs"] = [round(r - 1, 4) for r in ratios]
         kbuf = torch.empty_like(k)
         turns = sa._turns(inv_freq, DEV)
         row["rotate_key_pass"] = round(triton.testing.do_bench(

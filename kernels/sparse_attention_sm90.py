@@ -42,19 +42,24 @@ NUM_WARPS, MAXNREG = 4, 168
 
 
 @gluon.jit
-def _rotate_q_half(q_raw, q_smem, q_off, Turns, ROPE: gl.constexpr, HEAD_DIM: gl.constexpr):
-    """q_smem = R(q_off) q_raw for one 64-row half (rotate_half RoPE, fp64 turns reduced to one period)."""
+def _q_angles(q_off, turns_smem, HEAD_DIM: gl.constexpr):
+    """cos, sin [1, D/2] of the query block's offset (fp64 turns reduced to one period, then fp32): computed
+    before Q arrives, from the turns staged in shared memory, so no global load sits at a tile's start."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    t = q_off.to(gl.float64) * turns_smem.load(gl.SliceLayout(0, layout))
+    t = t - gl.floor(t + 0.5)
+    angle = t.to(gl.float32) * 6.283185307179586
+    return libdevice.fast_cosf(angle)[None, :], libdevice.fast_sinf(angle)[None, :]  # |angle| <= pi: ~5e-7
+
+
+@gluon.jit
+def _rotate_q_half(q_raw, q_smem, cos, sin, ROPE: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """q_smem = R(q_off) q_raw for one 64-row half (rotate_half RoPE by the angles of `_q_angles`)."""
     HALF: gl.constexpr = HEAD_DIM // 2
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     x1 = q_raw.slice(0, HALF, dim=1).load(layout)
     x2 = q_raw.slice(HALF, HALF, dim=1).load(layout)
     if ROPE:
-        offs_h = gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))
-        t = q_off.to(gl.float64) * gl.load(Turns + offs_h)
-        t = t - gl.floor(t + 0.5)
-        angle = t.to(gl.float32) * 6.283185307179586
-        cos = libdevice.fast_cosf(angle)[None, :]    # |angle| <= pi: MUFU is good to ~5e-7 here
-        sin = libdevice.fast_sinf(angle)[None, :]
         x1f = x1.to(gl.float32)
         x2f = x2.to(gl.float32)
         x1 = (x1f * cos - x2f * sin).to(x1.dtype)
@@ -112,7 +117,7 @@ def _consumer(q_desc, k_desc, v_desc, bufs, bars, Out, Indptr, RowEnd, Indices, 
               GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, ROPE: gl.constexpr,
               Q_TOKENS: gl.constexpr, QHR: gl.constexpr, KHR: gl.constexpr, DYNAMIC: gl.constexpr,
               WG: gl.constexpr):
-    q_raw, q_smem, k_bufs, v_bufs, sched = bufs
+    q_raw, q_smem, k_bufs, v_bufs, sched, turns_smem = bufs
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
     dtype: gl.constexpr = q_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -143,8 +148,9 @@ def _consumer(q_desc, k_desc, v_desc, bufs, bars, Out, Indptr, RowEnd, Indices, 
         else:
             q_row0 = qb * BLOCK
 
+        cos, sin = _q_angles(gl.load(BlockOffset + qb), turns_smem, HEAD_DIM)
         mbarrier.wait(q_ready, tcount & 1)
-        _rotate_q_half(q_raw.index(WG), q_s, gl.load(BlockOffset + qb), Turns, ROPE, HEAD_DIM)
+        _rotate_q_half(q_raw.index(WG), q_s, cos, sin, ROPE, HEAD_DIM)
         fence_async_shared()
         gl.thread_barrier()                     # every warp's Q rows are in q_smem and q_raw is read
         mbarrier.arrive(q_empty, count=1)
@@ -213,7 +219,7 @@ def _producer(q_desc, k_desc, v_desc, bufs, bars, Out, Indptr, RowEnd, Indices, 
               GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, ROPE: gl.constexpr,
               Q_TOKENS: gl.constexpr, QHR: gl.constexpr, KHR: gl.constexpr, DYNAMIC: gl.constexpr,
               WG: gl.constexpr):
-    q_raw, q_smem, k_bufs, v_bufs, sched = bufs
+    q_raw, q_smem, k_bufs, v_bufs, sched, turns_smem = bufs
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
     sched_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     n_tiles = n_heads * NB
@@ -291,7 +297,9 @@ def _sparse_attn_fwd_sm90(q_desc, k_desc, v_desc, Out, Indptr, RowEnd, Indices, 
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(v_empty.index(i), count=2)
     sched = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    bufs = (q_raw, q_smem, k_bufs, v_bufs, sched)
+    turns_smem = gl.allocate_shared_memory(gl.float64, [HEAD_DIM // 2], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    turns_smem.store(gl.load(Turns + gl.arange(0, HEAD_DIM // 2, layout=gl.BlockedLayout([1], [32], [4], [0]))))
+    bufs = (q_raw, q_smem, k_bufs, v_bufs, sched, turns_smem)
     bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty)
     gl.warp_specialize([
         (_consumer, (q_desc, k_desc, v_desc, bufs, bars, Out, Indptr, RowEnd, Indices, BlockValid, BlockOffset,
