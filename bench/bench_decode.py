@@ -29,7 +29,9 @@ import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
 from sift.kernels.bits import n_pages, pack_msb  # noqa: E402
-from sift.kernels.block_indices import block_indices, block_indices_ref, dense_indptr, pack_doc_bits  # noqa: E402
+from sift.kernels.block_indices import (block_indices, block_indices_layers, block_indices_ref,  # noqa: E402
+                                        dense_indptr, pack_doc_bits)
+from sift.runtime.engine import DECODE_GROUP_BYTES  # noqa: E402
 from sift.kernels.decode_attention import (  # noqa: E402
     decode_attention,
     decode_attention_ref,
@@ -43,6 +45,7 @@ CONTEXTS = (16384, 32768, 65536)
 DOC_TOKENS, QUERY_TOKENS, PREFIX_TOKENS = 2048, 512, 1
 TILE, BLOCK = 64, 128
 HQ, HKV, HEAD_DIM = 32, 8, 128
+N_LAYERS = 32  # layers of bits per document (the multi-layer decode groups consecutive layers)
 LA_DENSITY, CA_DENSITY = 0.30, 0.06
 ROPE_THETA = 500000.0
 DTYPE = torch.bfloat16
@@ -72,13 +75,13 @@ def queued_us(fn, n: int = 50) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def random_bits(n_tokens: list[int], gen: torch.Generator):
+def random_bits(n_tokens: list[int], gen: torch.Generator, n_layers: int = 1):
     la_blobs, ca_blobs = [], []
     for n in n_tokens:
         p = n_pages(n, TILE)
         i, j = torch.tril_indices(p, p)
-        la = (torch.rand(HQ, p * (p + 1) // 2, generator=gen) < LA_DENSITY) | (i == j) | (j == 0)
-        ca = torch.rand(HQ, p, generator=gen) < CA_DENSITY
+        la = (torch.rand(n_layers * HQ, p * (p + 1) // 2, generator=gen) < LA_DENSITY) | (i == j) | (j == 0)
+        ca = torch.rand(n_layers * HQ, p, generator=gen) < CA_DENSITY
         la_blobs.append(pack_msb(la).numpy().tobytes())
         ca_blobs.append(pack_msb(ca).numpy().tobytes())
     return la_blobs, ca_blobs
@@ -89,8 +92,8 @@ def bench_index_decode(context: int, dev: torch.device, gen: torch.Generator) ->
     requests = [[("prefix", PREFIX_TOKENS)] + [("doc", DOC_TOKENS)] * n_docs + [("query", QUERY_TOKENS)]]
     layout = build_layout(requests, BLOCK, device=dev)
     n_tok = layout.doc_n_tokens.tolist()
-    la_blobs, ca_blobs = random_bits(n_tok, gen)
-    bits = pack_doc_bits(la_blobs, ca_blobs, n_tok, tile=TILE, n_layers=1, n_heads=HQ, device=dev)
+    la_blobs, ca_blobs = random_bits(n_tok, gen, N_LAYERS)
+    bits = pack_doc_bits(la_blobs, ca_blobs, n_tok, tile=TILE, n_layers=N_LAYERS, n_heads=HQ, device=dev)
     la_ptr, ca_ptr = bits.layer_ptrs(0)
     args = (layout, bits.la_bytes, la_ptr, bits.ca_bytes, ca_ptr, TILE)
 
@@ -122,7 +125,7 @@ def bench_index_decode(context: int, dev: torch.device, gen: torch.Generator) ->
     sweep = {}  # launch shapes of the one-pass decode: heads per program, key blocks per step, warps
     # run 7 also timed tl.range num_stages 2 / 3 on the step loop: 1.4-2.6x slower (removed).
     for hb, bj, nw in ((8, 64, 4), (4, 64, 4), (2, 64, 4), (1, 64, 4), (4, 128, 4), (2, 128, 4), (2, 64, 2),
-                       (1, 64, 2), (1, 128, 4), (1, 32, 1)):
+                       (1, 64, 2), (1, 128, 4), (1, 32, 1), (2, 32, 1), (1, 16, 1), (2, 16, 1)):
         la, ca = bits.layer_ptrs(0)
         f = lambda: block_indices(layout, bits.la_bytes, la, bits.ca_bytes, ca, TILE, padded=True,  # noqa: E731
                                   row_start=row_start, heads_per_program=hb, block_j=bj, num_warps=nw)
@@ -136,7 +139,24 @@ def bench_index_decode(context: int, dev: torch.device, gen: torch.Generator) ->
         if not (torch.equal(gends, ends) and torch.equal(gcompact, compact)):
             raise AssertionError(f"one-pass decode {name} differs from the reference")
         sweep[name] = queued_us(f)
+    # Consecutive layers in one launch, as the engine groups them (DECODE_GROUP_BYTES of indices per group).
+    group = max(1, min(N_LAYERS, DECODE_GROUP_BYTES // (4 * dense)))
+
+    def decode_group():
+        return block_indices_layers(layout, bits.la_bytes, all_la[:group], bits.ca_bytes, all_ca[:group], TILE,
+                                    row_start=row_start)
+
+    _, gidx, gends = decode_group()
+    for layer in (0, group - 1):
+        want_ptr, want_idx = block_indices_ref(layout, bits.la_bytes, all_la[layer], bits.ca_bytes, all_ca[layer],
+                                               TILE)
+        got = torch.cat([gidx[layer, a:b] for a, b in zip(starts[:-1].tolist(), gends[layer].tolist())])
+        if not (torch.equal((gends[layer] - starts[:-1]).cpu(), (want_ptr[1:] - want_ptr[:-1]).cpu())
+                and torch.equal(got.cpu(), want_idx.cpu())):
+            raise AssertionError(f"multi-layer block_indices differs from block_indices_ref at L={context}")
     return {
+        "layers_per_launch": group,
+        "index_decode_grouped_device_us_per_layer": queued_us(decode_group) / group,
         "one_pass_sweep_device_us": sweep,
         "n_tokens": layout.n_tokens,
         "n_docs": n_docs,

@@ -147,6 +147,10 @@ def _block_indices_kernel(
     stride_lap_h,
     stride_cap_d,
     stride_cap_h,
+    stride_lap_l,  # layer strides (grid axis 2 = layer of a multi-layer decode; 0 for one layer)
+    stride_cap_l,
+    stride_idx_l,
+    stride_cnt_l,
     TILE: tl.constexpr,
     R: tl.constexpr,  # tiles per kernel block, block // TILE
     HB: tl.constexpr,  # query heads per program
@@ -156,6 +160,11 @@ def _block_indices_kernel(
     # One program: query block qb for heads [h0, h0 + HB). Row of head h: h * NB + qb.
     qb = tl.program_id(0)
     hh = tl.program_id(1) * HB + tl.arange(0, HB)
+    layer = tl.program_id(2).to(tl.int64)
+    la_ptr_ptr += layer * stride_lap_l
+    ca_ptr_ptr += layer * stride_cap_l
+    indices_ptr += layer * stride_idx_l
+    counts_ptr += layer * stride_cnt_l
     h_ok = hh < HQ
     rows = hh * NB + qb
     kind = tl.load(block_kind_ptr + qb)
@@ -251,8 +260,58 @@ def _validate(layout: BatchLayout, la_bytes, la_ptr, ca_bytes, ca_ptr, tile: int
     return la_ptr.shape[1]
 
 
-def block_indices(
-    layout: BatchLayout,
+def _launch_shape(layout: BatchLayout, tile: int, n_heads: int, hb, block_j, num_warps) -> tuple[int, int, int]:
+    """(heads per program, key blocks per step, warps), defaults filled in."""
+    r = layout.block // tile
+    if layout.device.type == "cuda":
+        # H200 sweep (bench/results/decode-h200-2026-11-29-run4.json, tile 64, block 128): one head per program,
+        # 32 key blocks per step, one warp: 9.7 / 20.1 / 54.9 us at 16K / 32K / 64K against 11.2 / 23.4 / 61.4
+        # for 8 heads, 64 blocks, 4 warps (many small programs fill the GPU; each one's work is a short gather).
+        hb = hb or 1
+        return hb, block_j or max(8, min(32, 8192 // (hb * r * r))), num_warps or 1
+    # the interpreter runs programs one after another: fewer, larger ones
+    hb = hb or min(triton.next_power_of_2(n_heads), 8)
+    # The LA test holds [HB, BLOCK_J, R * R] values: keep it near 8K elements so it stays in registers.
+    return hb, block_j or max(8, min(64, 8192 // (hb * r * r))), num_warps or 4
+
+
+def block_indices_layers(layout: BatchLayout, la_bytes: torch.Tensor, la_ptr: torch.Tensor, ca_bytes: torch.Tensor,
+                         ca_ptr: torch.Tensor, tile: int, *, row_start: torch.Tensor | None = None):
+    """Several layers' bits -> block indices in one launch, the one-pass form of `block_indices(...,
+    padded=True)`: la_ptr / ca_ptr int64 [G, n_docs, Hq] (e.g. `DocBits.all_layer_ptrs()[a:b]`) ->
+    (row_start int32 [Hq * NB + 1], indices int32 [G, Hq * causal_block_pairs], row_end int32 [G, Hq * NB]);
+    layer g's row r is indices[g, row_start[r]:row_end[g, r]]. The decode is latency bound (short dependent
+    gathers per program), so G layers in one grid cost far less than G launches (bench/bench_decode.py)."""
+    if la_ptr.dim() != 3 or la_ptr.shape != ca_ptr.shape:
+        raise ValueError(f"la_ptr {tuple(la_ptr.shape)} and ca_ptr {tuple(ca_ptr.shape)} must both be "
+                         f"[layers, n_docs={layout.n_docs}, Hq]")
+    g = la_ptr.shape[0]
+    n_heads = _validate(layout, la_bytes, la_ptr[0], ca_bytes, ca_ptr[0], tile)
+    nb, dev = layout.n_blocks, layout.device
+    if dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"block_indices runs on CUDA tensors (got {dev}); use block_indices_ref on CPU")
+    starts = dense_indptr(layout, n_heads) if row_start is None else row_start
+    if starts.dtype != torch.int32 or starts.shape != (n_heads * nb + 1,) or starts.device != dev:
+        raise ValueError(f"row_start must be int32 [Hq * NB + 1]={n_heads * nb + 1} on {dev} (dense_indptr)")
+    cap = max(1, n_heads * layout.causal_block_pairs)
+    indices = torch.empty(g, cap, dtype=torch.int32, device=dev)
+    ends = torch.empty(g, n_heads * nb, dtype=torch.int32, device=dev)
+    if layout.n_docs == 0:
+        la_ptr = ca_ptr = torch.zeros(g, 1, n_heads, dtype=torch.int64, device=dev)
+        la_bytes = ca_bytes = torch.zeros(1, dtype=torch.uint8, device=dev)
+    hb, block_j, num_warps = _launch_shape(layout, tile, n_heads, None, None, None)
+    _block_indices_kernel[(nb, triton.cdiv(n_heads, hb), g)](
+        starts, indices, ends, layout.block_kind, layout.block_request, layout.block_doc, layout.req_first_block,
+        layout.doc_first_block if layout.n_docs else layout.block_kind,
+        layout.doc_n_tokens if layout.n_docs else layout.block_kind,
+        la_bytes, la_ptr, ca_bytes, ca_ptr,
+        nb, n_heads, la_ptr.stride(1), la_ptr.stride(2), ca_ptr.stride(1), ca_ptr.stride(2),
+        la_ptr.stride(0), ca_ptr.stride(0), indices.stride(0), ends.stride(0),
+        FILL=True, TILE=tile, R=layout.block // tile, HB=hb, BLOCK_J=block_j, num_warps=num_warps)
+    return starts, indices, ends
+
+
+def block_indices(    layout: BatchLayout,
     la_bytes: torch.Tensor,
     la_ptr: torch.Tensor,
     ca_bytes: torch.Tensor,
@@ -294,23 +353,12 @@ def block_indices(
         layout.doc_first_block if layout.n_docs else layout.block_kind,
         layout.doc_n_tokens if layout.n_docs else layout.block_kind,
         la_bytes, la_ptr, ca_bytes, ca_ptr,
-        nb, n_heads, la_ptr.stride(0), la_ptr.stride(1), ca_ptr.stride(0), ca_ptr.stride(1),
+        nb, n_heads, la_ptr.stride(0), la_ptr.stride(1), ca_ptr.stride(0), ca_ptr.stride(1), 0, 0, 0, 0,
     )
+    hb, block_j, num_warps = _launch_shape(layout, tile, n_heads, heads_per_program, block_j, num_warps)
     r = layout.block // tile
-    if dev.type == "cuda":
-        # H200 sweep (bench/results/decode-h200-2026-11-29-run4.json, tile 64, block 128): one head per program,
-        # 32 key blocks per step, one warp: 9.7 / 20.1 / 54.9 us at 16K / 32K / 64K against 11.2 / 23.4 / 61.4
-        # for 8 heads, 64 blocks, 4 warps (many small programs fill the GPU; each one's work is a short gather).
-        hb = heads_per_program or 1
-        block_j = block_j or max(8, min(32, 8192 // (hb * r * r)))
-        num_warps = num_warps or 1
-    else:  # the interpreter runs programs one after another: fewer, larger ones
-        hb = heads_per_program or min(triton.next_power_of_2(n_heads), 8)
-        # The LA test holds [HB, BLOCK_J, R * R] values: keep it near 8K elements so it stays in registers.
-        block_j = block_j or max(8, min(64, 8192 // (hb * r * r)))
-        num_warps = num_warps or 4
     meta = dict(TILE=tile, R=r, HB=hb, BLOCK_J=block_j, num_warps=num_warps)
-    grid = (nb, triton.cdiv(n_heads, hb))
+    grid = (nb, triton.cdiv(n_heads, hb), 1)
     if padded:
         starts = dense_indptr(layout, n_heads) if row_start is None else row_start
         if starts.dtype != torch.int32 or starts.shape != (n_heads * nb + 1,) or starts.device != dev:

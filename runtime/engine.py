@@ -35,7 +35,8 @@ from typing import Sequence
 import torch
 
 from sift.errors import SiftError
-from sift.kernels.block_indices import DocBits, block_indices, block_indices_ref, dense_block_indices, dense_indptr
+from sift.kernels.block_indices import (DocBits, block_indices_layers, block_indices_ref, dense_block_indices,
+                                        dense_indptr)
 from sift.kernels.decode_attention import decode_attention, decode_attention_ref, layout_kv_table
 from sift.kernels.layout import BatchLayout, build_layout
 from sift.kernels.rope import apply_rope_ref, rope_inv_freq
@@ -50,6 +51,8 @@ BACKENDS = ("auto", "triton", "torch", "reference")
 ON_UNKNOWN = ("error", "dense")
 GPU_BLOCK = 128
 STAGES = ("fetch", "decode", "attention")
+# Indices of up to this many bytes are decoded in one launch for consecutive layers (`block_indices_layers`).
+DECODE_GROUP_BYTES = 64 << 20
 
 
 # ---------------------------------------------------------------------------------------------- public types
@@ -188,6 +191,7 @@ class _Prefill:
         self._dense_csr = None
         self._row_start = None
         self._ptrs = None
+        self._group = None  # (first layer, indices [G, cap], row_end [G, Hq * NB]) of the last multi-layer decode
         # Row of the packed real tokens holding each block's first slot (tokens are packed in physical order), so
         # the kernel reads the model's q and writes the output in token order: no padded copies of either.
         self.q_block_start = torch.searchsorted(
@@ -206,8 +210,18 @@ class _Prefill:
         if self.engine.backend == "triton":  # one pass: rows at their dense starts (computed once per prefill)
             if self._row_start is None:
                 self._row_start = dense_indptr(self.layout, n_heads)
-            return block_indices(self.layout, self.bits.la_bytes, la_ptr, self.bits.ca_bytes, ca_ptr,
-                                 self.engine.tile, padded=True, row_start=self._row_start)
+            first, idx, ends = self._group if self._group is not None else (-1, None, None)
+            if not 0 <= layer - first < (0 if idx is None else idx.shape[0]):
+                # Several layers per launch (the decode is latency bound), as many as DECODE_GROUP_BYTES of
+                # indices hold: all of them at 16K tokens, 3 at 64K.
+                per_layer = 4 * max(1, n_heads * self.layout.causal_block_pairs)
+                g = max(1, min(self.bits.n_layers - layer, DECODE_GROUP_BYTES // per_layer))
+                _, idx, ends = block_indices_layers(
+                    self.layout, self.bits.la_bytes, self._ptrs[0][layer:layer + g], self.bits.ca_bytes,
+                    self._ptrs[1][layer:layer + g], self.engine.tile, row_start=self._row_start)
+                first = layer
+                self._group = (first, idx, ends)
+            return self._row_start, idx[layer - first], ends[layer - first]
         return (*block_indices_ref(self.layout, self.bits.la_bytes, la_ptr, self.bits.ca_bytes, ca_ptr,
                                    self.engine.tile), None)
 

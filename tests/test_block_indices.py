@@ -12,6 +12,7 @@ import torch
 from sift.kernels.bits import n_pages, pack_msb, tril_to_square
 from sift.kernels.block_indices import (
     block_indices,
+    block_indices_layers,
     block_indices_ref,
     dense_block_indices,
     dense_indptr,
@@ -116,6 +117,16 @@ def decode_both(requests, tile, block, n_heads, fill, seed=0):
     ptr = torch.zeros_like(starts)
     ptr[1:] = torch.cumsum(ends - starts[:-1], 0)
     assert_csr_equal((ptr, compact.to(torch.int32)), want, "one-pass (padded) kernel")
+    # Every layer in one launch: layer LAYER against the token-level construction, the others against the twin.
+    starts_l, idx_l, ends_l = block_indices_layers(layout, bits.la_bytes, all_la, bits.ca_bytes, all_ca, tile)
+    assert torch.equal(starts_l, starts) and idx_l.shape[0] == ends_l.shape[0] == N_LAYERS
+    for layer in range(N_LAYERS):
+        compact = torch.cat([idx_l[layer, a:b] for a, b in zip(starts[:-1].tolist(), ends_l[layer].tolist())])
+        ptr = torch.zeros_like(starts)
+        ptr[1:] = torch.cumsum(ends_l[layer] - starts[:-1], 0)
+        ref = want if layer == LAYER else block_indices_ref(layout, bits.la_bytes, all_la[layer], bits.ca_bytes,
+                                                            all_ca[layer], tile)
+        assert_csr_equal((ptr, compact.to(torch.int32)), ref, f"multi-layer kernel, layer {layer}")
     return layout, want, got_kernel, got_ref
 
 
