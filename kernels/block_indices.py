@@ -18,7 +18,9 @@ ordinals. `pack_doc_bits` uploads the index's per-document `la_bits` / `ca_bits`
 batch; `DocBits.layer_ptrs(layer)` then yields a layer's offsets with arithmetic on the device, so a layer's
 decode needs no gather of bits and no host round trip.
 
-Two passes on the GPU: count per row, `cumsum` into indptr, fill. No host synchronisation: `indices` is
+`block_indices(..., padded=True)` decodes in one pass (rows at their dense starts, each with its end), and
+`block_indices_layers` does that for several layers in one launch (the decode is latency bound: what the engine
+runs). The compact form takes two passes on the GPU: count per row, `cumsum` into indptr, fill. No host synchronisation: `indices` is
 allocated with the upper bound `Hq * layout.causal_block_pairs` (every row dense causal); entries past
 `indptr[-1]` are unspecified.
 """
