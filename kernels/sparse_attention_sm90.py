@@ -112,6 +112,18 @@ def _tile_coords(t, n_heads, NB, band, sec, GROUP: gl.constexpr):
 
 
 @gluon.jit
+def _tile_row(t, Indptr, RowEnd, QTokStart, n_heads, NB, band, sec, GROUP: gl.constexpr, Q_TOKENS: gl.constexpr):
+    """Tile t -> (head, query block, its CSR row's [start, end), the q / out row of the block's first slot)."""
+    h, qb = _tile_coords(t, n_heads, NB, band, sec, GROUP)
+    row = h * NB + qb
+    if Q_TOKENS:
+        q_row0 = gl.load(QTokStart + qb)
+    else:
+        q_row0 = qb * BLOCK
+    return h, qb, gl.load(Indptr + row), gl.load(RowEnd + row), q_row0
+
+
+@gluon.jit
 def _consumer(q_desc, k_desc, v_desc, bufs, bars, Out, Indptr, RowEnd, Indices, BlockValid, BlockOffset, QTokStart,
               Turns, Counter, n_heads, NB, n_q, n_k, band, sec, stride_oh, stride_on, qk_scale,
               GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, ROPE: gl.constexpr,
@@ -138,15 +150,8 @@ def _consumer(q_desc, k_desc, v_desc, bufs, bars, Out, Indptr, RowEnd, Indices, 
     mbarrier.wait(q_ready, 0)
     t = gl.max(sched.index(0).load(sched_layout), 0)   # the producer's tile number (>= n_tiles: done)
     while t < n_heads * NB:
-        h, qb = _tile_coords(t, n_heads, NB, band, sec, GROUP)
-        row = h * NB + qb
-        start = gl.load(Indptr + row)
-        end = gl.load(RowEnd + row)
+        h, qb, start, end, q_row0 = _tile_row(t, Indptr, RowEnd, QTokStart, n_heads, NB, band, sec, GROUP, Q_TOKENS)
         q_valid = gl.load(BlockValid + qb)
-        if Q_TOKENS:
-            q_row0 = gl.load(QTokStart + qb)
-        else:
-            q_row0 = qb * BLOCK
 
         cos, sin = _q_angles(gl.load(BlockOffset + qb), turns_smem, HEAD_DIM)
         mbarrier.wait(q_ready, tcount & 1)
@@ -227,15 +232,8 @@ def _producer(q_desc, k_desc, v_desc, bufs, bars, Out, Indptr, RowEnd, Indices, 
     tcount = 0
     t = gl.program_id(0)
     while t < n_tiles:
-        h, qb = _tile_coords(t, n_heads, NB, band, sec, GROUP)
+        h, qb, start, end, q_row0 = _tile_row(t, Indptr, RowEnd, QTokStart, n_heads, NB, band, sec, GROUP, Q_TOKENS)
         kvh = h // GROUP
-        row = h * NB + qb
-        start = gl.load(Indptr + row)
-        end = gl.load(RowEnd + row)
-        if Q_TOKENS:
-            q_row0 = gl.load(QTokStart + qb)
-        else:
-            q_row0 = qb * BLOCK
         # Heads along rows ([H * N, D] view) or along columns ([N, H * D] view).
         if QHR:
             q_r, q_c = h * n_q + q_row0, 0
