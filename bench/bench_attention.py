@@ -121,23 +121,20 @@ def rel_err(out, ref):
     return ((out - ref).norm() / ref.norm()).item(), (out - ref).abs().max().item(), bool(out.isfinite().all())
 
 
-def correctness(results):
-    gen = torch.Generator(device=DEV).manual_seed(0)
-    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, D, 2, dtype=torch.float32, device=DEV) / D))
-    hq, hkv = (2, 1) if SMOKE else (8, 2)
-    # Many short segments (not multiples of 128), two requests, one placed past 65,535.
+def segments_case(hq, hkv, n_first, dtype, gen):
+    """Many short segments (not multiples of 128), two requests, one placed past 65,535; NaN in every padding
+    slot of q / k / v; a random 40% causal block mask per head plus the diagonal.
+    -> (layout dict, q, k, v, mask [hq, NB, NB])."""
     rng = torch.Generator().manual_seed(1)
-    segs = [torch.randint(1, 400, (3 if SMOKE else 30,), generator=rng).tolist(),
-            torch.randint(1, 300, (6,), generator=rng).tolist()]
-    starts = [None, None]
-    starts[0] = torch.tensor([0] + segs[0][:-1]).cumsum(0).tolist()
-    starts[1] = [0, 70_000, 150_000, 150_000 + segs[1][2], 200_000, 200_000 + segs[1][4]]
+    segs = [torch.randint(1, 400, (n_first,), generator=rng).tolist(), torch.randint(1, 300, (6,), generator=rng).tolist()]
+    starts = [torch.tensor([0] + segs[0][:-1]).cumsum(0).tolist(),
+              [0, 70_000, 150_000, 150_000 + segs[1][2], 200_000, 200_000 + segs[1][4]]]
     lay = layout_from_segments(segs, starts)
     nb = lay["seg"].numel()
     n = nb * BLOCK
-    q = torch.randn(hq, n, D, device=DEV, dtype=DTYPE, generator=gen)
-    k = torch.randn(hkv, n, D, device=DEV, dtype=DTYPE, generator=gen)
-    v = torch.randn(hkv, n, D, device=DEV, dtype=DTYPE, generator=gen)
+    q = torch.randn(hq, n, D, device=DEV, dtype=dtype, generator=gen)
+    k = torch.randn(hkv, n, D, device=DEV, dtype=dtype, generator=gen)
+    v = torch.randn(hkv, n, D, device=DEV, dtype=dtype, generator=gen)
     pad = lay["pos"] < 0
     for x in (q, k, v):
         x[:, pad] = float("nan")
@@ -145,6 +142,14 @@ def correctness(results):
     causal = (ar[None, :] <= ar[:, None]) & (lay["req"][:, None] == lay["req"][None, :])
     mask = (torch.rand(hq, nb, nb, device=DEV, generator=gen) < 0.4) & causal
     mask |= torch.eye(nb, dtype=torch.bool, device=DEV)
+    return lay, q, k, v, mask
+
+
+def correctness(results):
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, D, 2, dtype=torch.float32, device=DEV) / D))
+    hq, hkv = (2, 1) if SMOKE else (8, 2)
+    lay, q, k, v, mask = segments_case(hq, hkv, 3 if SMOKE else 30, DTYPE, gen)
     indptr, indices = csr(mask)
     args = (indptr, indices, lay["block_valid"], lay["block_offset"])
     ref = sa.sparse_attention_ref(q, k, v, *args, inv_freq, scale=D ** -0.5, block=BLOCK)

@@ -14,7 +14,7 @@ import triton
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_attention as ba  # noqa: E402
-from bench_attention import BLOCK, D, DEV, csr, layout_from_segments, mask_a, rel_err, sa  # noqa: E402
+from bench_attention import BLOCK, D, DEV, csr, layout_from_segments, mask_a, rel_err, sa, segments_case  # noqa: E402
 
 GLUON = sa.KernelConfig(block_n=128, num_warps=4, num_stages=2, rope_on="pre", backend="gluon")
 TL = sa.KernelConfig(block_n=128, num_warps=8, num_stages=2, rope_on="pre", pre_via_out=True)
@@ -37,24 +37,10 @@ def main():
     inv_freq = 1.0 / (500000.0 ** (torch.arange(0, D, 2, dtype=torch.float32, device=DEV) / D))
     ok = True
     # 1. Padded layout, many short segments, NaN in padding, offsets past 65,535, GQA 4, random mask.
-    rng = torch.Generator().manual_seed(1)
-    segs = [torch.randint(1, 400, (30,), generator=rng).tolist(), torch.randint(1, 300, (6,), generator=rng).tolist()]
-    starts = [torch.tensor([0] + segs[0][:-1]).cumsum(0).tolist(),
-              [0, 70_000, 150_000, 150_000 + segs[1][2], 200_000, 200_000 + segs[1][4]]]
-    lay = layout_from_segments(segs, starts)
-    nb = lay["seg"].numel()
-    n = nb * BLOCK
     hq, hkv = 8, 2
-    q = torch.randn(hq, n, D, device=DEV, dtype=torch.bfloat16, generator=gen)
-    k = torch.randn(hkv, n, D, device=DEV, dtype=torch.bfloat16, generator=gen)
-    v = torch.randn(hkv, n, D, device=DEV, dtype=torch.bfloat16, generator=gen)
+    lay, q, k, v, mask = segments_case(hq, hkv, 30, torch.bfloat16, gen)
+    nb = lay["seg"].numel()
     pad = lay["pos"] < 0
-    for x in (q, k, v):
-        x[:, pad] = float("nan")
-    ar = torch.arange(nb, device=DEV)
-    causal = (ar[None, :] <= ar[:, None]) & (lay["req"][:, None] == lay["req"][None, :])
-    mask = (torch.rand(hq, nb, nb, device=DEV, generator=gen) < 0.4) & causal
-    mask |= torch.eye(nb, dtype=torch.bool, device=DEV)
     mask[1, 5] = False   # one empty row: output must be 0
     indptr, indices = csr(mask)
     args = (indptr, indices, lay["block_valid"], lay["block_offset"])
