@@ -20,9 +20,9 @@ decode needs no gather of bits and no host round trip.
 
 `block_indices(..., padded=True)` decodes in one pass (rows at their dense starts, each with its end), and
 `block_indices_layers` does that for several layers in one launch (the decode is latency bound: what the engine
-runs). The compact form takes two passes on the GPU: count per row, `cumsum` into indptr, fill. No host synchronisation: `indices` is
-allocated with the upper bound `Hq * layout.causal_block_pairs` (every row dense causal); entries past
-`indptr[-1]` are unspecified.
+runs). The compact form takes two passes on the GPU: count per row, `cumsum` into indptr, fill. No host
+synchronisation: `indices` is allocated with the upper bound `Hq * layout.causal_block_pairs` (every row dense
+causal); entries past `indptr[-1]` are unspecified.
 """
 from __future__ import annotations
 
@@ -277,6 +277,38 @@ def _launch_shape(layout: BatchLayout, tile: int, n_heads: int, hb, block_j, num
     return hb, block_j or max(8, min(64, 8192 // (hb * r * r))), num_warps or 4
 
 
+def _run(layout: BatchLayout, la_bytes, la_ptr, ca_bytes, ca_ptr, tile: int, indptr, indices, counts, *, fill: bool,
+         hb: int, block_j: int, num_warps: int) -> None:
+    """One launch over G layers (grid axis 2): la_ptr / ca_ptr int64 [G, n_docs, Hq], indices [G, cap],
+    counts [G, Hq * NB]; indptr (count pass: unused; fill pass: the row starts) is shared by the G layers."""
+    g, n_heads = la_ptr.shape[0], la_ptr.shape[2]
+    if layout.n_docs == 0:  # no document rows read them, but the pointer arguments must be valid
+        la_ptr = ca_ptr = torch.zeros(g, 1, n_heads, dtype=torch.int64, device=layout.device)
+        la_bytes = ca_bytes = torch.zeros(1, dtype=torch.uint8, device=layout.device)
+    nb = layout.n_blocks
+    _block_indices_kernel[(nb, triton.cdiv(n_heads, hb), g)](
+        indptr, indices, counts, layout.block_kind, layout.block_request, layout.block_doc, layout.req_first_block,
+        layout.doc_first_block if layout.n_docs else layout.block_kind,
+        layout.doc_n_tokens if layout.n_docs else layout.block_kind,
+        la_bytes, la_ptr, ca_bytes, ca_ptr,
+        nb, n_heads, la_ptr.stride(1), la_ptr.stride(2), ca_ptr.stride(1), ca_ptr.stride(2),
+        la_ptr.stride(0), ca_ptr.stride(0), indices.stride(0), counts.stride(0),
+        FILL=fill, TILE=tile, R=layout.block // tile, HB=hb, BLOCK_J=block_j, num_warps=num_warps)
+
+
+def _row_start(layout: BatchLayout, n_heads: int, row_start: torch.Tensor | None) -> torch.Tensor:
+    starts = dense_indptr(layout, n_heads) if row_start is None else row_start
+    n_rows, dev = n_heads * layout.n_blocks, layout.device
+    if starts.dtype != torch.int32 or starts.shape != (n_rows + 1,) or starts.device != dev:
+        raise ValueError(f"row_start must be int32 [Hq * NB + 1]={n_rows + 1} on {dev} (dense_indptr)")
+    return starts
+
+
+def _check_device(layout: BatchLayout) -> None:
+    if layout.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"block_indices runs on CUDA tensors (got {layout.device}); use block_indices_ref on CPU")
+
+
 def block_indices_layers(layout: BatchLayout, la_bytes: torch.Tensor, la_ptr: torch.Tensor, ca_bytes: torch.Tensor,
                          ca_ptr: torch.Tensor, tile: int, *, row_start: torch.Tensor | None = None):
     """Several layers' bits -> block indices in one launch, the one-pass form of `block_indices(...,
@@ -289,31 +321,18 @@ def block_indices_layers(layout: BatchLayout, la_bytes: torch.Tensor, la_ptr: to
                          f"[layers, n_docs={layout.n_docs}, Hq]")
     g = la_ptr.shape[0]
     n_heads = _validate(layout, la_bytes, la_ptr[0], ca_bytes, ca_ptr[0], tile)
-    nb, dev = layout.n_blocks, layout.device
-    if dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"block_indices runs on CUDA tensors (got {dev}); use block_indices_ref on CPU")
-    starts = dense_indptr(layout, n_heads) if row_start is None else row_start
-    if starts.dtype != torch.int32 or starts.shape != (n_heads * nb + 1,) or starts.device != dev:
-        raise ValueError(f"row_start must be int32 [Hq * NB + 1]={n_heads * nb + 1} on {dev} (dense_indptr)")
-    cap = max(1, n_heads * layout.causal_block_pairs)
-    indices = torch.empty(g, cap, dtype=torch.int32, device=dev)
-    ends = torch.empty(g, n_heads * nb, dtype=torch.int32, device=dev)
-    if layout.n_docs == 0:
-        la_ptr = ca_ptr = torch.zeros(g, 1, n_heads, dtype=torch.int64, device=dev)
-        la_bytes = ca_bytes = torch.zeros(1, dtype=torch.uint8, device=dev)
+    _check_device(layout)
+    starts = _row_start(layout, n_heads, row_start)
+    indices = torch.empty(g, max(1, n_heads * layout.causal_block_pairs), dtype=torch.int32, device=layout.device)
+    ends = torch.empty(g, n_heads * layout.n_blocks, dtype=torch.int32, device=layout.device)
     hb, block_j, num_warps = _launch_shape(layout, tile, n_heads, None, None, None)
-    _block_indices_kernel[(nb, triton.cdiv(n_heads, hb), g)](
-        starts, indices, ends, layout.block_kind, layout.block_request, layout.block_doc, layout.req_first_block,
-        layout.doc_first_block if layout.n_docs else layout.block_kind,
-        layout.doc_n_tokens if layout.n_docs else layout.block_kind,
-        la_bytes, la_ptr, ca_bytes, ca_ptr,
-        nb, n_heads, la_ptr.stride(1), la_ptr.stride(2), ca_ptr.stride(1), ca_ptr.stride(2),
-        la_ptr.stride(0), ca_ptr.stride(0), indices.stride(0), ends.stride(0),
-        FILL=True, TILE=tile, R=layout.block // tile, HB=hb, BLOCK_J=block_j, num_warps=num_warps)
+    _run(layout, la_bytes, la_ptr, ca_bytes, ca_ptr, tile, starts, indices, ends, fill=True, hb=hb,
+         block_j=block_j, num_warps=num_warps)
     return starts, indices, ends
 
 
-def block_indices(    layout: BatchLayout,
+def block_indices(
+    layout: BatchLayout,
     la_bytes: torch.Tensor,
     la_ptr: torch.Tensor,
     ca_bytes: torch.Tensor,
@@ -341,36 +360,22 @@ def block_indices(    layout: BatchLayout,
     n_heads = _validate(layout, la_bytes, la_ptr, ca_bytes, ca_ptr, tile)
     if heads_per_program is not None and (heads_per_program < 1 or heads_per_program & (heads_per_program - 1)):
         raise ValueError(f"heads_per_program={heads_per_program} must be a power of two")
+    _check_device(layout)
     nb, dev = layout.n_blocks, layout.device
-    counts = torch.empty(n_heads * nb, dtype=torch.int32, device=dev)
-    indptr = torch.zeros(n_heads * nb + 1, dtype=torch.int32, device=dev)
-    indices = torch.empty(max(1, n_heads * layout.causal_block_pairs), dtype=torch.int32, device=dev)
-    if dev.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"block_indices runs on CUDA tensors (got {dev}); use block_indices_ref on CPU")
-    if layout.n_docs == 0:  # no document rows read them, but the pointer arguments must be valid
-        la_ptr = ca_ptr = torch.zeros(1, n_heads, dtype=torch.int64, device=dev)
-        la_bytes = ca_bytes = torch.zeros(1, dtype=torch.uint8, device=dev)
-    args = (
-        layout.block_kind, layout.block_request, layout.block_doc, layout.req_first_block,
-        layout.doc_first_block if layout.n_docs else layout.block_kind,
-        layout.doc_n_tokens if layout.n_docs else layout.block_kind,
-        la_bytes, la_ptr, ca_bytes, ca_ptr,
-        nb, n_heads, la_ptr.stride(0), la_ptr.stride(1), ca_ptr.stride(0), ca_ptr.stride(1), 0, 0, 0, 0,
-    )
+    counts = torch.empty(1, n_heads * nb, dtype=torch.int32, device=dev)
+    indices = torch.empty(1, max(1, n_heads * layout.causal_block_pairs), dtype=torch.int32, device=dev)
     hb, block_j, num_warps = _launch_shape(layout, tile, n_heads, heads_per_program, block_j, num_warps)
-    r = layout.block // tile
-    meta = dict(TILE=tile, R=r, HB=hb, BLOCK_J=block_j, num_warps=num_warps)
-    grid = (nb, triton.cdiv(n_heads, hb), 1)
+    run = lambda indptr, fill: _run(layout, la_bytes, la_ptr[None], ca_bytes, ca_ptr[None], tile,  # noqa: E731
+                                    indptr, indices, counts, fill=fill, hb=hb, block_j=block_j, num_warps=num_warps)
     if padded:
-        starts = dense_indptr(layout, n_heads) if row_start is None else row_start
-        if starts.dtype != torch.int32 or starts.shape != (n_heads * nb + 1,) or starts.device != dev:
-            raise ValueError(f"row_start must be int32 [Hq * NB + 1]={n_heads * nb + 1} on {dev} (dense_indptr)")
-        _block_indices_kernel[grid](starts, indices, counts, *args, FILL=True, **meta)
-        return starts, indices, counts
-    _block_indices_kernel[grid](indptr, indices, counts, *args, FILL=False, **meta)
-    torch.cumsum(counts, 0, dtype=torch.int32, out=indptr[1:])
-    _block_indices_kernel[grid](indptr, indices, counts, *args, FILL=True, **meta)
-    return indptr, indices
+        starts = _row_start(layout, n_heads, row_start)
+        run(starts, True)
+        return starts, indices[0], counts[0]
+    indptr = torch.zeros(n_heads * nb + 1, dtype=torch.int32, device=dev)
+    run(indptr, False)
+    torch.cumsum(counts[0], 0, dtype=torch.int32, out=indptr[1:])
+    run(indptr, True)
+    return indptr, indices[0]
 
 
 # ---------------------------------------------------------------------------------------------- reference
