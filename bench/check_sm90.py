@@ -1,7 +1,9 @@
 """Quick H200 check of the Gluon Hopper kernel (kernels/sparse_attention_sm90.py) against the torch twin and the tl
-kernel, then a short timing of mask (a). Meant to run under `timeout` (a barrier bug hangs rather than fails).
+kernel, then a short timing of mask (a): the tl kernel, the Gluon kernel with each K ring depth of K_STAGES,
+the RoPE overhead in pairs, the key pass alone and cuDNN dense. Meant to run under `timeout` (a barrier bug hangs
+rather than fails).
 
-    PYTHONUNBUFFERED=1 timeout 300 python3 bench/check_sm90.py [16384,32768,65536]
+    K_STAGES=3,2 PAIRS=7 PYTHONUNBUFFERED=1 timeout 300 python3 bench/check_sm90.py [16384,32768,65536]
 """
 from __future__ import annotations
 
@@ -21,8 +23,19 @@ TL = sa.KernelConfig(block_n=128, num_warps=8, num_stages=2, rope_on="pre", pre_
 # Tile orders (band, sec, dynamic) of the persistent kernel: "-" = NB (one band) / Hkv (all heads together).
 ORDERS = [(None if b == "-" else int(b), None if c == "-" else int(c), d == "1")
           for b, c, d in (o.split("/") for o in os.environ.get("ORDERS", "-/1/1").split(";"))]
+K_STAGES = [int(x) for x in os.environ.get("K_STAGES", "3").split(",")]   # K ring depths to time
 ROUNDS = int(os.environ.get("ROUNDS", "2"))
 PAIRS = int(os.environ.get("PAIRS", "7"))
+
+
+def gluon_variants():
+    """(name, config) per K ring depth of K_STAGES, with sm90.launch patched to take it while iterated."""
+    from sift.kernels import sparse_attention_sm90 as sm90
+    launch = sm90.launch
+    for ks in K_STAGES:
+        sm90.launch = lambda *a, _ks=ks, **kw: launch(*a, **{**kw, "k_stages": _ks})  # noqa
+        yield f"k{ks}", GLUON
+    sm90.launch = launch
 
 
 def check(name, fn_out, ref, tol=1.5e-2):
@@ -47,10 +60,11 @@ def main():
     for rope in (True, False):
         f = inv_freq if rope else None
         ref = sa.sparse_attention_ref(q, k, v, *args, f, scale=D ** -0.5, block=BLOCK)
-        out = torch.full_like(q, float("nan"))
-        sa._launch(q, k, v, *args, f, scale=D ** -0.5, block=BLOCK, out=out, config=GLUON)
-        torch.cuda.synchronize()
-        ok &= check(f"padded/{'rope' if rope else 'none'}", out, ref)
+        for mode, cfg in gluon_variants():
+            out = torch.full_like(q, float("nan"))
+            sa._launch(q, k, v, *args, f, scale=D ** -0.5, block=BLOCK, out=out, config=cfg)
+            torch.cuda.synchronize()
+            ok &= check(f"padded/{'rope' if rope else 'none'}/{mode}", out, ref)
     # 2. Token order: q the transpose view of an [n_tok, Hq, D] buffer, out likewise (the engine's layout).
     valid = lay["block_valid"].long()
     tok_start = torch.zeros(nb, dtype=torch.int32, device=DEV)
@@ -59,12 +73,13 @@ def main():
     real = ~pad
     q_tok = torch.empty(n_tok, hq, D, device=DEV, dtype=torch.bfloat16)
     q_tok.copy_(q[:, real].transpose(0, 1))
-    out_tok = torch.full((n_tok, hq, D), float("nan"), device=DEV, dtype=torch.bfloat16)
-    sa._launch(q_tok.transpose(0, 1), k, v, *args, inv_freq, scale=D ** -0.5, block=BLOCK,
-               out=out_tok.transpose(0, 1), config=GLUON, q_block_start=tok_start)
     ref = sa.sparse_attention_ref(q, k, v, *args, inv_freq, scale=D ** -0.5, block=BLOCK)
-    torch.cuda.synchronize()
-    ok &= check("token_order/rope", out_tok.transpose(0, 1), ref[:, real])
+    for mode, cfg in gluon_variants():
+        out_tok = torch.full((n_tok, hq, D), float("nan"), device=DEV, dtype=torch.bfloat16)
+        sa._launch(q_tok.transpose(0, 1), k, v, *args, inv_freq, scale=D ** -0.5, block=BLOCK,
+                   out=out_tok.transpose(0, 1), config=cfg, q_block_start=tok_start)
+        torch.cuda.synchronize()
+        ok &= check(f"token_order/rope/{mode}", out_tok.transpose(0, 1), ref[:, real])
     # 3. Bigger: mask (a) at 16K, GQA 4, against the tl kernel (bf16 both) and the twin on a few heads.
     ba.HQ = 32
     L = 16384
@@ -76,10 +91,11 @@ def main():
     k = torch.randn(8, L, D, device=DEV, dtype=torch.bfloat16, generator=gen)
     v = torch.randn(8, L, D, device=DEV, dtype=torch.bfloat16, generator=gen)
     lv = (lay["block_valid"], lay["block_offset"])
-    o_g = sa._launch(q, k, v, *sp, *lv, inv_freq, scale=D ** -0.5, block=BLOCK, out=None, config=GLUON)
     o_t = sa._launch(q, k, v, *sp, *lv, inv_freq, scale=D ** -0.5, block=BLOCK, out=None, config=TL)
-    torch.cuda.synchronize()
-    ok &= check("mask_a16k/gluon_vs_tl", o_g, o_t)
+    for mode, cfg in gluon_variants():
+        o_g = sa._launch(q, k, v, *sp, *lv, inv_freq, scale=D ** -0.5, block=BLOCK, out=None, config=cfg)
+        torch.cuda.synchronize()
+        ok &= check(f"mask_a16k/gluon_{mode}_vs_tl", o_g, o_t)
     print("ALL OK" if ok else "SOME FAILED", flush=True)
 
     lengths = [int(x) for x in (sys.argv[1] if len(sys.argv) > 1 else "16384,32768,65536").split(",")]
@@ -99,35 +115,42 @@ def main():
         out = torch.empty_like(q)
         lv = (lay["block_valid"], lay["block_offset"])
         row = dict(L=L, tile_fraction=m.sum().item() / (32 * nb * (nb + 1) // 2))
+        # Listed blocks of another segment than their query block's (delta != 0): what rotating keys inside the
+        # kernel, per (tile, block), would rotate (runs 11-13; the pass rotates every key block once instead).
+        rid = torch.repeat_interleave(torch.arange(nb, device=DEV).repeat(32), (sp[0][1:] - sp[0][:-1]).long())
+        off = lay["block_offset"]
+        row["rotated_fraction"] = round((off[sp[1].long()] != off[rid]).float().mean().item(), 4)
         from sift.kernels import sparse_attention_sm90 as sm90
         launch = sm90.launch
-        variants = [("tl", TL, None, None, True)] + [
-            (f"gluon-b{b}s{c}{'-dyn' if dyn else ''}", GLUON, b, c, dyn) for b, c, dyn in ORDERS]
+        variants = [("tl", TL, {})] + [
+            (f"gluon-k{ks}-b{b}s{c}{'-dyn' if dyn else ''}", GLUON,
+             dict(band=b, sec=c, dynamic=dyn, k_stages=ks)) for b, c, dyn in ORDERS for ks in K_STAGES]
         for _ in range(ROUNDS):  # interleaved rounds, the minimum of the medians is kept
-            for name, cfg, band, sec, dyn in variants:
-                sm90.launch = lambda *a, **kw: launch(*a, **{**kw, "band": band, "sec": sec, "dynamic": dyn})  # noqa
+            for name, cfg, kw in variants:
+                sm90.launch = lambda *a, _kw=kw, **k_: launch(*a, **{**k_, **_kw})  # noqa
                 for tag, (ptr, idx), f in (("sparse_rope", sp, inv_freq), ("sparse_none", sp, None),
                                            ("dense_rope", de, inv_freq)):
-                    if (name == "tl" and tag == "dense_rope") or (tag == "sparse_none" and name != "tl"
-                                                                  and name != variants[1][0]):
+                    if name == "tl" and tag == "dense_rope":
                         continue
                     fn = lambda: sa._launch(q, k, v, ptr, idx, *lv, f, scale=D ** -0.5, block=BLOCK,  # noqa
                                             out=out, config=cfg)
                     ms = round(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"), 4)
                     row[f"{name}/{tag}"] = min(ms, row.get(f"{name}/{tag}", ms))
-        sm90.launch = launch
-        # RoPE overhead of the default config, paired: rope and pre-rotated calls alternate, the median of the
+        # RoPE overhead of each Gluon variant, paired: rope and pre-rotated calls alternate, the median of the
         # per-pair ratios is kept (single timings of either varied by several percent between runs).
-        ratios = []
-        for _ in range(PAIRS):
-            t = {}
-            for f in (inv_freq, None):
-                fn = lambda: sa._launch(q, k, v, *sp, *lv, f, scale=D ** -0.5, block=BLOCK, out=out,  # noqa
-                                        config=GLUON)
-                t[f is None] = triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
-            ratios.append(t[False] / t[True])
-        row["rope_overhead_paired"] = round(sorted(ratios)[len(ratios) // 2] - 1, 4)
-        row["rope_overhead_pairs"] = [round(r - 1, 4) for r in ratios]
+        for name, cfg, kw in variants[1:]:
+            sm90.launch = lambda *a, _kw=kw, **k_: launch(*a, **{**k_, **_kw})  # noqa
+            ratios = []
+            for _ in range(PAIRS):
+                t = {}
+                for f in (inv_freq, None):
+                    fn = lambda: sa._launch(q, k, v, *sp, *lv, f, scale=D ** -0.5, block=BLOCK, out=out,  # noqa
+                                            config=cfg)
+                    t[f is None] = triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+                ratios.append(t[False] / t[True])
+            row[f"{name}/rope_overhead_paired"] = round(sorted(ratios)[len(ratios) // 2] - 1, 4)
+            row[f"{name}/rope_overhead_pairs"] = [round(r - 1, 4) for r in ratios]
+        sm90.launch = launch
         kbuf = torch.empty_like(k)
         turns = sa._turns(inv_freq, DEV)
         row["rotate_key_pass"] = round(triton.testing.do_bench(

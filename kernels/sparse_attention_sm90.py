@@ -5,17 +5,26 @@ docstring there: CSR rows of key blocks per (head, query block), causal diagonal
 written with explicit Hopper machinery because the tl kernel's single-partition FA2 loop stops at ~470 TFLOP/s
 dense on the H200 while cuDNN reaches ~600 (bench/README_attention.md):
 
-  * one producer warp issues TMA loads: each tile's Q (two 64-row halves) into `q_raw`, then the K and V blocks
-    listed by the tile's CSR row into a ring of STAGES buffers, signalled by mbarriers;
-  * two consumer warpgroups, one per 64-row half of the 128-row query block, share the K/V ring. Each rotates its
-    Q half once to logical positions (RoPE by the block's offset; keys arrive at logical positions from
-    `rotate_key_blocks`) into `q_smem`, then runs the FA3 in-warpgroup pipeline: S_j = Q K_j^T is issued
-    asynchronously before O += P_{j-1} V_{j-1}, and the softmax of S_j runs while that product is in flight;
+  * one producer warp issues TMA loads: each tile's Q (two 64-row halves) into `q_raws`, then the K and V blocks
+    listed by the tile's CSR row into rings of K_STAGES / STAGES buffers, signalled by mbarriers. K runs one
+    block ahead of V, and each K entry carries its block id and valid slots in shared memory (`kinfo`), so the
+    consumers do no global load per block; the tile number and the query offset travel the same way (`sched`);
+  * two consumer warpgroups, one per 64-row half of the 128-row query block, share the K/V rings and run the FA3
+    in-warpgroup pipeline: S_j = Q K_j^T is issued asynchronously before O += P_{j-1} V_{j-1}, and the softmax
+    of S_j runs while that product is in flight. While a tile's last P V runs, each moves its half of the next
+    tile's Q to logical positions (RoPE by the query block's offset; keys arrive at logical positions from
+    `rotate_key_blocks`) from `q_raws` into `q_rots`, so no rotation sits at a tile's start;
   * the grid is persistent (one CTA per SM) and dynamic: the producer draws the next tile (head, query block)
     from a global counter and hands its number to the consumers through shared memory, so a CTA that drew long
     rows takes fewer tiles, and it prefetches the next tile's Q and K while the consumers finish the current one.
     Tiles go KV head by KV head (the CTAs running at once share one KV head's K / V in L2), late query blocks (the
     longest rows) first (`_tile_coords`).
+
+Rotating the keys inside this kernel instead of the pass was built and measured (bench/README_attention.md,
+check_sm90 runs 10-13): the query tile rotated by -delta on each change of segment (rotations at 33-49% of mask
+(a)'s blocks) cost +15-21%, each key block rotated in shared memory by the two consumers one block ahead +54-67%:
+a 128 x 128 rotation on the CUDA cores costs a large share of what the tensor cores need for the block's two
+products, once per (tile, block), where the pass rotates each key block once per layer.
 
 Not runnable in the Triton interpreter: CI compiles it for sm_90 (tests/test_sparse_attention_sm90.py) and the
 H200 run compares it with `sparse_attention_ref` (bench/bench_attention.py). Supported: block 128, head_dim 128,
@@ -42,30 +51,37 @@ NUM_WARPS, MAXNREG = 4, 168
 
 
 @gluon.jit
-def _q_angles(q_off, turns_smem, HEAD_DIM: gl.constexpr):
-    """cos, sin [1, D/2] of the query block's offset (fp64 turns reduced to one period, then fp32): computed
-    before Q arrives, from the turns staged in shared memory, so no global load sits at a tile's start."""
-    layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    t = q_off.to(gl.float64) * turns_smem.load(gl.SliceLayout(0, layout))
-    t = t - gl.floor(t + 0.5)
-    angle = t.to(gl.float32) * 6.283185307179586
-    return libdevice.fast_cosf(angle)[None, :], libdevice.fast_sinf(angle)[None, :]  # |angle| <= pi: ~5e-7
-
-
-@gluon.jit
-def _rotate_q_half(q_raw, q_smem, cos, sin, ROPE: gl.constexpr, HEAD_DIM: gl.constexpr):
-    """q_smem = R(q_off) q_raw for one 64-row half (rotate_half RoPE by the angles of `_q_angles`)."""
+def _rotate_q(q_raw, q_rot, q_off, turns_smem, ROPE: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """q_rot = R(q_off) q_raw for one consumer's Q half [ROWS, D]: the queries, stored rotated at segment-local
+    positions, moved to logical positions (a copy without RoPE). Every load before every store (the compiler
+    puts a warpgroup barrier between a shared-memory read and a write). Angle in fp64 turns reduced to one
+    period, then fp32 and the MUFU sin / cos (|angle| <= pi: ~5e-7)."""
     HALF: gl.constexpr = HEAD_DIM // 2
     layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     x1 = q_raw.slice(0, HALF, dim=1).load(layout)
     x2 = q_raw.slice(HALF, HALF, dim=1).load(layout)
     if ROPE:
+        t = q_off.to(gl.float64) * turns_smem.load(gl.SliceLayout(0, layout))
+        t = t - gl.floor(t + 0.5)
+        angle = t.to(gl.float32) * 6.283185307179586
+        cos = libdevice.fast_cosf(angle)[None, :]
+        sin = libdevice.fast_sinf(angle)[None, :]
         x1f = x1.to(gl.float32)
         x2f = x2.to(gl.float32)
         x1 = (x1f * cos - x2f * sin).to(x1.dtype)
         x2 = (x2f * cos + x1f * sin).to(x2.dtype)
-    q_smem.slice(0, HALF, dim=1).store(x1)
-    q_smem.slice(HALF, HALF, dim=1).store(x2)
+    q_rot.slice(0, HALF, dim=1).store(x1)
+    q_rot.slice(HALF, HALF, dim=1).store(x2)
+
+
+@gluon.jit
+def _block_info(kinfo, slot):
+    """The two words of entry `slot` of a small producer -> consumer table in shared memory: (key block id, its
+    valid slots) of a K ring entry, or (tile number, query offset) of a Q slot."""
+    layout: gl.constexpr = gl.BlockedLayout([2], [32], [4], [0])   # every thread holds both words
+    info = kinfo.index(slot).load(layout)
+    r = gl.arange(0, 2, layout=layout)
+    return gl.sum(gl.where(r == 0, info, 0), 0), gl.sum(gl.where(r == 1, info, 0), 0)
 
 
 @gluon.jit
@@ -124,12 +140,31 @@ def _tile_row(t, Indptr, RowEnd, QTokStart, n_heads, NB, band, sec, GROUP: gl.co
 
 
 @gluon.jit
+def _next_tile(tcount, q_raws, q_rots, sched, turns_smem, q_ready, q_empty, Indptr, RowEnd, QTokStart,
+               n_heads, NB, band, sec, GROUP: gl.constexpr, ROPE: gl.constexpr, Q_TOKENS: gl.constexpr,
+               WG: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """Take the next tile from the producer (its Q is usually in `q_raws` already: the producer runs ahead) and
+    move this warpgroup's Q half to logical positions in `q_rots` (free: every S of the previous tile is done;
+    called while the previous tile's last P V runs), then release `q_raws` for the tile after."""
+    mbarrier.wait(q_ready, tcount & 1)
+    t, q_off = _block_info(sched, tcount & 1)   # tile number (>= n_tiles: done) and its query block's offset
+    h, qb, start, end, q_row0 = _tile_row(gl.minimum(t, n_heads * NB - 1), Indptr, RowEnd, QTokStart, n_heads, NB,
+                                          band, sec, GROUP, Q_TOKENS)
+    if t < n_heads * NB:
+        _rotate_q(q_raws.index(WG), q_rots.index(WG), q_off, turns_smem, ROPE, HEAD_DIM)
+        fence_async_shared()
+        gl.thread_barrier()   # every warp's rows are in q_rots (for the wgmma) and q_raws is read
+    mbarrier.arrive(q_empty, count=1)
+    return t, h, qb, start, end, q_row0
+
+
+@gluon.jit
 def _consumer(q_desc, k_desc, v_desc, bufs, bars, Out, Indptr, RowEnd, Indices, BlockValid, BlockOffset, QTokStart,
               Turns, Counter, n_heads, NB, n_q, n_k, band, sec, stride_oh, stride_on, qk_scale,
-              GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, ROPE: gl.constexpr,
-              Q_TOKENS: gl.constexpr, QHR: gl.constexpr, KHR: gl.constexpr, DYNAMIC: gl.constexpr,
-              WG: gl.constexpr):
-    q_raw, q_smem, k_bufs, v_bufs, sched, turns_smem = bufs
+              GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, K_STAGES: gl.constexpr, STAGES: gl.constexpr,
+              ROPE: gl.constexpr, Q_TOKENS: gl.constexpr, QHR: gl.constexpr, KHR: gl.constexpr,
+              DYNAMIC: gl.constexpr, WG: gl.constexpr):
+    q_raws, q_rots, k_bufs, v_bufs, kinfo, sched, turns_smem = bufs
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
     dtype: gl.constexpr = q_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -142,47 +177,37 @@ def _consumer(q_desc, k_desc, v_desc, bufs, bars, Out, Indptr, RowEnd, Indices, 
     offs_mo = WG * ROWS + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
     zero_s = gl.zeros([ROWS, BLOCK], gl.float32, s_layout)
-    q_s = q_smem.index(WG)
+    q_s = q_rots.index(WG)
 
-    sched_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-    it = 0
+    it = 0           # key blocks used so far (all tiles of this CTA, in the producer's order)
     tcount = 0
-    mbarrier.wait(q_ready, 0)
-    t = gl.max(sched.index(0).load(sched_layout), 0)   # the producer's tile number (>= n_tiles: done)
+    t, h, qb, start, end, q_row0 = _next_tile(tcount, q_raws, q_rots, sched, turns_smem, q_ready, q_empty, Indptr,
+                                              RowEnd, QTokStart, n_heads, NB, band, sec, GROUP, ROPE,
+                                              Q_TOKENS, WG, HEAD_DIM)
     while t < n_heads * NB:
-        h, qb, start, end, q_row0 = _tile_row(t, Indptr, RowEnd, QTokStart, n_heads, NB, band, sec, GROUP, Q_TOKENS)
         q_valid = gl.load(BlockValid + qb)
-
-        cos, sin = _q_angles(gl.load(BlockOffset + qb), turns_smem, HEAD_DIM)
-        mbarrier.wait(q_ready, tcount & 1)
-        _rotate_q_half(q_raw.index(WG), q_s, cos, sin, ROPE, HEAD_DIM)
-        fence_async_shared()
-        gl.thread_barrier()                     # every warp's Q rows are in q_smem and q_raw is read
-        mbarrier.arrive(q_empty, count=1)
-
+        tcount += 1
         m_i = gl.full([ROWS], -1.0e30, gl.float32, gl.SliceLayout(1, s_layout))
         l_i = gl.zeros([ROWS], gl.float32, gl.SliceLayout(1, s_layout))
         acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
         n = end - start
         if n > 0:
             # First key block: S_0 and its softmax, nothing to overlap yet.
-            idx = it % STAGES
-            ph = (it // STAGES) & 1
-            kb = gl.load(Indices + start)
-            k_valid = gl.load(BlockValid + kb)
-            mbarrier.wait(k_ready.index(idx), ph)
+            idx = it % K_STAGES
+            mbarrier.wait(k_ready.index(idx), (it // K_STAGES) & 1)
+            kb, k_valid = _block_info(kinfo, idx)
             s = warpgroup_mma(q_s, k_bufs.index(idx).permute((1, 0)), zero_s, use_acc=False, is_async=True)
             s = warpgroup_mma_wait(0, deps=[s])
             mbarrier.arrive(k_empty.index(idx), count=1)
             p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, kb, qb, k_valid, offs_m, offs_n, qk_scale)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
-            prev, prev_ph, prev_valid = idx, ph, k_valid
+            prev = it % STAGES
+            prev_ph = (it // STAGES) & 1
+            prev_valid = k_valid
             for j in range(1, n):
-                idx = (it + j) % STAGES
-                ph = ((it + j) // STAGES) & 1
-                kb = gl.load(Indices + start + j)
-                k_valid = gl.load(BlockValid + kb)
-                mbarrier.wait(k_ready.index(idx), ph)
+                idx = (it + j) % K_STAGES
+                mbarrier.wait(k_ready.index(idx), ((it + j) // K_STAGES) & 1)
+                kb, k_valid = _block_info(kinfo, idx)
                 s = warpgroup_mma(q_s, k_bufs.index(idx).permute((1, 0)), zero_s, use_acc=False, is_async=True)
                 mbarrier.wait(v_ready.index(prev), prev_ph)
                 if prev_valid < BLOCK:
@@ -195,14 +220,24 @@ def _consumer(q_desc, k_desc, v_desc, bufs, bars, Out, Indptr, RowEnd, Indices, 
                 mbarrier.arrive(v_empty.index(prev), count=1)
                 acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
                 p_op = gl.convert_layout(p.to(dtype), p_layout)
-                prev, prev_ph, prev_valid = idx, ph, k_valid
+                prev = (it + j) % STAGES
+                prev_ph = ((it + j) // STAGES) & 1
+                prev_valid = k_valid
             mbarrier.wait(v_ready.index(prev), prev_ph)
             if prev_valid < BLOCK:
                 _zero_v_padding(v_bufs.index(prev), prev_valid, HEAD_DIM)
             acc = warpgroup_mma(p_op, v_bufs.index(prev), acc, is_async=True)
+            # While the last P V runs: the next tile's Q to logical positions (every S of this one is done).
+            t_n, h_n, qb_n, start_n, end_n, q_row0_n = _next_tile(
+                tcount, q_raws, q_rots, sched, turns_smem, q_ready, q_empty, Indptr, RowEnd, QTokStart,
+                n_heads, NB, band, sec, GROUP, ROPE, Q_TOKENS, WG, HEAD_DIM)
             acc, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
             mbarrier.arrive(v_empty.index(prev), count=1)
             it += n
+        else:
+            t_n, h_n, qb_n, start_n, end_n, q_row0_n = _next_tile(
+                tcount, q_raws, q_rots, sched, turns_smem, q_ready, q_empty, Indptr, RowEnd, QTokStart,
+                n_heads, NB, band, sec, GROUP, ROPE, Q_TOKENS, WG, HEAD_DIM)
 
         l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
         l_o = gl.where(l_o == 0.0, 1.0, l_o)     # rows that saw no key (empty CSR row) stay 0
@@ -213,20 +248,28 @@ def _consumer(q_desc, k_desc, v_desc, bufs, bars, Out, Indptr, RowEnd, Indices, 
             gl.store(ptrs, out, mask=(offs_mo < q_valid)[:, None])
         else:
             gl.store(ptrs, gl.where((offs_mo < q_valid)[:, None], out, gl.zeros_like(out)))
-        tcount += 1
-        mbarrier.wait(q_ready, tcount & 1)
-        t = gl.max(sched.index(tcount & 1).load(sched_layout), 0)
+        t, h, qb, start, end, q_row0 = t_n, h_n, qb_n, start_n, end_n, q_row0_n
+
+
+@gluon.jit
+def _load_v(v_desc, v_bufs, v_ready, v_empty, pos, row, col, STAGES: gl.constexpr):
+    """TMA of the V block at [row, col] into ring entry `pos` (waits for the entry's previous use to be done)."""
+    vidx = pos % STAGES
+    mbarrier.wait(v_empty.index(vidx), ((pos // STAGES) & 1) ^ 1)
+    mbarrier.expect(v_ready.index(vidx), v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(v_desc, [row, col], v_ready.index(vidx), v_bufs.index(vidx))
 
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, bufs, bars, Out, Indptr, RowEnd, Indices, BlockValid, BlockOffset, QTokStart,
               Turns, Counter, n_heads, NB, n_q, n_k, band, sec, stride_oh, stride_on, qk_scale,
-              GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, ROPE: gl.constexpr,
-              Q_TOKENS: gl.constexpr, QHR: gl.constexpr, KHR: gl.constexpr, DYNAMIC: gl.constexpr,
-              WG: gl.constexpr):
-    q_raw, q_smem, k_bufs, v_bufs, sched, turns_smem = bufs
+              GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, K_STAGES: gl.constexpr, STAGES: gl.constexpr,
+              ROPE: gl.constexpr, Q_TOKENS: gl.constexpr, QHR: gl.constexpr, KHR: gl.constexpr,
+              DYNAMIC: gl.constexpr, WG: gl.constexpr):
+    q_raws, q_rots, k_bufs, v_bufs, kinfo, sched, turns_smem = bufs
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
-    sched_layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    r2 = gl.arange(0, 2, layout=layout)
     n_tiles = n_heads * NB
     it = 0
     tcount = 0
@@ -245,70 +288,80 @@ def _producer(q_desc, k_desc, v_desc, bufs, bars, Out, Indptr, RowEnd, Indices, 
             k_r, k_c = 0, kvh * HEAD_DIM
 
         mbarrier.wait(q_empty, (tcount & 1) ^ 1)
-        # Publish the tile number; the expect's arrive releases it to the consumers' wait on q_ready.
-        sched.index(tcount & 1).store(gl.full([1], t, gl.int32, sched_layout))
+        # Publish the tile number and its query offset (no global load at the consumers' rotation); the
+        # expect's arrive releases them to the consumers' wait on q_ready.
+        sched.index(tcount & 1).store(gl.where(r2 == 0, t, gl.load(BlockOffset + qb)))
         mbarrier.expect(q_ready, 2 * q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [q_r, q_c], q_ready, q_raw.index(0))
-        tma.async_copy_global_to_shared(q_desc, [q_r + ROWS, q_c], q_ready, q_raw.index(1))
+        tma.async_copy_global_to_shared(q_desc, [q_r, q_c], q_ready, q_raws.index(0))
+        tma.async_copy_global_to_shared(q_desc, [q_r + ROWS, q_c], q_ready, q_raws.index(1))
+        # K runs one block ahead of V inside a row: K_{j+1} is requested before V_j's slot is free (that waits
+        # for P_{j-2} V_{j-2}), so it lands before the consumers reach it.
+        kb_prev = 0
         for e in range(start, end):
             kb = gl.load(Indices + e)
-            idx = it % STAGES
-            ph = (it // STAGES) & 1
-            mbarrier.wait(k_empty.index(idx), ph ^ 1)
+            idx = it % K_STAGES
+            mbarrier.wait(k_empty.index(idx), ((it // K_STAGES) & 1) ^ 1)
+            # The block's id and valid slots travel with it (released by the expect's arrive).
+            kinfo.index(idx).store(gl.where(r2 == 0, kb, gl.load(BlockValid + kb)))
             mbarrier.expect(k_ready.index(idx), k_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(k_desc, [k_r + kb * BLOCK, k_c], k_ready.index(idx), k_bufs.index(idx))
-            mbarrier.wait(v_empty.index(idx), ph ^ 1)
-            mbarrier.expect(v_ready.index(idx), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [k_r + kb * BLOCK, k_c], v_ready.index(idx), v_bufs.index(idx))
+            if e > start:
+                _load_v(v_desc, v_bufs, v_ready, v_empty, it - 1, k_r + kb_prev * BLOCK, k_c, STAGES)
+            kb_prev = kb
             it += 1
+        if end > start:
+            _load_v(v_desc, v_bufs, v_ready, v_empty, it - 1, k_r + kb_prev * BLOCK, k_c, STAGES)
         tcount += 1
         if DYNAMIC:   # next tile from the global counter: a CTA that drew long rows takes fewer tiles
             t = gl.num_programs(0) + gl.atomic_add(Counter, 1)
         else:
             t += gl.num_programs(0)
     mbarrier.wait(q_empty, (tcount & 1) ^ 1)
-    sched.index(tcount & 1).store(gl.full([1], t, gl.int32, sched_layout))
+    sched.index(tcount & 1).store(gl.where(r2 == 0, t, 0))
     mbarrier.arrive(q_ready, count=1)   # no Q: the consumers read t >= n_tiles and stop
 
 
 @gluon.jit
 def _sparse_attn_fwd_sm90(q_desc, k_desc, v_desc, Out, Indptr, RowEnd, Indices, BlockValid, BlockOffset, QTokStart,
                           Turns, Counter, n_heads, NB, n_q, n_k, band, sec, stride_oh, stride_on, qk_scale,
-                          GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, ROPE: gl.constexpr,
-                          Q_TOKENS: gl.constexpr, QHR: gl.constexpr, KHR: gl.constexpr, DYNAMIC: gl.constexpr):
+                          GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, K_STAGES: gl.constexpr, STAGES: gl.constexpr,
+                          ROPE: gl.constexpr, Q_TOKENS: gl.constexpr, QHR: gl.constexpr, KHR: gl.constexpr,
+                          DYNAMIC: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
-    q_raw = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], q_desc.layout)
-    q_smem = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], q_desc.layout)
-    k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK, HEAD_DIM], k_desc.layout)
+    q_raws = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], q_desc.layout)   # as loaded, per half
+    q_rots = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], q_desc.layout)   # at logical positions
+    k_bufs = gl.allocate_shared_memory(dtype, [K_STAGES, BLOCK, HEAD_DIM], k_desc.layout)
     v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK, HEAD_DIM], v_desc.layout)
+    kinfo = gl.allocate_shared_memory(gl.int32, [K_STAGES, 2], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_ready, count=1)
     mbarrier.init(q_empty, count=2)           # one arrival per consumer warpgroup
-    for i in gl.static_range(STAGES):
+    for i in gl.static_range(K_STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=2)
+    for i in gl.static_range(STAGES):
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(v_empty.index(i), count=2)
-    sched = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    sched = gl.allocate_shared_memory(gl.int32, [2, 2], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     turns_smem = gl.allocate_shared_memory(gl.float64, [HEAD_DIM // 2], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     turns_smem.store(gl.load(Turns + gl.arange(0, HEAD_DIM // 2, layout=gl.BlockedLayout([1], [32], [4], [0]))))
-    bufs = (q_raw, q_smem, k_bufs, v_bufs, sched, turns_smem)
+    bufs = (q_raws, q_rots, k_bufs, v_bufs, kinfo, sched, turns_smem)
     bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty)
     gl.warp_specialize([
         (_consumer, (q_desc, k_desc, v_desc, bufs, bars, Out, Indptr, RowEnd, Indices, BlockValid, BlockOffset,
                      QTokStart, Turns, Counter, n_heads, NB, n_q, n_k, band, sec, stride_oh, stride_on, qk_scale,
-                     GROUP, HEAD_DIM, STAGES, ROPE, Q_TOKENS, QHR, KHR, DYNAMIC, 0)),
+                     GROUP, HEAD_DIM, K_STAGES, STAGES, ROPE, Q_TOKENS, QHR, KHR, DYNAMIC, 0)),
         (_consumer, (q_desc, k_desc, v_desc, bufs, bars, Out, Indptr, RowEnd, Indices, BlockValid, BlockOffset,
                      QTokStart, Turns, Counter, n_heads, NB, n_q, n_k, band, sec, stride_oh, stride_on, qk_scale,
-                     GROUP, HEAD_DIM, STAGES, ROPE, Q_TOKENS, QHR, KHR, DYNAMIC, 1)),
+                     GROUP, HEAD_DIM, K_STAGES, STAGES, ROPE, Q_TOKENS, QHR, KHR, DYNAMIC, 1)),
         (_producer, (q_desc, k_desc, v_desc, bufs, bars, Out, Indptr, RowEnd, Indices, BlockValid, BlockOffset,
                      QTokStart, Turns, Counter, n_heads, NB, n_q, n_k, band, sec, stride_oh, stride_on, qk_scale,
-                     GROUP, HEAD_DIM, STAGES, ROPE, Q_TOKENS, QHR, KHR, DYNAMIC, 0)),
+                     GROUP, HEAD_DIM, K_STAGES, STAGES, ROPE, Q_TOKENS, QHR, KHR, DYNAMIC, 0)),
     ], [4, 1], [240, 24])
 
 
@@ -342,13 +395,15 @@ _SM_COUNT: dict[int, int] = {}
 
 
 def launch(q, k, v, out, indptr, row_end, indices, block_valid, block_offset, tok_start, turns, *, scale_log2: float,
-           rope: bool, q_tokens: bool, stages: int = 2, band: int | None = None, sec: int | None = 1,
-           dynamic: bool = True):
+           rope: bool, q_tokens: bool, stages: int = 2, k_stages: int = 3, band: int | None = None,
+           sec: int | None = 1, dynamic: bool = True):
     """Run the kernel (arguments validated and prepared by `sparse_attention._launch`). k at logical positions.
-    Tile order (`_tile_coords`): bands of `band` query blocks (None: one band), sections of `sec` KV heads
-    (None: all); dynamic: CTAs draw tiles from a global counter. Default (one band, one KV head per section,
-    dynamic) measured best on the H200 (bench/README_attention.md, check_sm90 run 5): mask (a) 0.83 / 2.08 /
-    5.82 ms at 16K / 32K / 64K against 0.80 / 2.17 / 6.45 with all heads of a query block together."""
+    stages / k_stages: V / K ring depths (3 K stages: 230 KB of shared memory; check_sm90 run 14 timed 2 and
+    3, mixed within ~5%). Tile order (`_tile_coords`): bands of `band` query blocks (None: one band), sections
+    of `sec` KV heads (None: all); dynamic: CTAs draw tiles from a global counter. Default (one band, one KV
+    head per section, dynamic) measured best on the H200 (bench/README_attention.md, check_sm90 run 5): mask (a)
+    0.83 / 2.08 / 5.82 ms at 16K / 32K / 64K against 0.80 / 2.17 / 6.45 with all heads of a query block
+    together."""
     hq, _, d = q.shape
     nb = k.shape[1] // BLOCK.value
     dt = _GL_DTYPES[q.dtype]
@@ -371,13 +426,14 @@ def launch(q, k, v, out, indptr, row_end, indices, block_valid, block_offset, to
         torch.zeros(1, dtype=torch.int32, device=q.device),
         hq, nb, q.shape[1], k.shape[1], min(band or nb, nb), sec or k.shape[0], out.stride(0), out.stride(1),
         scale_log2,
-        GROUP=hq // k.shape[0], HEAD_DIM=d, STAGES=stages, ROPE=rope, Q_TOKENS=q_tokens, QHR=q_rows, KHR=k_rows, DYNAMIC=dynamic,
+        GROUP=hq // k.shape[0], HEAD_DIM=d, K_STAGES=k_stages, STAGES=stages, ROPE=rope, Q_TOKENS=q_tokens,
+        QHR=q_rows, KHR=k_rows, DYNAMIC=dynamic,
         num_warps=NUM_WARPS, maxnreg=MAXNREG)
     return out
 
 
 def compile_for_sm90(*, rope: bool = True, q_tokens: bool = True, q_rows: bool = False, k_rows: bool = True,
-                     group: int = 4, stages: int = 2, dtype: torch.dtype = torch.bfloat16):
+                     group: int = 4, stages: int = 2, k_stages: int = 3, dtype: torch.dtype = torch.bfloat16):
     """Compile the kernel for sm_90 on any machine (no GPU needed: Triton's bundled ptxas) and return the
     CompiledKernel (`.metadata.shared` bytes, `.asm["ptx"]`, `.asm["cubin"]`). Used by CI to keep the kernel
     compiling and within shared memory, and by bench/aot_sm90.py for register / spill reports."""
@@ -395,8 +451,8 @@ def compile_for_sm90(*, rope: bool = True, q_tokens: bool = True, q_rows: bool =
                                     "Counter")})
     sig.update(Turns="*fp64", qk_scale="fp32")
     sig.update({p: "i32" for p in ("n_heads", "NB", "n_q", "n_k", "band", "sec", "stride_oh", "stride_on")})
-    const = dict(GROUP=group, HEAD_DIM=128, STAGES=stages, ROPE=rope, Q_TOKENS=q_tokens, QHR=q_rows, KHR=k_rows,
-                 DYNAMIC=True)
+    const = dict(GROUP=group, HEAD_DIM=128, K_STAGES=k_stages, STAGES=stages, ROPE=rope, Q_TOKENS=q_tokens,
+                 QHR=q_rows, KHR=k_rows, DYNAMIC=True)
     sig.update({p: "constexpr" for p in const})
     missing = set(_sparse_attn_fwd_sm90.arg_names) - set(sig)
     if missing:
