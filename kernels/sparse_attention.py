@@ -319,8 +319,8 @@ class KernelConfig:
     # rope_on="pre": hand the once-rotated Q tile to the loop through the program's own output rows (memory).
     pre_via_out: bool = False
     # "triton": `_sparse_attn_fwd`; "gluon": the warp-specialised Hopper kernel (`sparse_attention_sm90`, sm_90,
-    # block 128, head_dim 128, 16-bit, always the "pre" RoPE; num_stages = its V ring depth, the K ring has 3).
-    # Other calls fall back.
+    # block 128, head_dim 128, 16-bit, rope_on "pre"; num_stages = its V ring depth, the K ring has 3). Other
+    # calls fall back.
     backend: str = "triton"
 
 
@@ -449,7 +449,7 @@ def _launch(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, *, sc
     tok_start = block_valid if q_block_start is None else q_block_start  # unused without Q_TOKENS
     if cfg.backend == "gluon":
         from . import sparse_attention_sm90 as sm90
-        if sm90.supports(q, k, v, block, out):
+        if cfg.rope_on == "pre" and sm90.supports(q, k, v, block, out):
             turns = (_turns(inv_freq, q.device) if inv_freq is not None
                      else torch.zeros(d // 2, dtype=torch.float64, device=q.device))
             if inv_freq is not None:  # one pass over K: keys to logical positions, in a transient buffer
