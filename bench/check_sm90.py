@@ -1,7 +1,8 @@
 """Quick H200 check of the Gluon Hopper kernel (kernels/sparse_attention_sm90.py) against the torch twin and the tl
 kernel, then a short timing of mask (a): the tl kernel, the Gluon kernel with each K ring depth of K_STAGES,
-the RoPE overhead in pairs, the key pass alone and cuDNN dense. Meant to run under `timeout` (a barrier bug hangs
-rather than fails).
+the RoPE overhead in pairs (event-timed and as CUDA graph replays, i.e. GPU time only; in full and with the key
+pass skipped, the Q rotation's share), the host time of one call, the key pass alone and cuDNN dense. Meant to
+run under `timeout` (a barrier bug hangs rather than fails).
 
     K_STAGES=3,2 PAIRS=7 PYTHONUNBUFFERED=1 timeout 300 python3 bench/check_sm90.py [16384,32768,65536]
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import torch
 import triton
@@ -65,6 +67,25 @@ def main():
             sa._launch(q, k, v, *args, f, scale=D ** -0.5, block=BLOCK, out=out, config=cfg)
             torch.cuda.synchronize()
             ok &= check(f"padded/{'rope' if rope else 'none'}/{mode}", out, ref)
+    # 1b. K / V as the first slots of longer per-head buffers (the engine's cache with room for generated tokens),
+    # NaN in the rest: the TMA views step heads by the buffer's row pitch.
+    n_slots = k.shape[1]
+    k_big = torch.full((hkv, n_slots + 3 * BLOCK, D), float("nan"), device=DEV, dtype=k.dtype)
+    v_big = torch.full_like(k_big, float("nan"))
+    k_big[:, :n_slots], v_big[:, :n_slots] = k, v
+    from sift.kernels import sparse_attention_sm90 as sm90
+    takes = sm90.supports(q, k_big[:, :n_slots], v_big[:, :n_slots], BLOCK, None)
+    print(f"check pitched_kv taken by the Gluon kernel: {takes}", flush=True)
+    ok &= takes
+    for rope in (True, False):
+        f = inv_freq if rope else None
+        ref = sa.sparse_attention_ref(q, k, v, *args, f, scale=D ** -0.5, block=BLOCK)
+        for mode, cfg in gluon_variants():
+            out = torch.full_like(q, float("nan"))
+            sa._launch(q, k_big[:, :n_slots], v_big[:, :n_slots], *args, f, scale=D ** -0.5, block=BLOCK, out=out,
+                       config=cfg)
+            torch.cuda.synchronize()
+            ok &= check(f"pitched_kv/{'rope' if rope else 'none'}/{mode}", out, ref)
     # 2. Token order: q the transpose view of an [n_tok, Hq, D] buffer, out likewise (the engine's layout).
     valid = lay["block_valid"].long()
     tok_start = torch.zeros(nb, dtype=torch.int32, device=DEV)
@@ -137,19 +158,39 @@ def main():
                     ms = round(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"), 4)
                     row[f"{name}/{tag}"] = min(ms, row.get(f"{name}/{tag}", ms))
         # RoPE overhead of each Gluon variant, paired: rope and pre-rotated calls alternate, the median of the
-        # per-pair ratios is kept (single timings of either varied by several percent between runs).
+        # per-pair ratios is kept (single timings of either varied by several percent between runs). "q_only":
+        # the same with the key pass skipped (keys left as they are: timing only), the Q rotation's share.
+        # "_graph": the same pairs timed as CUDA graph replays (GPU time only: do_bench's events also count the
+        # host's launch work when the GPU waits for it, which the pass's second launch exposes).
+        rotate_key_blocks = sa._rotate_key_blocks
         for name, cfg, kw in variants[1:]:
             sm90.launch = lambda *a, _kw=kw, **k_: launch(*a, **{**k_, **_kw})  # noqa
-            ratios = []
-            for _ in range(PAIRS):
-                t = {}
-                for f in (inv_freq, None):
-                    fn = lambda: sa._launch(q, k, v, *sp, *lv, f, scale=D ** -0.5, block=BLOCK, out=out,  # noqa
-                                            config=cfg)
-                    t[f is None] = triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
-                ratios.append(t[False] / t[True])
-            row[f"{name}/rope_overhead_paired"] = round(sorted(ratios)[len(ratios) // 2] - 1, 4)
-            row[f"{name}/rope_overhead_pairs"] = [round(r - 1, 4) for r in ratios]
+            for part, timer in (("rope", "events"), ("q_only", "events"), ("rope", "graph"), ("q_only", "graph")):
+                if part == "q_only":
+                    sa._rotate_key_blocks = lambda k_, *_: k_  # noqa
+                ratios = []
+                for _ in range(PAIRS):
+                    t = {}
+                    for f in (inv_freq, None):
+                        fn = lambda: sa._launch(q, k, v, *sp, *lv, f, scale=D ** -0.5, block=BLOCK,  # noqa
+                                                out=out, config=cfg)
+                        t[f is None] = (triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+                                        if timer == "events" else
+                                        triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median"))
+                    ratios.append(t[False] / t[True])
+                sa._rotate_key_blocks = rotate_key_blocks
+                tag = f"{'rope' if part == 'rope' else 'q_only'}_overhead{'_graph' if timer == 'graph' else ''}"
+                row[f"{name}/{tag}_paired"] = round(sorted(ratios)[len(ratios) // 2] - 1, 4)
+                row[f"{name}/{tag}_pairs"] = [round(r - 1, 4) for r in ratios]
+            # Host time of one call (the GPU kept busy, so nothing waits on it).
+            for f in (inv_freq, None):
+                torch.cuda._sleep(200_000_000)   # ~0.1 s
+                t0 = time.perf_counter()
+                for _ in range(20):
+                    sa._launch(q, k, v, *sp, *lv, f, scale=D ** -0.5, block=BLOCK, out=out, config=cfg)
+                us = (time.perf_counter() - t0) / 20 * 1e6
+                row[f"{name}/host_us_{'none' if f is None else 'rope'}"] = round(us, 1)
+                torch.cuda.synchronize()
         sm90.launch = launch
         kbuf = torch.empty_like(k)
         turns = sa._turns(inv_freq, DEV)
@@ -169,7 +210,9 @@ def main():
     out_dir = os.environ.get("OUT")
     if out_dir:
         with open(os.path.join(out_dir, "check_sm90.json"), "w") as fh:
-            json.dump(dict(device=torch.cuda.get_device_name(), ok=ok, timings=rows), fh, indent=1)
+            settings = {k_: os.environ.get(k_) for k_ in ("K_STAGES", "ORDERS", "ROUNDS", "PAIRS")}
+            json.dump(dict(device=torch.cuda.get_device_name(), settings=settings, lengths=lengths, ok=ok,
+                           timings=rows), fh, indent=1)
 
 
 if __name__ == "__main__":

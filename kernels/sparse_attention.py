@@ -452,9 +452,9 @@ def _launch(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, *, sc
         if cfg.rope_on == "pre" and sm90.supports(q, k, v, block, out):
             turns = (_turns(inv_freq, q.device) if inv_freq is not None
                      else torch.zeros(d // 2, dtype=torch.float64, device=q.device))
-            if inv_freq is not None:  # one pass over K: keys to logical positions, in a transient buffer
-                k = _rotate_key_blocks(k, block_offset, turns, block, torch.empty(k.shape, dtype=k.dtype,
-                                                                                  device=k.device))
+            if inv_freq is not None:  # one pass over K: keys to logical positions, in a buffer laid out as v
+                k = _rotate_key_blocks(k, block_offset, turns, block, torch.empty_strided(
+                    v.shape, v.stride(), dtype=k.dtype, device=k.device))
             return sm90.launch(q, k, v, out, indptr, indptr[1:] if row_end is None else row_end, indices,
                                block_valid, block_offset, tok_start, turns, scale_log2=float(scale) * LOG2E,
                                rope=inv_freq is not None, q_tokens=q_block_start is not None,

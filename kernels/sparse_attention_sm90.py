@@ -24,7 +24,9 @@ Rotating the keys inside this kernel instead of the pass was built and measured 
 check_sm90 runs 10-13): the query tile rotated by -delta on each change of segment (rotations at 33-49% of mask
 (a)'s blocks) cost +15-21%, each key block rotated in shared memory by the two consumers one block ahead +54-67%:
 a 128 x 128 rotation on the CUDA cores costs a large share of what the tensor cores need for the block's two
-products, once per (tile, block), where the pass rotates each key block once per layer.
+products, once per (tile, block), where the pass rotates each key block once per layer. Rotating each block once
+but inside this kernel, by an extra 2-warp partition in the background with per-KV-head ready counters the producer
+waits on (check_sm90 runs 16-19), was correct and no faster than the pass.
 
 Not runnable in the Triton interpreter: CI compiles it for sm_90 (tests/test_sparse_attention_sm90.py) and the
 H200 run compares it with `sparse_attention_ref` (bench/bench_attention.py). Supported: block 128, head_dim 128,
@@ -277,7 +279,7 @@ def _producer(q_desc, k_desc, v_desc, bufs, bars, Out, Indptr, RowEnd, Indices, 
     while t < n_tiles:
         h, qb, start, end, q_row0 = _tile_row(t, Indptr, RowEnd, QTokStart, n_heads, NB, band, sec, GROUP, Q_TOKENS)
         kvh = h // GROUP
-        # Heads along rows ([H * N, D] view) or along columns ([N, H * D] view).
+        # Heads along rows (one [.., D] view, n_q / n_k rows per head) or along columns ([N, H * D] view).
         if QHR:
             q_r, q_c = h * n_q + q_row0, 0
         else:
@@ -366,16 +368,19 @@ def _sparse_attn_fwd_sm90(q_desc, k_desc, v_desc, Out, Indptr, RowEnd, Indices, 
 
 
 def _head_view(x: torch.Tensor):
-    """[H, N, D] with unit last stride -> (2-D view, heads along rows?) for a TMA descriptor, or None.
-    Heads along rows: x[h] rows are contiguous blocks of one [H * N, D] matrix; along columns: x is the transpose
-    view of an [N, H, D] buffer (the model's projections), one [N, H * D] matrix."""
+    """[H, N, D] with unit last stride -> (2-D view, heads along rows?, rows per head) for a TMA descriptor, or
+    None. Heads along rows: x[h] is N contiguous rows of one [.., D] matrix, head h starting at row h * pitch
+    (pitch >= N: x may be the first N slots of a longer per-head buffer, as the engine's cache with room for
+    generated tokens); along columns: x is the transpose view of an [N, H, D] buffer (the model's projections),
+    one [N, H * D] matrix (pitch unused)."""
     h, n, d = x.shape
     if x.stride(2) != 1:
         return None
-    if x.stride(0) == n * x.stride(1) and x.stride(1) == d:
-        return x.reshape(h * n, d), True
+    if x.stride(1) == d and x.stride(0) % d == 0 and x.stride(0) >= n * d:
+        pitch = x.stride(0) // d
+        return torch.as_strided(x, ((h - 1) * pitch + n, d), (d, 1)), True, pitch
     if x.stride(0) == d and x.stride(1) == h * d:
-        return torch.as_strided(x, (n, h * d), (h * d, 1)), False
+        return torch.as_strided(x, (n, h * d), (h * d, 1)), False, 0
     return None
 
 
@@ -397,7 +402,8 @@ _SM_COUNT: dict[int, int] = {}
 def launch(q, k, v, out, indptr, row_end, indices, block_valid, block_offset, tok_start, turns, *, scale_log2: float,
            rope: bool, q_tokens: bool, stages: int = 2, k_stages: int = 3, band: int | None = None,
            sec: int | None = 1, dynamic: bool = True):
-    """Run the kernel (arguments validated and prepared by `sparse_attention._launch`). k at logical positions.
+    """Run the kernel (arguments validated and prepared by `sparse_attention._launch`). k at logical positions,
+    laid out as v is (`_head_view`: same orientation and rows per head), else both are copied first.
     stages / k_stages: V / K ring depths (3 K stages: 230 KB of shared memory; check_sm90 run 14 timed 2 and
     3, mixed within ~5%). Tile order (`_tile_coords`): bands of `band` query blocks (None: one band), sections
     of `sec` KV heads (None: all); dynamic: CTAs draw tiles from a global counter. Default (one band, one KV
@@ -407,11 +413,9 @@ def launch(q, k, v, out, indptr, row_end, indices, block_valid, block_offset, to
     hq, _, d = q.shape
     nb = k.shape[1] // BLOCK.value
     dt = _GL_DTYPES[q.dtype]
-    (q2, q_rows), (k2, k_rows), (v2, v_rows) = _head_view(q), _head_view(k), _head_view(v)
-    if k_rows != v_rows:  # one coordinate rule serves K and V
-        v2, v_rows = v.contiguous().reshape(-1, d), True
-        if not k_rows:
-            k2, k_rows = k.contiguous().reshape(-1, d), True
+    (q2, q_rows, q_pitch), (k2, k_rows, k_pitch), (v2, v_rows, v_pitch) = _head_view(q), _head_view(k), _head_view(v)
+    if (k_rows, k_pitch) != (v_rows, v_pitch):  # one coordinate rule serves K and V: copies (slow path)
+        (k2, k_rows, k_pitch), (v2, v_rows, v_pitch) = _head_view(k.contiguous()), _head_view(v.contiguous())
     rows, block = ROWS.value, BLOCK.value
     q_desc = TensorDescriptor.from_tensor(q2, [rows, d], gl.NVMMASharedLayout.get_default_for([rows, d], dt))
     kv_layout = gl.NVMMASharedLayout.get_default_for([block, d], dt)
@@ -424,7 +428,7 @@ def launch(q, k, v, out, indptr, row_end, indices, block_valid, block_offset, to
     _sparse_attn_fwd_sm90[grid](
         q_desc, k_desc, v_desc, out, indptr, row_end, indices, block_valid, block_offset, tok_start, turns,
         torch.zeros(1, dtype=torch.int32, device=q.device),
-        hq, nb, q.shape[1], k.shape[1], min(band or nb, nb), sec or k.shape[0], out.stride(0), out.stride(1),
+        hq, nb, q_pitch, k_pitch, min(band or nb, nb), sec or k.shape[0], out.stride(0), out.stride(1),
         scale_log2,
         GROUP=hq // k.shape[0], HEAD_DIM=d, K_STAGES=k_stages, STAGES=stages, ROPE=rope, Q_TOKENS=q_tokens,
         QHR=q_rows, KHR=k_rows, DYNAMIC=dynamic,
@@ -459,5 +463,8 @@ def compile_for_sm90(*, rope: bool = True, q_tokens: bool = True, q_rows: bool =
         raise RuntimeError(f"compile_for_sm90 does not know the kernel arguments {sorted(missing)}")
     target = GPUTarget("cuda", 90, 32)
     options = triton.compiler.make_backend(target).parse_options(dict(num_warps=NUM_WARPS, maxnreg=MAXNREG))
-    return triton.compile(GluonASTSource(fn=_sparse_attn_fwd_sm90, signature=sig, constexprs=const), target=target,
-                          options=options.__dict__)
+    # What the JIT assumes of a real call: 16-byte aligned pointers, strides that are multiples of 16 elements.
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(_sparse_attn_fwd_sm90.arg_names)
+             if sig[p].startswith("*") or p.startswith("stride_")}
+    return triton.compile(GluonASTSource(fn=_sparse_attn_fwd_sm90, signature=sig, constexprs=const, attrs=attrs),
+                          target=target, options=options.__dict__)

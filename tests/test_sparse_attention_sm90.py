@@ -55,11 +55,15 @@ def test_compiles_for_sm90(rope, q_tokens, q_rows, dtype):
 def test_head_view_layouts():
     h, n, d = 4, 256, 128
     rows = torch.randn(h, n, d)
-    view, heads_along_rows = sm90._head_view(rows)
-    assert heads_along_rows and view.shape == (h * n, d)
+    view, heads_along_rows, pitch = sm90._head_view(rows)
+    assert heads_along_rows and pitch == n and view.shape == (h * n, d)
     assert torch.equal(view[2 * n + 5], rows[2, 5])
+    cache = torch.randn(h, n + 64, d)                   # the first n slots of a cache with room for generation
+    view, heads_along_rows, pitch = sm90._head_view(cache[:, :n])
+    assert heads_along_rows and pitch == n + 64 and view.shape == (3 * (n + 64) + n, d)
+    assert torch.equal(view[2 * pitch + 5], cache[2, 5]) and torch.equal(view[-1], cache[-1, n - 1])
     tok = torch.randn(n, h, d)                          # the model's projection, seen as [H, N, D]
-    view, heads_along_rows = sm90._head_view(tok.transpose(0, 1))
+    view, heads_along_rows, _ = sm90._head_view(tok.transpose(0, 1))
     assert not heads_along_rows and view.shape == (n, h * d)
     assert torch.equal(view[7, 3 * d:4 * d], tok[7, 3])
     assert sm90._head_view(torch.randn(h, n, 2 * d)[:, :, :d]) is None       # row stride != D
