@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from types import SimpleNamespace
 
 import torch
 
@@ -27,24 +26,11 @@ from _checkout import use_checkout  # noqa: E402
 use_checkout()
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
+from bench_ttft import IdTokenizer  # noqa: E402  (text = token ids as decimal numbers)
 from sift.kernels import sparse_attention_sm90 as sm90  # noqa: E402
 from sift.runtime import Request, SiftEngine  # noqa: E402
 
 NEW_TOKENS = 8
-
-
-class IdTokenizer:
-    """Text is token ids written as decimal numbers separated by spaces."""
-
-    def __init__(self, bos: int, eos: int):
-        self.bos_token_id, self.eos_token_id = bos, eos
-
-    def __call__(self, text: str, add_special_tokens: bool = True):
-        ids = [int(t) for t in text.split()]
-        return SimpleNamespace(input_ids=([self.bos_token_id] if add_special_tokens else []) + ids)
-
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:
-        return " ".join(map(str, ids))
 
 
 def main() -> None:
