@@ -8,6 +8,7 @@ run under `timeout` (a barrier bug hangs rather than fails).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -30,14 +31,23 @@ ROUNDS = int(os.environ.get("ROUNDS", "2"))
 PAIRS = int(os.environ.get("PAIRS", "7"))
 
 
-def gluon_variants():
-    """(name, config) per K ring depth of K_STAGES, with sm90.launch patched to take it while iterated."""
+@contextlib.contextmanager
+def launch_with(**kw):
+    """sm90.launch with these keyword arguments (K ring depth, tile order) while inside."""
     from sift.kernels import sparse_attention_sm90 as sm90
     launch = sm90.launch
+    sm90.launch = lambda *a, **k_: launch(*a, **{**k_, **kw})
+    try:
+        yield
+    finally:
+        sm90.launch = launch
+
+
+def gluon_variants():
+    """(name, config) per K ring depth of K_STAGES, with sm90.launch taking it while iterated."""
     for ks in K_STAGES:
-        sm90.launch = lambda *a, _ks=ks, **kw: launch(*a, **{**kw, "k_stages": _ks})  # noqa
-        yield f"k{ks}", GLUON
-    sm90.launch = launch
+        with launch_with(k_stages=ks):
+            yield f"k{ks}", GLUON
 
 
 def check(name, fn_out, ref, tol=1.5e-2):
@@ -141,22 +151,23 @@ def main():
         rid = torch.repeat_interleave(torch.arange(nb, device=DEV).repeat(32), (sp[0][1:] - sp[0][:-1]).long())
         off = lay["block_offset"]
         row["rotated_fraction"] = round((off[sp[1].long()] != off[rid]).float().mean().item(), 4)
-        from sift.kernels import sparse_attention_sm90 as sm90
-        launch = sm90.launch
         variants = [("tl", TL, {})] + [
             (f"gluon-k{ks}-b{b}s{c}{'-dyn' if dyn else ''}", GLUON,
              dict(band=b, sec=c, dynamic=dyn, k_stages=ks)) for b, c, dyn in ORDERS for ks in K_STAGES]
+        def call(cfg, f, rows_=sp):
+            """One attention call over the CSR `rows_` (f: inv_freq, or None for pre-rotated keys)."""
+            return lambda: sa._launch(q, k, v, *rows_, *lv, f, scale=D ** -0.5, block=BLOCK, out=out, config=cfg)
+
         for _ in range(ROUNDS):  # interleaved rounds, the minimum of the medians is kept
             for name, cfg, kw in variants:
-                sm90.launch = lambda *a, _kw=kw, **k_: launch(*a, **{**k_, **_kw})  # noqa
-                for tag, (ptr, idx), f in (("sparse_rope", sp, inv_freq), ("sparse_none", sp, None),
-                                           ("dense_rope", de, inv_freq)):
-                    if name == "tl" and tag == "dense_rope":
-                        continue
-                    fn = lambda: sa._launch(q, k, v, ptr, idx, *lv, f, scale=D ** -0.5, block=BLOCK,  # noqa
-                                            out=out, config=cfg)
-                    ms = round(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"), 4)
-                    row[f"{name}/{tag}"] = min(ms, row.get(f"{name}/{tag}", ms))
+                with launch_with(**kw):
+                    for tag, rows_, f in (("sparse_rope", sp, inv_freq), ("sparse_none", sp, None),
+                                          ("dense_rope", de, inv_freq)):
+                        if name == "tl" and tag == "dense_rope":
+                            continue
+                        ms = round(triton.testing.do_bench(call(cfg, f, rows_), warmup=25, rep=100,
+                                                           return_mode="median"), 4)
+                        row[f"{name}/{tag}"] = min(ms, row.get(f"{name}/{tag}", ms))
         # RoPE overhead of each Gluon variant, paired: rope and pre-rotated calls alternate, the median of the
         # per-pair ratios is kept (single timings of either varied by several percent between runs). "q_only":
         # the same with the key pass skipped (keys left as they are: timing only), the Q rotation's share.
@@ -164,34 +175,34 @@ def main():
         # host's launch work when the GPU waits for it, which the pass's second launch exposes).
         rotate_key_blocks = sa._rotate_key_blocks
         for name, cfg, kw in variants[1:]:
-            sm90.launch = lambda *a, _kw=kw, **k_: launch(*a, **{**k_, **_kw})  # noqa
-            for part, timer in (("rope", "events"), ("q_only", "events"), ("rope", "graph"), ("q_only", "graph")):
-                if part == "q_only":
-                    sa._rotate_key_blocks = lambda k_, *_: k_  # noqa
-                ratios = []
-                for _ in range(PAIRS):
-                    t = {}
-                    for f in (inv_freq, None):
-                        fn = lambda: sa._launch(q, k, v, *sp, *lv, f, scale=D ** -0.5, block=BLOCK,  # noqa
-                                                out=out, config=cfg)
-                        t[f is None] = (triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
-                                        if timer == "events" else
-                                        triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median"))
-                    ratios.append(t[False] / t[True])
-                sa._rotate_key_blocks = rotate_key_blocks
-                tag = f"{'rope' if part == 'rope' else 'q_only'}_overhead{'_graph' if timer == 'graph' else ''}"
-                row[f"{name}/{tag}_paired"] = round(sorted(ratios)[len(ratios) // 2] - 1, 4)
-                row[f"{name}/{tag}_pairs"] = [round(r - 1, 4) for r in ratios]
-            # Host time of one call (the GPU kept busy, so nothing waits on it).
-            for f in (inv_freq, None):
-                torch.cuda._sleep(200_000_000)   # ~0.1 s
-                t0 = time.perf_counter()
-                for _ in range(20):
-                    sa._launch(q, k, v, *sp, *lv, f, scale=D ** -0.5, block=BLOCK, out=out, config=cfg)
-                us = (time.perf_counter() - t0) / 20 * 1e6
-                row[f"{name}/host_us_{'none' if f is None else 'rope'}"] = round(us, 1)
-                torch.cuda.synchronize()
-        sm90.launch = launch
+            with launch_with(**kw):
+                for part, timer in (("rope", "events"), ("q_only", "events"), ("rope", "graph"),
+                                    ("q_only", "graph")):
+                    if part == "q_only":
+                        sa._rotate_key_blocks = lambda k_, *_: k_  # noqa
+                    ratios = []
+                    for _ in range(PAIRS):
+                        t = {}
+                        for f in (inv_freq, None):
+                            t[f is None] = (
+                                triton.testing.do_bench(call(cfg, f), warmup=10, rep=50, return_mode="median")
+                                if timer == "events" else
+                                triton.testing.do_bench_cudagraph(call(cfg, f), rep=50, return_mode="median"))
+                        ratios.append(t[False] / t[True])
+                    sa._rotate_key_blocks = rotate_key_blocks
+                    tag = f"{part}_overhead{'_graph' if timer == 'graph' else ''}"
+                    row[f"{name}/{tag}_paired"] = round(sorted(ratios)[len(ratios) // 2] - 1, 4)
+                    row[f"{name}/{tag}_pairs"] = [round(r - 1, 4) for r in ratios]
+                # Host time of one call (the GPU kept busy, so nothing waits on it).
+                for f in (inv_freq, None):
+                    fn = call(cfg, f)
+                    torch.cuda._sleep(200_000_000)   # ~0.1 s
+                    t0 = time.perf_counter()
+                    for _ in range(20):
+                        fn()
+                    us = (time.perf_counter() - t0) / 20 * 1e6
+                    row[f"{name}/host_us_{'none' if f is None else 'rope'}"] = round(us, 1)
+                    torch.cuda.synchronize()
         kbuf = torch.empty_like(k)
         turns = sa._turns(inv_freq, DEV)
         row["rotate_key_pass"] = round(triton.testing.do_bench(
