@@ -206,7 +206,6 @@ class _Prefill:
             return (*self._dense_csr, None)
         if self._ptrs is None:  # every layer's vector offsets, once per prefill
             self._ptrs = self.bits.all_layer_ptrs()
-        la_ptr, ca_ptr = self._ptrs[0][layer], self._ptrs[1][layer]
         if self.engine.backend == "triton":  # one pass: rows at their dense starts (computed once per prefill)
             if self._row_start is None:
                 self._row_start = dense_indptr(self.layout, n_heads)
@@ -222,8 +221,8 @@ class _Prefill:
                 first = layer
                 self._group = (first, idx, ends)
             return self._row_start, idx[layer - first], ends[layer - first]
-        return (*block_indices_ref(self.layout, self.bits.la_bytes, la_ptr, self.bits.ca_bytes, ca_ptr,
-                                   self.engine.tile), None)
+        return (*block_indices_ref(self.layout, self.bits.la_bytes, self._ptrs[0][layer], self.bits.ca_bytes,
+                                   self._ptrs[1][layer], self.engine.tile), None)
 
     def _to_cache(self, x: torch.Tensor) -> torch.Tensor:
         """[H, n_real, D] -> [H, N + reserve, D]: real tokens at their physical slots, padding 0."""
