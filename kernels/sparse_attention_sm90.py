@@ -243,7 +243,7 @@ def _consumer(q_desc, k_desc, v_desc, bufs, bars, Out, Indptr, RowEnd, Indices, 
 
         l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
         l_o = gl.where(l_o == 0.0, 1.0, l_o)     # rows that saw no key (empty CSR row) stay 0
-        out = (acc / l_o[:, None]).to(dtype)
+        out = (acc * (1.0 / l_o)[:, None]).to(dtype)   # one division per row, not one per element
         ptrs = (Out + h.to(gl.int64) * stride_oh + (q_row0 + offs_mo).to(gl.int64)[:, None] * stride_on
                 + offs_d[None, :])
         if Q_TOKENS:
