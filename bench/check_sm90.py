@@ -4,11 +4,13 @@ the RoPE overhead in pairs (event-timed and as CUDA graph replays, i.e. GPU time
 pass skipped, the Q rotation's share), the host time of one call, the key pass alone and cuDNN dense. Meant to
 run under `timeout` (a barrier bug hangs rather than fails).
 
-    K_STAGES=3,2 PAIRS=7 PYTHONUNBUFFERED=1 timeout 300 python3 bench/check_sm90.py [16384,32768,65536]
+    K_STAGES=3,2 PAIRS=7 [TIMERS=graph] [PREV_KERNEL=/tmp/prev.py] PYTHONUNBUFFERED=1 timeout 300 \
+        python3 bench/check_sm90.py [16384,32768,65536]
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -29,14 +31,28 @@ ORDERS = [(None if b == "-" else int(b), None if c == "-" else int(c), d == "1")
 K_STAGES = [int(x) for x in os.environ.get("K_STAGES", "3").split(",")]   # K ring depths to time
 ROUNDS = int(os.environ.get("ROUNDS", "2"))
 PAIRS = int(os.environ.get("PAIRS", "7"))
+# A second kernel module to time in the same run (e.g. the previous commit's, `git show
+# HEAD~1:kernels/sparse_attention_sm90.py > /tmp/prev.py`): its `launch` replaces sm90.launch for variant "prev".
+PREV_KERNEL = os.environ.get("PREV_KERNEL")
+TIMERS = os.environ.get("TIMERS", "events,graph").split(",")   # how the RoPE-overhead pairs are timed
+
+
+@functools.lru_cache(maxsize=1)
+def _prev_launch():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("sm90_prev", PREV_KERNEL)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.launch
 
 
 @contextlib.contextmanager
-def launch_with(**kw):
-    """sm90.launch with these keyword arguments (K ring depth, tile order) while inside."""
+def launch_with(prev=False, **kw):
+    """sm90.launch with these keyword arguments (K ring depth, tile order) while inside; prev: PREV_KERNEL's."""
     from sift.kernels import sparse_attention_sm90 as sm90
     launch = sm90.launch
-    sm90.launch = lambda *a, **k_: launch(*a, **{**k_, **kw})
+    base = _prev_launch() if prev else launch
+    sm90.launch = lambda *a, **k_: base(*a, **{**k_, **kw})
     try:
         yield
     finally:
@@ -154,6 +170,8 @@ def main():
         variants = [("tl", TL, {})] + [
             (f"gluon-k{ks}-b{b}s{c}{'-dyn' if dyn else ''}", GLUON,
              dict(band=b, sec=c, dynamic=dyn, k_stages=ks)) for b, c, dyn in ORDERS for ks in K_STAGES]
+        if PREV_KERNEL:
+            variants.append(("prev", GLUON, dict(prev=True, k_stages=K_STAGES[0])))
         def call(cfg, f, rows_=sp):
             """One attention call over the CSR `rows_` (f: inv_freq, or None for pre-rotated keys)."""
             return lambda: sa._launch(q, k, v, *rows_, *lv, f, scale=D ** -0.5, block=BLOCK, out=out, config=cfg)
@@ -168,23 +186,23 @@ def main():
                         ms = round(triton.testing.do_bench(call(cfg, f, rows_), warmup=25, rep=100,
                                                            return_mode="median"), 4)
                         row[f"{name}/{tag}"] = min(ms, row.get(f"{name}/{tag}", ms))
-        # RoPE overhead of each Gluon variant, paired: rope and pre-rotated calls alternate, the median of the
-        # per-pair ratios is kept (single timings of either varied by several percent between runs). "q_only":
+        # RoPE overhead of each Gluon variant, paired: rope and pre-rotated calls in the order A B B A (a drift
+        # of the clocks over the pair cancels), the median of the per-pair ratios (A1 + A2) / (B1 + B2) is kept
+        # (single timings of either varied by several percent between runs). "q_only":
         # the same with the key pass skipped (keys left as they are: timing only), the Q rotation's share.
         # "_graph": the same pairs timed as CUDA graph replays (GPU time only: do_bench's events also count the
         # host's launch work when the GPU waits for it, which the pass's second launch exposes).
         rotate_key_blocks = sa._rotate_key_blocks
         for name, cfg, kw in variants[1:]:
             with launch_with(**kw):
-                for part, timer in (("rope", "events"), ("q_only", "events"), ("rope", "graph"),
-                                    ("q_only", "graph")):
+                for part, timer in ((p_, t_) for t_ in TIMERS for p_ in ("rope", "q_only")):
                     if part == "q_only":
                         sa._rotate_key_blocks = lambda k_, *_: k_  # noqa
                     ratios = []
                     for _ in range(PAIRS):
-                        t = {}
-                        for f in (inv_freq, None):
-                            t[f is None] = (
+                        t = {False: 0.0, True: 0.0}
+                        for f in (inv_freq, None, None, inv_freq):
+                            t[f is None] += (
                                 triton.testing.do_bench(call(cfg, f), warmup=10, rep=50, return_mode="median")
                                 if timer == "events" else
                                 triton.testing.do_bench_cudagraph(call(cfg, f), rep=50, return_mode="median"))
@@ -221,7 +239,9 @@ def main():
     out_dir = os.environ.get("OUT")
     if out_dir:
         with open(os.path.join(out_dir, "check_sm90.json"), "w") as fh:
-            settings = {k_: os.environ.get(k_) for k_ in ("K_STAGES", "ORDERS", "ROUNDS", "PAIRS")}
+            settings = {k_: os.environ.get(k_) for k_ in ("K_STAGES", "ORDERS", "ROUNDS", "PAIRS", "PREV_KERNEL",
+                                                          "TIMERS")}
+            settings["pair_order"] = "ABBA"
             json.dump(dict(device=torch.cuda.get_device_name(), settings=settings, lengths=lengths, ok=ok,
                            timings=rows), fh, indent=1)
 
