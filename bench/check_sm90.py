@@ -4,7 +4,7 @@ the RoPE overhead in pairs (event-timed and as CUDA graph replays, i.e. GPU time
 pass skipped, the Q rotation's share), the host time of one call, the key pass alone and cuDNN dense. Meant to
 run under `timeout` (a barrier bug hangs rather than fails).
 
-    K_STAGES=3,2 PAIRS=7 [TIMERS=graph] [PREV_KERNEL=/tmp/prev.py] PYTHONUNBUFFERED=1 timeout 300 \
+    K_STAGES=3,2 PAIRS=7 [TIMERS=graph] [MASK=b] [PREV_KERNEL=/tmp/prev.py] PYTHONUNBUFFERED=1 timeout 300 \
         python3 bench/check_sm90.py [16384,32768,65536]
 """
 from __future__ import annotations
@@ -35,6 +35,7 @@ PAIRS = int(os.environ.get("PAIRS", "7"))
 # HEAD~1:kernels/sparse_attention_sm90.py > /tmp/prev.py`): its `launch` replaces sm90.launch for variant "prev".
 PREV_KERNEL = os.environ.get("PREV_KERNEL")
 TIMERS = os.environ.get("TIMERS", "events,graph").split(",")   # how the RoPE-overhead pairs are timed
+MASK = os.environ.get("MASK", "a")   # timed mask: "a" (the anchor generator) or "b" (real SmolLM2 bits, masks.py)
 
 
 @functools.lru_cache(maxsize=1)
@@ -149,10 +150,20 @@ def main():
     rows = []
     for L in lengths:
         nb = L // BLOCK
-        n_full, rest = divmod(L - 512, 2048)
-        docs = [2048] * n_full + ([rest] if rest else [])
-        lay = layout_from_segments([docs + [512]])
-        m = mask_a(lay["seg"], len(docs), gen)
+        if MASK == "b":   # as bench_attention.py builds it
+            from masks import real_mask
+            rm = real_mask(L, 32, DEV)
+            lay = dict(block_valid=rm.layout.block_valid, block_offset=rm.layout.block_offset)
+            counts = (rm.indptr[1:] - rm.indptr[:-1]).long()
+            rows_of = torch.repeat_interleave(torch.arange(32 * nb, device=DEV), counts)
+            m = torch.zeros(32 * nb, nb, dtype=torch.bool, device=DEV)
+            m[rows_of, rm.indices.long()] = True
+            m = m.view(32, nb, nb)
+        else:
+            n_full, rest = divmod(L - 512, 2048)
+            docs = [2048] * n_full + ([rest] if rest else [])
+            lay = layout_from_segments([docs + [512]])
+            m = mask_a(lay["seg"], len(docs), gen)
         sp = csr(m)
         ar = torch.arange(nb, device=DEV)
         de = csr((ar[None, :] <= ar[:, None]).expand(32, nb, nb))
@@ -161,7 +172,7 @@ def main():
         v = torch.randn(8, L, D, device=DEV, dtype=torch.bfloat16, generator=gen)
         out = torch.empty_like(q)
         lv = (lay["block_valid"], lay["block_offset"])
-        row = dict(L=L, tile_fraction=m.sum().item() / (32 * nb * (nb + 1) // 2))
+        row = dict(mask=MASK, L=L, tile_fraction=m.sum().item() / (32 * nb * (nb + 1) // 2))
         # Listed blocks of another segment than their query block's (delta != 0): what rotating keys inside the
         # kernel, per (tile, block), would rotate (runs 11-13; the pass rotates every key block once instead).
         rid = torch.repeat_interleave(torch.arange(nb, device=DEV).repeat(32), (sp[0][1:] - sp[0][:-1]).long())
@@ -240,7 +251,7 @@ def main():
     if out_dir:
         with open(os.path.join(out_dir, "check_sm90.json"), "w") as fh:
             settings = {k_: os.environ.get(k_) for k_ in ("K_STAGES", "ORDERS", "ROUNDS", "PAIRS", "PREV_KERNEL",
-                                                          "TIMERS")}
+                                                          "TIMERS", "MASK")}
             settings["pair_order"] = "ABBA"
             json.dump(dict(device=torch.cuda.get_device_name(), settings=settings, lengths=lengths, ok=ok,
                            timings=rows), fh, indent=1)

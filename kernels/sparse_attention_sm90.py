@@ -26,7 +26,8 @@ check_sm90 runs 10-13): the query tile rotated by -delta on each change of segme
 a 128 x 128 rotation on the CUDA cores costs a large share of what the tensor cores need for the block's two
 products, once per (tile, block), where the pass rotates each key block once per layer. Rotating each block once
 but inside this kernel, by an extra 2-warp partition in the background with per-KV-head ready counters the producer
-waits on (check_sm90 runs 16-19), was correct and no faster than the pass.
+waits on (check_sm90 runs 16-19), was correct and no faster than the pass. Moving the Q rotation to a 2-warp
+partition of its own (Q double-buffered, rotated in place a tile ahead; 2026-11-30 run 1) was slower too.
 
 Not runnable in the Triton interpreter: CI compiles it for sm_90 (tests/test_sparse_attention_sm90.py) and the
 H200 run compares it with `sparse_attention_ref` (bench/bench_attention.py). Supported: block 128, head_dim 128,
