@@ -1,8 +1,8 @@
 """Quick H200 check of the Gluon Hopper kernel (kernels/sparse_attention_sm90.py) against the torch twin and the tl
-kernel, then a short timing of mask (a): the tl kernel, the Gluon kernel with each K ring depth of K_STAGES,
-the RoPE overhead in pairs (event-timed and as CUDA graph replays, i.e. GPU time only; in full and with the key
-pass skipped, the Q rotation's share), the host time of one call, the key pass alone and cuDNN dense. Meant to
-run under `timeout` (a barrier bug hangs rather than fails).
+kernel, then a short timing of mask (a) (MASK=b: mask (b)): the tl kernel, the Gluon kernel with each K ring depth
+of K_STAGES, the RoPE overhead in pairs (event-timed and as CUDA graph replays, i.e. GPU time only; in full and
+with the key pass skipped, the Q rotation's share), the host time of one call, the key pass alone and cuDNN dense.
+Meant to run under `timeout` (a barrier bug hangs rather than fails).
 
     K_STAGES=3,2 PAIRS=7 [TIMERS=graph] [MASK=b] [PREV_KERNEL=/tmp/prev.py] PYTHONUNBUFFERED=1 timeout 300 \
         python3 bench/check_sm90.py [16384,32768,65536]
@@ -36,6 +36,8 @@ PAIRS = int(os.environ.get("PAIRS", "7"))
 PREV_KERNEL = os.environ.get("PREV_KERNEL")
 TIMERS = os.environ.get("TIMERS", "events,graph").split(",")   # how the RoPE-overhead pairs are timed
 MASK = os.environ.get("MASK", "a")   # timed mask: "a" (the anchor generator) or "b" (real SmolLM2 bits, masks.py)
+if MASK not in ("a", "b"):
+    raise SystemExit(f"MASK={MASK!r}: use MASK=a (the anchor generator) or MASK=b (real SmolLM2 bits)")
 
 
 @functools.lru_cache(maxsize=1)
