@@ -220,15 +220,11 @@ def timings(results, lengths):
             mask = mask_a(lay["seg"], len(docs), gen)
         else:  # mask (b): real SmolLM2 bits tiled to L, decoded by the runtime's block_indices (bench/masks.py)
             sys.path.insert(0, str(ROOT / "bench"))
-            from masks import real_mask
+            from masks import dense_mask, real_mask
             rm = real_mask(L, HQ, DEV)
             assert rm.layout.n_blocks == nb, (rm.layout.n_blocks, nb)
             lay = dict(block_valid=rm.layout.block_valid, block_offset=rm.layout.block_offset)
-            counts = (rm.indptr[1:] - rm.indptr[:-1]).long()
-            rows_of = torch.repeat_interleave(torch.arange(HQ * nb, device=DEV), counts)
-            mask = torch.zeros(HQ * nb, nb, dtype=torch.bool, device=DEV)
-            mask[rows_of, rm.indices.long()] = True
-            mask = mask.view(HQ, nb, nb)
+            mask = dense_mask(rm, HQ)
         ar = torch.arange(nb, device=DEV)
         causal = (ar[None, :] <= ar[:, None]).expand(HQ, nb, nb)
         q = torch.randn(HQ, L, D, device=DEV, dtype=DTYPE, generator=gen)

@@ -153,14 +153,10 @@ def main():
     for L in lengths:
         nb = L // BLOCK
         if MASK == "b":   # as bench_attention.py builds it
-            from masks import real_mask
+            from masks import dense_mask, real_mask
             rm = real_mask(L, 32, DEV)
             lay = dict(block_valid=rm.layout.block_valid, block_offset=rm.layout.block_offset)
-            counts = (rm.indptr[1:] - rm.indptr[:-1]).long()
-            rows_of = torch.repeat_interleave(torch.arange(32 * nb, device=DEV), counts)
-            m = torch.zeros(32 * nb, nb, dtype=torch.bool, device=DEV)
-            m[rows_of, rm.indices.long()] = True
-            m = m.view(32, nb, nb)
+            m = dense_mask(rm, 32)
         else:
             n_full, rest = divmod(L - 512, 2048)
             docs = [2048] * n_full + ([rest] if rest else [])

@@ -190,6 +190,16 @@ def real_mask(context: int, n_heads: int = 32, device: str | torch.device | None
     return RealMask(layout, indptr, indices, stats)
 
 
+def dense_mask(rm: RealMask, n_heads: int = 32) -> torch.Tensor:
+    """The CSR of `rm` as a block mask bool [n_heads, NB, NB] (what FlexAttention and `csr` take)."""
+    nb = rm.layout.n_blocks
+    counts = (rm.indptr[1:] - rm.indptr[:-1]).long()
+    rows_of = torch.repeat_interleave(torch.arange(n_heads * nb, device=rm.indptr.device), counts)
+    mask = torch.zeros(n_heads * nb, nb, dtype=torch.bool, device=rm.indptr.device)
+    mask[rows_of, rm.indices.long()] = True
+    return mask.view(n_heads, nb, nb)
+
+
 if __name__ == "__main__":  # print the statistics: python bench/masks.py [context ...]
     import sys
 
