@@ -1,8 +1,9 @@
 """Quick H200 check of the Gluon Hopper kernel (kernels/sparse_attention_sm90.py) against the torch twin and the tl
 kernel, then a short timing of mask (a) (MASK=b: mask (b)): the tl kernel, the Gluon kernel with each K ring depth
 of K_STAGES, the RoPE overhead in pairs (event-timed and as CUDA graph replays, i.e. GPU time only; in full and
-with the key pass skipped, the Q rotation's share), the host time of one call, the key pass alone and cuDNN dense.
-Meant to run under `timeout` (a barrier bug hangs rather than fails).
+with the key pass skipped, the Q rotation's share), the host time of one call, with PREV_KERNEL this kernel against
+that one in pairs (GPU time), the key pass alone and cuDNN dense. Meant to run under `timeout` (a barrier bug hangs
+rather than fails).
 
     K_STAGES=3,2 PAIRS=7 [TIMERS=graph] [MASK=b] [PREV_KERNEL=/tmp/prev.py] PYTHONUNBUFFERED=1 timeout 300 \
         python3 bench/check_sm90.py [16384,32768,65536]
@@ -52,10 +53,13 @@ def _prev_launch():
 @contextlib.contextmanager
 def launch_with(prev=False, **kw):
     """sm90.launch with these keyword arguments (K ring depth, tile order) while inside; prev: PREV_KERNEL's."""
+    import inspect
+
     from sift.kernels import sparse_attention_sm90 as sm90
     launch = sm90.launch
     base = _prev_launch() if prev else launch
-    sm90.launch = lambda *a, **k_: base(*a, **{**k_, **kw})
+    known = inspect.signature(base).parameters   # an older module may not take every keyword (e.g. cos_sin)
+    sm90.launch = lambda *a, **k_: base(*a, **{n: x for n, x in {**k_, **kw}.items() if n in known})
     try:
         yield
     finally:
@@ -205,8 +209,9 @@ def main():
         for name, cfg, kw in variants[1:]:
             with launch_with(**kw):
                 for part, timer in ((p_, t_) for t_ in TIMERS for p_ in ("rope", "q_only")):
-                    if part == "q_only":
-                        sa._rotate_key_blocks = lambda k_, *_: k_  # noqa
+                    if part == "q_only":   # keys untouched; the query tiles' cos / sin table still written
+                        sa._rotate_key_blocks = lambda k_, bo, tu, bl, o_, cs=None: (
+                            k_ if cs is None else (sa.cos_sin_table(bo, tu, out=cs), k_)[1])
                     ratios = []
                     for _ in range(PAIRS):
                         t = {False: 0.0, True: 0.0}
@@ -230,6 +235,21 @@ def main():
                     us = (time.perf_counter() - t0) / 20 * 1e6
                     row[f"{name}/host_us_{'none' if f is None else 'rope'}"] = round(us, 1)
                     torch.cuda.synchronize()
+        # This kernel against PREV_KERNEL's, paired the same way (A B B A, GPU time): single timings of either
+        # move by several percent between calls, more than the change being judged.
+        if PREV_KERNEL:
+            for f in (inv_freq, None):
+                ratios = []
+                for _ in range(PAIRS):
+                    t = {False: 0.0, True: 0.0}
+                    for prev in (False, True, True, False):
+                        with launch_with(prev=prev, k_stages=K_STAGES[0]):
+                            t[prev] += triton.testing.do_bench_cudagraph(call(GLUON, f), rep=50,
+                                                                         return_mode="median")
+                    ratios.append(t[False] / t[True])
+                tag = f"vs_prev_{'none' if f is None else 'rope'}_graph"
+                row[f"{tag}_paired"] = round(sorted(ratios)[len(ratios) // 2] - 1, 4)
+                row[f"{tag}_pairs"] = [round(r - 1, 4) for r in ratios]
         kbuf = torch.empty_like(k)
         turns = sa._turns(inv_freq, DEV)
         row["rotate_key_pass"] = round(triton.testing.do_bench(

@@ -79,9 +79,11 @@ def _rotate(x1, x2, cos, sin):
 
 
 @triton.jit
-def _rotate_blocks_kernel(K, Out, BlockOffset, Turns, stride_kh, stride_kn, stride_kd, stride_oh, stride_on,
-                          stride_od, BLOCK: tl.constexpr, HALF: tl.constexpr, FAST_TRIG: tl.constexpr):
-    """Rows of block b of head h rotated by block_offset[b] (local -> logical positions)."""
+def _rotate_blocks_kernel(K, Out, BlockOffset, Turns, CosSin, stride_kh, stride_kn, stride_kd, stride_oh,
+                          stride_on, stride_od, BLOCK: tl.constexpr, HALF: tl.constexpr, FAST_TRIG: tl.constexpr,
+                          WRITE_CS: tl.constexpr):
+    """Rows of block b of head h rotated by block_offset[b] (local -> logical positions). WRITE_CS: the head-0
+    programs also store the angles they used, row b of the table CosSin [NB, 2 * HALF] fp32 (cos | sin)."""
     h = tl.program_id(0)
     b = tl.program_id(1)
     rows = (b * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
@@ -94,6 +96,20 @@ def _rotate_blocks_kernel(K, Out, BlockOffset, Turns, stride_kh, stride_kn, stri
     y1, y2 = _rotate(x1, x2, cos, sin)
     tl.store(dst + offs_h[None, :] * stride_od, y1)
     tl.store(dst + (offs_h + HALF)[None, :] * stride_od, y2)
+    if WRITE_CS:
+        if h == 0:
+            tl.store(CosSin + b * 2 * HALF + offs_h, cos)
+            tl.store(CosSin + b * 2 * HALF + HALF + offs_h, sin)
+
+
+@triton.jit
+def _cos_sin_kernel(BlockOffset, Turns, CosSin, HALF: tl.constexpr, FAST_TRIG: tl.constexpr):
+    """Row b of the table CosSin [NB, 2 * HALF] fp32: cos | sin of block_offset[b] * inv_freq (as the pass)."""
+    b = tl.program_id(0)
+    offs_h = tl.arange(0, HALF)
+    cos, sin = _rope_cos_sin(tl.load(BlockOffset + b), Turns, offs_h, FAST_TRIG)
+    tl.store(CosSin + b * 2 * HALF + offs_h, cos)
+    tl.store(CosSin + b * 2 * HALF + HALF + offs_h, sin)
 
 
 def rotate_key_blocks(k: torch.Tensor, block_offset: torch.Tensor, inv_freq: torch.Tensor, *, block: int,
@@ -115,10 +131,23 @@ def _turns(inv_freq: torch.Tensor, device) -> torch.Tensor:
     return inv_freq.to(device=device, dtype=torch.float64) / (2.0 * math.pi)
 
 
-def _rotate_key_blocks(k, block_offset, turns, block: int, out):
+def _rotate_key_blocks(k, block_offset, turns, block: int, out, cos_sin=None):
+    """The pass behind `rotate_key_blocks`; cos_sin: an fp32 [NB, D] buffer to receive each block's angles
+    (cos | sin, the table `cos_sin_table` makes), or None."""
     _rotate_blocks_kernel[(k.shape[0], k.shape[1] // block)](
-        k, out, block_offset, turns, *k.stride(), *out.stride(), BLOCK=block, HALF=k.shape[2] // 2,
-        FAST_TRIG=k.device.type == "cuda", num_warps=4)
+        k, out, block_offset, turns, out if cos_sin is None else cos_sin, *k.stride(), *out.stride(), BLOCK=block,
+        HALF=k.shape[2] // 2, FAST_TRIG=k.device.type == "cuda", WRITE_CS=cos_sin is not None, num_warps=4)
+    return out
+
+
+def cos_sin_table(block_offset: torch.Tensor, turns: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 [NB, D]: row b = cos | sin of block_offset[b] * inv_freq, angles as the kernels form them (turns:
+    `_turns(inv_freq)`, fp64 [D/2]), in `out` if given. What the Gluon kernel rotates each query tile with."""
+    half = turns.numel()
+    if out is None:
+        out = torch.empty((block_offset.numel(), 2 * half), dtype=torch.float32, device=block_offset.device)
+    _cos_sin_kernel[(block_offset.numel(),)](block_offset, turns, out, HALF=half,
+                                             FAST_TRIG=block_offset.device.type == "cuda", num_warps=1)
     return out
 
 
@@ -452,13 +481,16 @@ def _launch(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, *, sc
         if cfg.rope_on == "pre" and sm90.supports(q, k, v, block, out):
             turns = (_turns(inv_freq, q.device) if inv_freq is not None
                      else torch.zeros(d // 2, dtype=torch.float64, device=q.device))
-            if inv_freq is not None:  # one pass over K: keys to logical positions, in a buffer laid out as v
+            cos_sin = None
+            if inv_freq is not None:  # one pass over K: keys to logical positions, in a buffer laid out as v;
+                # it also writes each block's cos | sin, with which the kernel rotates the query tiles
+                cos_sin = torch.empty((nb, d), dtype=torch.float32, device=q.device)
                 k = _rotate_key_blocks(k, block_offset, turns, block, torch.empty_strided(
-                    v.shape, v.stride(), dtype=k.dtype, device=k.device))
+                    v.shape, v.stride(), dtype=k.dtype, device=k.device), cos_sin)
             return sm90.launch(q, k, v, out, indptr, indptr[1:] if row_end is None else row_end, indices,
                                block_valid, block_offset, tok_start, turns, scale_log2=float(scale) * LOG2E,
                                rope=inv_freq is not None, q_tokens=q_block_start is not None,
-                               stages=cfg.num_stages)
+                               stages=cfg.num_stages, cos_sin=cos_sin)
         cfg = default_config(block, d, backend="triton")
     if inv_freq is None:
         rope, turns = ROPE_NONE.value, torch.zeros(1, dtype=torch.float64, device=q.device)
