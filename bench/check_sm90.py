@@ -210,8 +210,8 @@ def main():
             with launch_with(**kw):
                 for part, timer in ((p_, t_) for t_ in TIMERS for p_ in ("rope", "q_only")):
                     if part == "q_only":   # keys untouched; the query tiles' cos / sin table still written
-                        sa._rotate_key_blocks = lambda k_, bo, tu, bl, o_, cs=None: (
-                            k_ if cs is None else (sa.cos_sin_table(bo, tu, out=cs), k_)[1])
+                        sa._rotate_key_blocks = lambda k_, bo, f_, bl, o_, cs=None: (
+                            k_ if cs is None else (sa.cos_sin_table(bo, f_, out=cs), k_)[1])
                     ratios = []
                     for _ in range(PAIRS):
                         t = {False: 0.0, True: 0.0}
@@ -251,9 +251,8 @@ def main():
                 row[f"{tag}_paired"] = round(sorted(ratios)[len(ratios) // 2] - 1, 4)
                 row[f"{tag}_pairs"] = [round(r - 1, 4) for r in ratios]
         kbuf = torch.empty_like(k)
-        turns = sa._turns(inv_freq, DEV)
         row["rotate_key_pass"] = round(triton.testing.do_bench(
-            lambda: sa._rotate_key_blocks(k, lay["block_offset"], turns, BLOCK, kbuf), warmup=25, rep=100,
+            lambda: sa._rotate_key_blocks(k, lay["block_offset"], inv_freq, BLOCK, kbuf), warmup=25, rep=100,
             return_mode="median"), 4)
         from torch.nn.attention import SDPBackend, sdpa_kernel
         kx, vx = k.repeat_interleave(4, 0)[None], v.repeat_interleave(4, 0)[None]

@@ -50,11 +50,11 @@ ROPE_NONE, ROPE_ON_K, ROPE_ON_Q, ROPE_PRE = tl.constexpr(0), tl.constexpr(1), tl
 
 
 @triton.jit
-def _rope_cos_sin(delta, Turns, offs_h, FAST_TRIG: tl.constexpr):
+def _rope_cos_sin(delta, Turns, offs_h, FAST_TRIG: tl.constexpr, TURNS: tl.constexpr = False):
     """cos, sin [D/2] fp32 of delta * inv_freq. Angle in fp64 turns, reduced to [-1/2, 1/2) before fp32: exact
-    at offsets of 200K and beyond. Turns is read here (an L1/L2 hit, once per change of delta) rather than held
-    in registers across the loop."""
-    t = delta.to(tl.float64) * tl.load(Turns + offs_h)
+    at offsets of 200K and beyond. Turns (fp64 [D/2]) is read here (an L1/L2 hit, once per change of delta)
+    rather than held in registers across the loop; TURNS: Turns is the values themselves."""
+    t = delta.to(tl.float64) * (Turns if TURNS else tl.load(Turns + offs_h))
     t = t - tl.floor(t + 0.5)
     angle = t.to(tl.float32) * 6.283185307179586
     # |angle| <= pi here, where the MUFU approximations are good to ~5e-7 (accurate libdevice sin/cos cost
@@ -79,7 +79,13 @@ def _rotate(x1, x2, cos, sin):
 
 
 @triton.jit
-def _rotate_blocks_kernel(K, Out, BlockOffset, Turns, CosSin, stride_kh, stride_kn, stride_kd, stride_oh,
+def _turns_of(InvFreq, offs_h):
+    """fp64 turns (inv_freq / 2 pi) formed in the kernel, as `_turns` does on the host (no extra launches)."""
+    return tl.load(InvFreq + offs_h).to(tl.float64) / 6.283185307179586
+
+
+@triton.jit
+def _rotate_blocks_kernel(K, Out, BlockOffset, InvFreq, CosSin, stride_kh, stride_kn, stride_kd, stride_oh,
                           stride_on, stride_od, BLOCK: tl.constexpr, HALF: tl.constexpr, FAST_TRIG: tl.constexpr,
                           WRITE_CS: tl.constexpr):
     """Rows of block b of head h rotated by block_offset[b] (local -> logical positions). WRITE_CS: the head-0
@@ -92,7 +98,7 @@ def _rotate_blocks_kernel(K, Out, BlockOffset, Turns, CosSin, stride_kh, stride_
     dst = Out + h.to(tl.int64) * stride_oh + rows[:, None] * stride_on
     x1 = tl.load(src + offs_h[None, :] * stride_kd)
     x2 = tl.load(src + (offs_h + HALF)[None, :] * stride_kd)
-    cos, sin = _rope_cos_sin(tl.load(BlockOffset + b), Turns, offs_h, FAST_TRIG)
+    cos, sin = _rope_cos_sin(tl.load(BlockOffset + b), _turns_of(InvFreq, offs_h), offs_h, FAST_TRIG, TURNS=True)
     y1, y2 = _rotate(x1, x2, cos, sin)
     tl.store(dst + offs_h[None, :] * stride_od, y1)
     tl.store(dst + (offs_h + HALF)[None, :] * stride_od, y2)
@@ -103,11 +109,11 @@ def _rotate_blocks_kernel(K, Out, BlockOffset, Turns, CosSin, stride_kh, stride_
 
 
 @triton.jit
-def _cos_sin_kernel(BlockOffset, Turns, CosSin, HALF: tl.constexpr, FAST_TRIG: tl.constexpr):
+def _cos_sin_kernel(BlockOffset, InvFreq, CosSin, HALF: tl.constexpr, FAST_TRIG: tl.constexpr):
     """Row b of the table CosSin [NB, 2 * HALF] fp32: cos | sin of block_offset[b] * inv_freq (as the pass)."""
     b = tl.program_id(0)
     offs_h = tl.arange(0, HALF)
-    cos, sin = _rope_cos_sin(tl.load(BlockOffset + b), Turns, offs_h, FAST_TRIG)
+    cos, sin = _rope_cos_sin(tl.load(BlockOffset + b), _turns_of(InvFreq, offs_h), offs_h, FAST_TRIG, TURNS=True)
     tl.store(CosSin + b * 2 * HALF + offs_h, cos)
     tl.store(CosSin + b * 2 * HALF + HALF + offs_h, sin)
 
@@ -123,7 +129,7 @@ def rotate_key_blocks(k: torch.Tensor, block_offset: torch.Tensor, inv_freq: tor
                          f"{tuple(inv_freq.shape)} do not fit block={block}")
     if out is None:
         out = torch.empty((hkv, n, d), dtype=k.dtype, device=k.device)
-    return _rotate_key_blocks(k, block_offset, _turns(inv_freq, k.device), block, out)
+    return _rotate_key_blocks(k, block_offset, inv_freq.to(k.device), block, out)
 
 
 def _turns(inv_freq: torch.Tensor, device) -> torch.Tensor:
@@ -131,22 +137,22 @@ def _turns(inv_freq: torch.Tensor, device) -> torch.Tensor:
     return inv_freq.to(device=device, dtype=torch.float64) / (2.0 * math.pi)
 
 
-def _rotate_key_blocks(k, block_offset, turns, block: int, out, cos_sin=None):
-    """The pass behind `rotate_key_blocks`; cos_sin: an fp32 [NB, D] buffer to receive each block's angles
-    (cos | sin, the table `cos_sin_table` makes), or None."""
+def _rotate_key_blocks(k, block_offset, inv_freq, block: int, out, cos_sin=None):
+    """The pass behind `rotate_key_blocks` (inv_freq: [D/2] float on k's device); cos_sin: an fp32 [NB, D]
+    buffer to receive each block's angles (cos | sin, the table `cos_sin_table` makes), or None."""
     _rotate_blocks_kernel[(k.shape[0], k.shape[1] // block)](
-        k, out, block_offset, turns, out if cos_sin is None else cos_sin, *k.stride(), *out.stride(), BLOCK=block,
+        k, out, block_offset, inv_freq, out if cos_sin is None else cos_sin, *k.stride(), *out.stride(), BLOCK=block,
         HALF=k.shape[2] // 2, FAST_TRIG=k.device.type == "cuda", WRITE_CS=cos_sin is not None, num_warps=4)
     return out
 
 
-def cos_sin_table(block_offset: torch.Tensor, turns: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """fp32 [NB, D]: row b = cos | sin of block_offset[b] * inv_freq, angles as the kernels form them (turns:
-    `_turns(inv_freq)`, fp64 [D/2]), in `out` if given. What the Gluon kernel rotates each query tile with."""
-    half = turns.numel()
+def cos_sin_table(block_offset: torch.Tensor, inv_freq: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 [NB, D]: row b = cos | sin of block_offset[b] * inv_freq ([D/2] float on block_offset's device),
+    angles as the kernels form them, in `out` if given. What the Gluon kernel rotates each query tile with."""
+    half = inv_freq.numel()
     if out is None:
         out = torch.empty((block_offset.numel(), 2 * half), dtype=torch.float32, device=block_offset.device)
-    _cos_sin_kernel[(block_offset.numel(),)](block_offset, turns, out, HALF=half,
+    _cos_sin_kernel[(block_offset.numel(),)](block_offset, inv_freq, out, HALF=half,
                                              FAST_TRIG=block_offset.device.type == "cuda", num_warps=1)
     return out
 
@@ -479,16 +485,16 @@ def _launch(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, *, sc
     if cfg.backend == "gluon":
         from . import sparse_attention_sm90 as sm90
         if cfg.rope_on == "pre" and sm90.supports(q, k, v, block, out):
-            turns = (_turns(inv_freq, q.device) if inv_freq is not None
-                     else torch.zeros(d // 2, dtype=torch.float64, device=q.device))
             cos_sin = None
             if inv_freq is not None:  # one pass over K: keys to logical positions, in a buffer laid out as v;
-                # it also writes each block's cos | sin, with which the kernel rotates the query tiles
+                # it also writes each block's cos | sin, with which the kernel rotates the query tiles (no other
+                # launch: the pass forms the fp64 angles from inv_freq itself)
+                inv_freq = inv_freq.to(q.device)
                 cos_sin = torch.empty((nb, d), dtype=torch.float32, device=q.device)
-                k = _rotate_key_blocks(k, block_offset, turns, block, torch.empty_strided(
+                k = _rotate_key_blocks(k, block_offset, inv_freq, block, torch.empty_strided(
                     v.shape, v.stride(), dtype=k.dtype, device=k.device), cos_sin)
             return sm90.launch(q, k, v, out, indptr, indptr[1:] if row_end is None else row_end, indices,
-                               block_valid, block_offset, tok_start, turns, scale_log2=float(scale) * LOG2E,
+                               block_valid, block_offset, tok_start, inv_freq, scale_log2=float(scale) * LOG2E,
                                rope=inv_freq is not None, q_tokens=q_block_start is not None,
                                stages=cfg.num_stages, cos_sin=cos_sin)
         cfg = default_config(block, d, backend="triton")
@@ -498,8 +504,8 @@ def _launch(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, *, sc
         rope = {"k": ROPE_ON_K, "q": ROPE_ON_Q, "pre": ROPE_PRE}[cfg.rope_on].value
         turns = _turns(inv_freq, q.device)
         if cfg.rope_on == "pre":  # one pass over K: keys to logical positions, in a transient buffer
-            k = _rotate_key_blocks(k, block_offset, turns, block, torch.empty(k.shape, dtype=k.dtype,
-                                                                              device=k.device))
+            k = _rotate_key_blocks(k, block_offset, inv_freq.to(q.device), block,
+                                   torch.empty(k.shape, dtype=k.dtype, device=k.device))
     _sparse_attn_fwd[(hq, nb)](
         q, k, v, out, indptr, indptr[1:] if row_end is None else row_end, indices, block_valid, block_offset,
         tok_start, turns,

@@ -409,13 +409,14 @@ _SM_COUNT: dict[int, int] = {}
 _NO_TABLE: dict[int, torch.Tensor] = {}
 
 
-def launch(q, k, v, out, indptr, row_end, indices, block_valid, block_offset, tok_start, turns, *, scale_log2: float,
+def launch(q, k, v, out, indptr, row_end, indices, block_valid, block_offset, tok_start, inv_freq, *, scale_log2: float,
            rope: bool, q_tokens: bool, cos_sin: torch.Tensor | None = None, stages: int = 2, k_stages: int = 3,
            band: int | None = None, sec: int | None = 1, dynamic: bool = True):
     """Run the kernel (arguments validated and prepared by `sparse_attention._launch`). k at logical positions,
     laid out as v is (`_head_view`: same orientation and rows per head), else both are copied first. rope: q at
     segment-local positions, each query tile rotated by its block's offset with row b of cos_sin (fp32 [NB, D],
-    `sparse_attention.cos_sin_table`; the key pass writes it; None: made here from block_offset and turns).
+    `sparse_attention.cos_sin_table`; the key pass writes it; None: made here from block_offset and inv_freq,
+    [D/2] float on q's device, unused without rope).
     stages / k_stages: V / K ring depths (3 K stages: 230 KB of shared memory; check_sm90 run 14 timed 2 and
     3, mixed within ~5%). Tile order (`_tile_coords`): bands of `band` query blocks (None: one band), sections
     of `sec` KV heads (None: all); dynamic: CTAs draw tiles from a global counter. Default (one band, one KV
@@ -439,7 +440,7 @@ def launch(q, k, v, out, indptr, row_end, indices, block_valid, block_offset, to
     grid = (min(_SM_COUNT[dev], hq * nb), )
     if rope and cos_sin is None:
         from .sparse_attention import cos_sin_table
-        cos_sin = cos_sin_table(block_offset, turns)
+        cos_sin = cos_sin_table(block_offset, inv_freq)
     elif not rope:   # not read (ROPE is off); any fp32 pointer
         if dev not in _NO_TABLE:
             _NO_TABLE[dev] = torch.zeros(1, dtype=torch.float32, device=q.device)

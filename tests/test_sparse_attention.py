@@ -316,20 +316,19 @@ def test_rotate_key_blocks_matches_reference():
 def test_cos_sin_table_matches_reference():
     """Row b of the table the Gluon kernel rotates query tiles with: cos | sin of block_offset[b] * inv_freq, the
     same from `cos_sin_table` and from the key pass (which writes it for free), offsets up to 300,000."""
-    from sift.kernels.sparse_attention import _rotate_key_blocks, _turns, cos_sin_table
+    from sift.kernels.sparse_attention import _rotate_key_blocks, cos_sin_table
 
     block, d = 16, 64
     offsets = torch.tensor([0, 7, 7, 65_536, 300_000, 1], dtype=torch.int32)
     inv_freq = default_inv_freq(d)
     angle = offsets.double()[:, None] * inv_freq.double()[None, :]
     ref = torch.cat([torch.cos(angle), torch.sin(angle)], dim=1)
-    turns = _turns(inv_freq, DEVICE)
-    table = cos_sin_table(offsets.to(DEVICE), turns).cpu()
+    table = cos_sin_table(offsets.to(DEVICE), inv_freq.to(DEVICE)).cpu()
     assert table.dtype == torch.float32 and table.shape == (6, d)
     assert (table.double() - ref).abs().max() < 1e-5
     k = torch.randn(2, 6 * block, d, generator=torch.Generator().manual_seed(3)).to(DEVICE)
     from_pass = torch.full((6, d), float("nan"), device=DEVICE)
-    _rotate_key_blocks(k, offsets.to(DEVICE), turns, block, torch.empty_like(k), from_pass)
+    _rotate_key_blocks(k, offsets.to(DEVICE), inv_freq.to(DEVICE), block, torch.empty_like(k), from_pass)
     assert torch.equal(from_pass.cpu(), table)
 
 
