@@ -8,7 +8,9 @@
    logical positions.
 
 Every GPU result is checked against its reference before it is timed. Times are triton.testing.do_bench medians
-in microseconds. Writes $OUT/decode.json when $OUT is set.
+in microseconds; `*_device_us` the same calls queued behind a GPU spin (host launch cost hidden), `*_host_us` the
+host's time per call. Writes $OUT/decode.json when $OUT is set. PARTS=index / attention runs one of the two;
+PREV_DECODE=<file> times another decode_attention module (e.g. the previous commit's) next to this one.
 
 Run from the repository root: `python3 bench/bench_decode.py` (the package need not be installed).
 """
@@ -18,6 +20,7 @@ import json
 import math
 import os
 import pathlib
+import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 from _checkout import use_checkout  # noqa: E402
@@ -49,10 +52,36 @@ N_LAYERS = 32  # layers of bits per document (the multi-layer decode groups cons
 LA_DENSITY, CA_DENSITY = 0.30, 0.06
 ROPE_THETA = 500000.0
 DTYPE = torch.bfloat16
+PARTS = os.environ.get("PARTS", "index,attention").split(",")   # which of the two benchmarks to run
+PREV_DECODE = os.environ.get("PREV_DECODE")   # a decode_attention module file to time next to this one
+SPLITS_SWEEP = [int(x) for x in os.environ.get("SPLITS", "8,16,33,66,132,264").split(",")]   # num_splits timed
 
 
 def bench(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3  # ms -> us
+
+
+def host_us(fn, n: int = 50) -> float:
+    """Host time per call, the GPU kept busy (spinning) so that no call waits for it: median of 5 x n calls."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(5):
+        torch.cuda._sleep(400_000_000)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        times.append((time.perf_counter() - t0) / n * 1e6)
+        torch.cuda.synchronize()
+    return sorted(times)[len(times) // 2]
+
+
+def _prev_decode():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("prev_decode", PREV_DECODE)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.decode_attention
 
 
 def queued_us(fn, n: int = 50) -> float:
@@ -211,7 +240,7 @@ def bench_decode_attention(context: int, dev: torch.device, gen: torch.Generator
     kv_bytes = 2 * HKV * layout.n_tokens * HEAD_DIM * 2
     t_decode = bench(lambda: decode_attention(*args, scale=scale, block=BLOCK))
     t_sdpa = bench(sdpa)
-    return {
+    row = {
         "num_splits": splits,
         "max_err_vs_ref": err_ref,
         "max_err_vs_sdpa": err_sdpa,
@@ -219,7 +248,23 @@ def bench_decode_attention(context: int, dev: torch.device, gen: torch.Generator
         "sdpa_us": t_sdpa,
         "decode_attention_kv_GBps": kv_bytes / t_decode / 1e3,
         "sdpa_kv_GBps": kv_bytes / t_sdpa / 1e3,
+        # Device time (host launch cost hidden: what a decode step captured in a CUDA graph, or a host running
+        # ahead, pays) and host time per call (what an eager decode loop pays when the GPU waits for it).
+        "decode_attention_device_us": queued_us(lambda: decode_attention(*args, scale=scale, block=BLOCK)),
+        "sdpa_device_us": queued_us(sdpa),
+        "decode_attention_host_us": host_us(lambda: decode_attention(*args, scale=scale, block=BLOCK)),
+        "sdpa_host_us": host_us(sdpa),
+        "num_splits_sweep_device_us": {
+            s_: queued_us(lambda s_=s_: decode_attention(*args, scale=scale, block=BLOCK, num_splits=s_))
+            for s_ in SPLITS_SWEEP},
     }
+    row["decode_attention_device_kv_GBps"] = kv_bytes / row["decode_attention_device_us"] / 1e3
+    row["sdpa_device_kv_GBps"] = kv_bytes / row["sdpa_device_us"] / 1e3
+    if PREV_DECODE:   # another decode_attention module (e.g. the previous commit's), same arguments
+        prev = _prev_decode()
+        row["prev_decode_attention_device_us"] = queued_us(lambda: prev(*args, scale=scale, block=BLOCK))
+        row["prev_decode_attention_host_us"] = host_us(lambda: prev(*args, scale=scale, block=BLOCK))
+    return row
 
 
 def main() -> None:
@@ -230,8 +275,10 @@ def main() -> None:
     results = []
     for context in CONTEXTS:
         row = {"context": context}
-        row.update(bench_index_decode(context, dev, gen))
-        row.update(bench_decode_attention(context, dev, gen))
+        if "index" in PARTS:
+            row.update(bench_index_decode(context, dev, gen))
+        if "attention" in PARTS:
+            row.update(bench_decode_attention(context, dev, gen))
         results.append(row)
         print(json.dumps(row), flush=True)
     report = {

@@ -52,7 +52,7 @@ def _decode_split_kernel(
     Out,  # [B, Hq, D] when DIRECT, else unused
     PartO, PartLse,  # fp32 [B, Hq, S, D], fp32 [B, Hq, S] (log2 domain) when not DIRECT
     QOffset, KvIndptr, KvIndices, BlockValid, BlockOffset,
-    Turns,  # fp64 [D/2]: inv_freq / (2 pi), rotations per position
+    InvFreq,  # [D/2] float: the RoPE inverse frequencies (unused without ROPE)
     stride_qb, stride_qh, stride_qd,
     stride_kh, stride_kn, stride_kd,
     stride_vh, stride_vn, stride_vd,
@@ -75,9 +75,10 @@ def _decode_split_kernel(
 
     first = tl.load(KvIndptr + b)
     n_blocks = tl.load(KvIndptr + b + 1) - first
-    per_split = tl.cdiv(n_blocks, S)
-    j0 = first + split * per_split
-    j1 = first + tl.minimum((split + 1) * per_split, n_blocks)
+    # Blocks spread evenly: every split gets floor or ceil of n_blocks / S (equal chunks of ceil(n / S) would
+    # leave the last splits idle, e.g. 261 blocks in 64 splits of 5: 53 busy).
+    j0 = first + split * n_blocks // S
+    j1 = first + (split + 1) * n_blocks // S
 
     offs_g = tl.arange(0, G_PAD)
     offs_n = tl.arange(0, BLOCK_N)
@@ -111,7 +112,7 @@ def _decode_split_kernel(
                 # [-1/2, 1/2) before fp32, so offsets of 65K and far beyond stay exact.
                 # Angles are formed on the whole [G_PAD, D/2] tile (each thread only its own elements) rather
                 # than on a [D/2] vector that every thread would hold whole: fewer registers at the peak.
-                turns = tl.load(Turns + offs_h[None, :] + 0 * offs_g[:, None])
+                turns = tl.load(InvFreq + offs_h[None, :] + 0 * offs_g[:, None]).to(tl.float64) / 6.283185307179586
                 t = (off - q_off).to(tl.float64) * turns
                 t = t - tl.floor(t + 0.5)
                 angle = t.to(tl.float32) * 6.283185307179586
@@ -158,20 +159,30 @@ def _decode_merge_kernel(
     PartO, PartLse, Out,
     stride_ob, stride_oh, stride_od,
     HQ, S,
-    S_PAD: tl.constexpr,
+    S_CHUNK: tl.constexpr,  # partials per step (up to 128: one step at the default split counts); registers
+                            # stay bounded however many splits there are
     HEAD_DIM: tl.constexpr,
 ):
+    """Out[b, h] = the split partials of (b, h) combined by their log-sum-exps, S_CHUNK at a time (online)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
-    offs_s = tl.arange(0, S_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
-    row = (b * HQ + h) * S + offs_s
-    lse = tl.load(PartLse + row, mask=offs_s < S, other=float("-inf"))
-    m = tl.maximum(tl.max(lse, 0), -1.0e30)
-    w = tl.math.exp2(lse - m)  # [S_PAD]
-    o = tl.load(PartO + row.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :], mask=(offs_s < S)[:, None], other=0.0)
-    total = tl.sum(w, 0)
-    out = tl.sum(w[:, None] * o, 0) / tl.where(total == 0.0, 1.0, total)
+    m = tl.full([], -1.0e30, tl.float32)   # finite: all-empty splits (lse -inf) give weights exp2(-inf) = 0
+    total = tl.zeros([], tl.float32)
+    acc = tl.zeros([HEAD_DIM], tl.float32)
+    for s0 in range(0, S, S_CHUNK):
+        offs_s = s0 + tl.arange(0, S_CHUNK)
+        row = (b * HQ + h) * S + offs_s
+        lse = tl.load(PartLse + row, mask=offs_s < S, other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        w = tl.math.exp2(lse - m_new)  # [S_CHUNK]
+        o = tl.load(PartO + row.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :], mask=(offs_s < S)[:, None],
+                    other=0.0)
+        rescale = tl.math.exp2(m - m_new)
+        acc = acc * rescale + tl.sum(w[:, None] * o, 0)
+        total = total * rescale + tl.sum(w, 0)
+        m = m_new
+    out = acc / tl.where(total == 0.0, 1.0, total)
     tl.store(Out + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d * stride_od, out.to(Out.dtype.element_ty))
 
 
@@ -220,15 +231,22 @@ def _validate(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block_valid,
         raise ValueError(f"all tensors must be on one device; got {sorted(map(str, devices))}")
 
 
+_SM_COUNT: dict[int, int] = {}
+
+
 def default_num_splits(batch: int, kv_heads: int, nnz_blocks: int, device: torch.device) -> int:
-    """Enough programs to fill the GPU about twice (flash-decoding), never more splits than a request's
-    average block count; from host-known sizes only, so no device sync."""
+    """About four programs per SM (flash-decoding; on the H200, B=1, 8 KV heads, 16K-64K tokens, 66 splits
+    measured 1.13-1.35x faster than 33 and than 132: bench/README_attention.md), never more splits than a
+    request's average block count; from host-known sizes only, so no device sync."""
     if device.type == "cuda":
-        target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in _SM_COUNT:
+            _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+        target = 4 * _SM_COUNT[index]
     else:
         target = 4
     splits = triton.cdiv(target, batch * kv_heads)
-    return max(1, min(splits, nnz_blocks // max(batch, 1), 64))
+    return max(1, min(splits, nnz_blocks // max(batch, 1), 256))
 
 
 def decode_attention(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block_valid, block_offset, inv_freq,
@@ -248,10 +266,9 @@ def decode_attention(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block
         raise ValueError(f"num_splits={num_splits} must be >= 1")
     if out is None:
         out = torch.empty((bsz, hq, d), dtype=q.dtype, device=q.device)
-    if inv_freq is None:
-        turns = torch.zeros(1, dtype=torch.float64, device=q.device)
-    else:
-        turns = inv_freq.to(device=q.device, dtype=torch.float64) / (2.0 * math.pi)
+    # The kernel forms the fp64 turns (inv_freq / 2 pi) itself: no launches besides the split and merge kernels.
+    rope = inv_freq is not None
+    freq = inv_freq.to(q.device) if rope else q_offset   # any pointer when unused
     direct = splits == 1
     if direct:
         part_o = part_lse = out  # unused
@@ -260,18 +277,18 @@ def decode_attention(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block
         part_lse = torch.empty((bsz, hq, splits), dtype=torch.float32, device=q.device)
     _decode_split_kernel[(bsz, hkv, splits)](
         q, k_cache, v_cache, out, part_o, part_lse,
-        q_offset, kv_indptr, kv_indices, block_valid, block_offset, turns,
+        q_offset, kv_indptr, kv_indices, block_valid, block_offset, freq,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
         hq, splits, float(scale) * LOG2E,
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), BLOCK=block, BLOCK_N=min(block, BLOCK_N),
-        HEAD_DIM=d, ROPE=inv_freq is not None, DIRECT=direct,
+        HEAD_DIM=d, ROPE=rope, DIRECT=direct,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=4, num_stages=2,
     )
     if not direct:
         _decode_merge_kernel[(bsz, hq)](
             part_o, part_lse, out, *out.stride(), hq, splits,
-            S_PAD=triton.next_power_of_2(splits), HEAD_DIM=d, num_warps=4,
+            S_CHUNK=min(triton.next_power_of_2(splits), 128), HEAD_DIM=d, num_warps=4,
         )
     return out
 

@@ -136,7 +136,7 @@ def test_decode_after_prefill(dtype, hq, hkv, d, block, num_splits):
     check(inputs, want, scale, block, dtype, num_splits)
 
 
-@pytest.mark.parametrize("num_splits", [1, 5])
+@pytest.mark.parametrize("num_splits", [1, 5, 37])   # 37: more splits than blocks, some left empty
 def test_decode_generated_tokens(num_splits):
     """Second and third decode steps: the generated tokens form a new segment in an extra block per request."""
     gen = torch.Generator().manual_seed(7)
@@ -152,6 +152,15 @@ def test_offsets_beyond_65535(dtype):
                                n_generated=2)
     assert int(inputs["q_offset"].max()) > 200_000
     check(inputs, want, scale, 16, dtype, 3)
+
+
+def test_many_splits_merged_in_chunks():
+    """40 splits of about one block each: the merge combines the partials 16 at a time, rescaling what it holds
+    whenever a later chunk has a larger log-sum-exp."""
+    gen = torch.Generator().manual_seed(5)
+    requests = [[("prefix", 9), ("doc", 300), ("doc", 250), ("query", 40)], [("doc", 700), ("query", 5)]]
+    inputs, want, scale = case(requests, 16, 8, 2, 64, torch.float32, gen)
+    check(inputs, want, scale, 16, torch.float32, 40)
 
 
 def test_strided_cache_and_no_rope():
