@@ -236,8 +236,8 @@ _SM_COUNT: dict[int, int] = {}
 
 def default_num_splits(batch: int, kv_heads: int, nnz_blocks: int, device: torch.device) -> int:
     """About four programs per SM (flash-decoding; on the H200, B=1, 8 KV heads, 16K-64K tokens, 66 splits
-    measured 1.13-1.35x faster than 33 and than 132: bench/README_attention.md), never more splits than a
-    request's average block count; from host-known sizes only, so no device sync."""
+    measured 1.2-1.4x faster than 33 and 1.07-1.13x faster than 132: bench/README_attention.md), never more
+    splits than a request's average block count; from host-known sizes only, so no device sync."""
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
         if index not in _SM_COUNT:
