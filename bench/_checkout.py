@@ -39,3 +39,12 @@ def use_checkout() -> None:
         _map("sift", FOLDERS["sift"])
         _map("sift.kernels", FOLDERS["sift.kernels"])
         sys.meta_path.append(_Folders())
+
+
+def load_file(path: str, name: str):
+    """The Python module at `path` (e.g. a kernel file of an earlier commit, to time it next to this checkout's)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module   # registered first, as an import would (dataclasses look their module up)
+    spec.loader.exec_module(module)
+    return module

@@ -23,7 +23,7 @@ import pathlib
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-from _checkout import use_checkout  # noqa: E402
+from _checkout import load_file, use_checkout  # noqa: E402
 
 use_checkout()
 
@@ -74,14 +74,6 @@ def host_us(fn, n: int = 50) -> float:
         times.append((time.perf_counter() - t0) / n * 1e6)
         torch.cuda.synchronize()
     return sorted(times)[len(times) // 2]
-
-
-def _prev_decode():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("prev_decode", PREV_DECODE)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.decode_attention
 
 
 def queued_us(fn, n: int = 50) -> float:
@@ -261,7 +253,7 @@ def bench_decode_attention(context: int, dev: torch.device, gen: torch.Generator
     row["decode_attention_device_kv_GBps"] = kv_bytes / row["decode_attention_device_us"] / 1e3
     row["sdpa_device_kv_GBps"] = kv_bytes / row["sdpa_device_us"] / 1e3
     if PREV_DECODE:   # another decode_attention module (e.g. the previous commit's), same arguments
-        prev = _prev_decode()
+        prev = load_file(PREV_DECODE, "prev_decode").decode_attention
         row["prev_decode_attention_device_us"] = queued_us(lambda: prev(*args, scale=scale, block=BLOCK))
         row["prev_decode_attention_host_us"] = host_us(lambda: prev(*args, scale=scale, block=BLOCK))
     return row

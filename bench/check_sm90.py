@@ -43,11 +43,20 @@ if MASK not in ("a", "b"):
 
 @functools.lru_cache(maxsize=1)
 def _prev_launch():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("sm90_prev", PREV_KERNEL)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.launch
+    from _checkout import load_file
+    return load_file(PREV_KERNEL, "sm90_prev").launch
+
+
+def abba(row, tag, time_a, time_b):
+    """PAIRS pairs timed in the order A B B A (a drift of the clocks over a pair cancels): row[tag + "_paired"] =
+    the median of the per-pair ratios (A1 + A2) / (B1 + B2) - 1, row[tag + "_pairs"] = all of them."""
+    ratios = []
+    for _ in range(PAIRS):
+        a = time_a()
+        b = time_b() + time_b()
+        ratios.append((a + time_a()) / b)
+    row[f"{tag}_paired"] = round(sorted(ratios)[len(ratios) // 2] - 1, 4)
+    row[f"{tag}_pairs"] = [round(r - 1, 4) for r in ratios]
 
 
 @contextlib.contextmanager
@@ -212,19 +221,13 @@ def main():
                     if part == "q_only":   # keys untouched; the query tiles' cos / sin table still written
                         sa._rotate_key_blocks = lambda k_, bo, f_, bl, o_, cs=None: (
                             k_ if cs is None else (sa.cos_sin_table(bo, f_, out=cs), k_)[1])
-                    ratios = []
-                    for _ in range(PAIRS):
-                        t = {False: 0.0, True: 0.0}
-                        for f in (inv_freq, None, None, inv_freq):
-                            t[f is None] += (
-                                triton.testing.do_bench(call(cfg, f), warmup=10, rep=50, return_mode="median")
-                                if timer == "events" else
-                                triton.testing.do_bench_cudagraph(call(cfg, f), rep=50, return_mode="median"))
-                        ratios.append(t[False] / t[True])
+                    def timed(f, timer=timer):
+                        if timer == "events":
+                            return triton.testing.do_bench(call(cfg, f), warmup=10, rep=50, return_mode="median")
+                        return triton.testing.do_bench_cudagraph(call(cfg, f), rep=50, return_mode="median")
+                    abba(row, f"{name}/{part}_overhead{'_graph' if timer == 'graph' else ''}",
+                         lambda: timed(inv_freq), lambda: timed(None))
                     sa._rotate_key_blocks = rotate_key_blocks
-                    tag = f"{part}_overhead{'_graph' if timer == 'graph' else ''}"
-                    row[f"{name}/{tag}_paired"] = round(sorted(ratios)[len(ratios) // 2] - 1, 4)
-                    row[f"{name}/{tag}_pairs"] = [round(r - 1, 4) for r in ratios]
                 # Host time of one call (the GPU kept busy, so nothing waits on it).
                 for f in (inv_freq, None):
                     fn = call(cfg, f)
@@ -239,17 +242,11 @@ def main():
         # move by several percent between calls, more than the change being judged.
         if PREV_KERNEL:
             for f in (inv_freq, None):
-                ratios = []
-                for _ in range(PAIRS):
-                    t = {False: 0.0, True: 0.0}
-                    for prev in (False, True, True, False):
-                        with launch_with(prev=prev, k_stages=K_STAGES[0]):
-                            t[prev] += triton.testing.do_bench_cudagraph(call(GLUON, f), rep=50,
-                                                                         return_mode="median")
-                    ratios.append(t[False] / t[True])
-                tag = f"vs_prev_{'none' if f is None else 'rope'}_graph"
-                row[f"{tag}_paired"] = round(sorted(ratios)[len(ratios) // 2] - 1, 4)
-                row[f"{tag}_pairs"] = [round(r - 1, 4) for r in ratios]
+                def timed_vs_prev(prev, f=f):
+                    with launch_with(prev=prev, k_stages=K_STAGES[0]):
+                        return triton.testing.do_bench_cudagraph(call(GLUON, f), rep=50, return_mode="median")
+                abba(row, f"vs_prev_{'none' if f is None else 'rope'}_graph", lambda: timed_vs_prev(False),
+                     lambda: timed_vs_prev(True))
         kbuf = torch.empty_like(k)
         row["rotate_key_pass"] = round(triton.testing.do_bench(
             lambda: sa._rotate_key_blocks(k, lay["block_offset"], inv_freq, BLOCK, kbuf), warmup=25, rep=100,

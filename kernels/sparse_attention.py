@@ -50,11 +50,16 @@ ROPE_NONE, ROPE_ON_K, ROPE_ON_Q, ROPE_PRE = tl.constexpr(0), tl.constexpr(1), tl
 
 
 @triton.jit
-def _rope_cos_sin(delta, Turns, offs_h, FAST_TRIG: tl.constexpr, TURNS: tl.constexpr = False):
-    """cos, sin [D/2] fp32 of delta * inv_freq. Angle in fp64 turns, reduced to [-1/2, 1/2) before fp32: exact
-    at offsets of 200K and beyond. Turns (fp64 [D/2]) is read here (an L1/L2 hit, once per change of delta)
-    rather than held in registers across the loop; TURNS: Turns is the values themselves."""
-    t = delta.to(tl.float64) * (Turns if TURNS else tl.load(Turns + offs_h))
+def _rope_cos_sin(delta, Turns, offs_h, FAST_TRIG: tl.constexpr):
+    """cos, sin [D/2] fp32 of delta * inv_freq. Turns (fp64 [D/2]) is read here (an L1/L2 hit, once per change
+    of delta) rather than held in registers across the loop."""
+    return _cos_sin_of_turns(delta.to(tl.float64) * tl.load(Turns + offs_h), FAST_TRIG)
+
+
+@triton.jit
+def _cos_sin_of_turns(t, FAST_TRIG: tl.constexpr):
+    """cos, sin fp32 of the angles t (fp64, in turns), reduced to [-1/2, 1/2) before fp32: exact at offsets of
+    200K and beyond."""
     t = t - tl.floor(t + 0.5)
     angle = t.to(tl.float32) * 6.283185307179586
     # |angle| <= pi here, where the MUFU approximations are good to ~5e-7 (accurate libdevice sin/cos cost
@@ -79,9 +84,18 @@ def _rotate(x1, x2, cos, sin):
 
 
 @triton.jit
-def _turns_of(InvFreq, offs_h):
-    """fp64 turns (inv_freq / 2 pi) formed in the kernel, as `_turns` does on the host (no extra launches)."""
-    return tl.load(InvFreq + offs_h).to(tl.float64) / 6.283185307179586
+def _block_cos_sin(BlockOffset, InvFreq, b, offs_h, FAST_TRIG: tl.constexpr):
+    """cos, sin [D/2] of block b's offset, the fp64 turns (inv_freq / 2 pi, as `_turns` forms them on the host)
+    made here: no extra launches."""
+    turns = tl.load(InvFreq + offs_h).to(tl.float64) / 6.283185307179586
+    return _cos_sin_of_turns(tl.load(BlockOffset + b).to(tl.float64) * turns, FAST_TRIG)
+
+
+@triton.jit
+def _store_cos_sin(CosSin, b, offs_h, cos, sin, HALF: tl.constexpr):
+    """Row b of the table CosSin [NB, 2 * HALF] fp32: cos | sin."""
+    tl.store(CosSin + b * 2 * HALF + offs_h, cos)
+    tl.store(CosSin + b * 2 * HALF + HALF + offs_h, sin)
 
 
 @triton.jit
@@ -98,14 +112,13 @@ def _rotate_blocks_kernel(K, Out, BlockOffset, InvFreq, CosSin, stride_kh, strid
     dst = Out + h.to(tl.int64) * stride_oh + rows[:, None] * stride_on
     x1 = tl.load(src + offs_h[None, :] * stride_kd)
     x2 = tl.load(src + (offs_h + HALF)[None, :] * stride_kd)
-    cos, sin = _rope_cos_sin(tl.load(BlockOffset + b), _turns_of(InvFreq, offs_h), offs_h, FAST_TRIG, TURNS=True)
+    cos, sin = _block_cos_sin(BlockOffset, InvFreq, b, offs_h, FAST_TRIG)
     y1, y2 = _rotate(x1, x2, cos, sin)
     tl.store(dst + offs_h[None, :] * stride_od, y1)
     tl.store(dst + (offs_h + HALF)[None, :] * stride_od, y2)
     if WRITE_CS:
         if h == 0:
-            tl.store(CosSin + b * 2 * HALF + offs_h, cos)
-            tl.store(CosSin + b * 2 * HALF + HALF + offs_h, sin)
+            _store_cos_sin(CosSin, b, offs_h, cos, sin, HALF)
 
 
 @triton.jit
@@ -113,9 +126,8 @@ def _cos_sin_kernel(BlockOffset, InvFreq, CosSin, HALF: tl.constexpr, FAST_TRIG:
     """Row b of the table CosSin [NB, 2 * HALF] fp32: cos | sin of block_offset[b] * inv_freq (as the pass)."""
     b = tl.program_id(0)
     offs_h = tl.arange(0, HALF)
-    cos, sin = _rope_cos_sin(tl.load(BlockOffset + b), _turns_of(InvFreq, offs_h), offs_h, FAST_TRIG, TURNS=True)
-    tl.store(CosSin + b * 2 * HALF + offs_h, cos)
-    tl.store(CosSin + b * 2 * HALF + HALF + offs_h, sin)
+    cos, sin = _block_cos_sin(BlockOffset, InvFreq, b, offs_h, FAST_TRIG)
+    _store_cos_sin(CosSin, b, offs_h, cos, sin, HALF)
 
 
 def rotate_key_blocks(k: torch.Tensor, block_offset: torch.Tensor, inv_freq: torch.Tensor, *, block: int,
