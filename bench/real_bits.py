@@ -83,7 +83,9 @@ def main():
     torch.set_num_threads(args.threads)
 
     from sift.kernels.bits import la_nbytes, n_pages
-    from sift.pipeline import DEFAULT_MODEL, Profiler, content_hash, load_config, load_model
+    from sift.format import content_hash
+    from sift.model import DEFAULT_MODEL, load_model
+    from sift.pipeline import Profiler, load_config
     from sift.pipeline.index import FORMAT_VERSION
 
     cfg = load_config(tile=64)  # configs/default.toml (its tile is already 64)

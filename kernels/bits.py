@@ -5,23 +5,9 @@ CA: page j is bit j, same packing. Unused trailing bits are 0.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
-
-def n_pages(n_tokens: int, tile: int) -> int:
-    """P = ceil(L / T)."""
-    return -(-n_tokens // tile)
-
-
-def la_nbytes(n_tokens: int, tile: int) -> int:
-    p = n_pages(n_tokens, tile)
-    return math.ceil(p * (p + 1) // 2 / 8)
-
-
-def ca_nbytes(n_tokens: int, tile: int) -> int:
-    return math.ceil(n_pages(n_tokens, tile) / 8)
+from sift.format import ca_nbytes, la_nbytes, n_pages  # noqa: F401  (re-exported: the sizes of these vectors)
 
 
 def pack_msb(bits: torch.Tensor) -> torch.Tensor:

@@ -59,11 +59,11 @@ def build_main(corpus, out, config_path, model, tile, alpha, beta, gamma, ray_ad
 
 def summarize(path: str) -> dict:
     """What `sift-inspect --json` prints."""
-    from .index import IndexReader
+    from sift.format import IndexReader
 
     reader = IndexReader.open(path)
     m = reader.manifest
-    model = m["model"]
+    model = m.model.to_dict()
     t = reader.table(["n_tokens", "la_bits", "ca_bits", "la_density", "ca_density"])
     tokens = int(np.asarray(t["n_tokens"]).sum()) if t.num_rows else 0
     la_bytes = sum(len(b) for b in t["la_bits"].to_pylist())
@@ -73,17 +73,17 @@ def summarize(path: str) -> dict:
     la_density = np.asarray(t["la_density"].to_pylist(), dtype=np.float64) if t.num_rows else np.zeros((0, 0))
     ca_density = np.asarray(t["ca_density"].to_pylist(), dtype=np.float64) if t.num_rows else np.zeros((0, 0))
     errors = reader.errors()
-    last = m.get("last_build", {})
+    last = m.last_build
     return {
         "path": os.path.abspath(path),
-        "generation": m["generation"],
-        "created_at": m["created_at"],
+        "generation": m.generation,
+        "created_at": m.created_at,
         "model": {k: model[k] for k in ("name", "fingerprint", "n_layers", "n_heads", "n_kv_heads", "head_dim")},
-        "profile": {k: m["profile"][k] for k in ("tile", "alpha", "beta", "gamma", "ca_normalize", "dtype")},
-        "backends": m.get("backends", []),
+        "profile": {k: m.profile.get(k) for k in ("tile", "alpha", "beta", "gamma", "ca_normalize", "dtype")},
+        "backends": m.backends,
         "documents": t.num_rows,
         "tokens": tokens,
-        "shards": len(m["shards"]),
+        "shards": len(m.shards),
         "bits_bytes": la_bytes + ca_bytes,
         "la_bytes": la_bytes,
         "ca_bytes": ca_bytes,

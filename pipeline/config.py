@@ -18,7 +18,7 @@ from typing import Any
 
 from sift.errors import SiftError
 
-from .model import DEFAULT_MODEL
+from sift.model import DEFAULT_MODEL
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 

@@ -18,13 +18,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from sift import format as fmt
 from sift.errors import SiftError
+from sift.format import Manifest, content_hash
+from sift.model import DEFAULT_MODEL, ModelIdentity, fingerprint, resolve_model_dir
 
 from . import index as idx
 from .config import BuildConfig
 from .corpus import SourceDoc, list_sources, read_source, resolve_duplicates
-from .model import DEFAULT_MODEL, ModelIdentity, fingerprint, resolve_model_dir
-from .profiler import content_hash, profiling_prefix_ids
+from .profiler import profiling_prefix_ids
 
 log = logging.getLogger("sift.build")
 
@@ -137,7 +139,8 @@ class ProfileShardWriter:
         import torch
 
         from .config import load_config_dict
-        from .model import load_model
+        from sift.model import load_model
+
         from .profiler import Profiler
 
         cfg = load_config_dict(cfg_dict)
@@ -155,7 +158,7 @@ class ProfileShardWriter:
         self.profile_key = profile_key
 
     def __call__(self, batch: dict) -> dict:
-        rows = {name: [] for name in idx.DOCS_SCHEMA.names}
+        rows = {name: [] for name in fmt.DOCS_SCHEMA.names}
         err_ids, err_sources, err_reasons = [], [], []
         t0 = time.perf_counter()
         for doc_id, source, ids, digest in zip(batch["doc_id"], batch["source"], batch["token_ids"],
@@ -178,7 +181,7 @@ class ProfileShardWriter:
             rows["ca_density"].append(bits.ca_density)
         info = None
         if rows["doc_id"]:
-            table = pa.Table.from_pydict(rows, schema=idx.DOCS_SCHEMA)
+            table = pa.Table.from_pydict(rows, schema=fmt.DOCS_SCHEMA)
             info = idx.write_table(self.index_dir, table, kind="part", profile_key=self.profile_key,
                                    backend=self.profiler.backend_label)
         return {
@@ -223,34 +226,34 @@ def _actor_plan(ray, cfg: BuildConfig) -> dict:
 
 def _previous_rows(index_dir: Path, manifest: dict | None, profile_key: str) -> dict[tuple[str, str], str]:
     """(doc_id, content_hash) -> shard path for every reusable row of the previous generation."""
-    if manifest is None or manifest["profile"]["profile_key"] != profile_key:
+    if manifest is None or manifest.profile_key != profile_key:
         return {}
     rows = {}
-    for s in manifest["shards"]:
-        path = index_dir / s["path"]
+    for s in manifest.shards:
+        path = index_dir / s.path
         try:
-            if idx.sha256_file(path) != s["sha256"]:
+            if fmt.sha256_file(path) != s.sha256:
                 raise OSError("sha256 mismatch")
             t = pq.read_table(path, columns=["doc_id", "content_hash"])
         except OSError as e:
             log.warning("previous shard %s is unreadable (%s): its documents are re-profiled", path, e)
             continue
         for d, h in zip(t["doc_id"].to_pylist(), t["content_hash"].to_pylist()):
-            rows[(d, h)] = s["path"]
+            rows[(d, h)] = s.path
     return rows
 
 
 def _orphan_rows(index_dir: Path, manifest: dict | None, profile_key: str) -> dict[tuple[str, str], str]:
     """Rows in whole shards a killed build wrote (not in the manifest) with the same profile key."""
-    live = {s["path"] for s in (manifest or {}).get("shards", [])}
+    live = {s.path for s in manifest.shards} if manifest else set()
     rows = {}
-    for f in sorted((index_dir / idx.SHARDS).glob("part-*.parquet")):
-        rel = f"{idx.SHARDS}/{f.name}"
+    for f in sorted((index_dir / fmt.SHARDS).glob("part-*.parquet")):
+        rel = f"{fmt.SHARDS}/{f.name}"
         if rel in live:
             continue
         try:
             meta = pq.read_schema(f).metadata or {}
-            if meta.get(idx.PROFILE_KEY_META, b"").decode() != profile_key:
+            if meta.get(fmt.PROFILE_KEY_META, b"").decode() != profile_key:
                 continue
             t = pq.read_table(f, columns=["doc_id", "content_hash"])
         except Exception as e:  # a torn file cannot have its final name, but be safe
@@ -261,7 +264,7 @@ def _orphan_rows(index_dir: Path, manifest: dict | None, profile_key: str) -> di
     return rows
 
 
-def _assemble(index_dir: Path, wanted: dict[tuple[str, str], str], profile_key: str) -> list[idx.ShardInfo]:
+def _assemble(index_dir: Path, wanted: dict[tuple[str, str], str], profile_key: str) -> list[fmt.ShardInfo]:
     """Shards holding exactly the wanted reused rows: a shard whose rows are all wanted is kept byte for byte;
     otherwise its wanted rows are copied (bits unchanged) into a new shard."""
     by_shard: dict[str, set] = {}
@@ -283,7 +286,7 @@ def _assemble(index_dir: Path, wanted: dict[tuple[str, str], str], profile_key: 
             if m:
                 taken.add(p)
         meta = t.schema.metadata or {}
-        backend = meta.get(idx.BACKEND_META, b"").decode()
+        backend = meta.get(fmt.BACKEND_META, b"").decode()
         sub = t.filter(pa.array(keep)).replace_schema_metadata(None)
         out.append(idx.write_table(index_dir, sub, kind="part", profile_key=profile_key, backend=backend))
     return out
@@ -298,7 +301,7 @@ def run_build(corpus: str | Path, out: str | Path, cfg: BuildConfig, *, ray_addr
     model_dir = resolve_model_dir(cfg.model)
     idx.prepare_dir(index_dir)
     with idx.build_lock(index_dir):
-        prev = idx.read_manifest(index_dir)
+        prev = fmt.read_manifest(index_dir)
         from transformers import AutoConfig
 
         hf_config = AutoConfig.from_pretrained(model_dir)
@@ -308,7 +311,7 @@ def run_build(corpus: str | Path, out: str | Path, cfg: BuildConfig, *, ray_addr
         prefix_ids = profiling_prefix_ids(tokenizer, cfg.profile)
         max_tokens = cfg.corpus.max_tokens or (identity.max_position_embeddings - len(prefix_ids))
         max_tokens = min(max_tokens, identity.max_position_embeddings - len(prefix_ids))
-        profile_key = cfg.profile_key(identity.fingerprint, idx.FORMAT_VERSION)
+        profile_key = cfg.profile_key(identity.fingerprint, fmt.FORMAT_VERSION)
 
         ray = _init_ray(ray_address)
         import ray.data
@@ -363,12 +366,12 @@ def run_build(corpus: str | Path, out: str | Path, cfg: BuildConfig, *, ray_addr
         if prev is not None:
             prev_ids = {d for d, _ in _all_prev_pairs(index_dir, prev)}
             stats.deleted = len(prev_ids - live_ids)
-        if prev is not None and prev["profile"]["profile_key"] != profile_key:
+        if prev is not None and prev.profile_key != profile_key:
             stats.note = "profile or model changed: every document is re-profiled"
         echo(f"sift-build: {len(live)} documents ({stats.reused} unchanged, {stats.reused_orphans} recovered "
              f"from an interrupted build, {len(todo_keys)} to profile), {len(errors['doc_id'])} error rows")
 
-        new_shards: list[idx.ShardInfo] = []
+        new_shards: list[fmt.ShardInfo] = []
         backends = set()
         if todo_keys:
             plan = _actor_plan(ray, cfg)
@@ -383,7 +386,7 @@ def run_build(corpus: str | Path, out: str | Path, cfg: BuildConfig, *, ray_addr
             done = 0
             for row in results.iter_rows():
                 if row["shard"] is not None:
-                    info = idx.ShardInfo(**row["shard"])
+                    info = fmt.ShardInfo(**row["shard"])
                     new_shards.append(info)
                     backends.add(info.backend)
                     stats.tokens_profiled += int(row["tokens"])
@@ -401,33 +404,31 @@ def run_build(corpus: str | Path, out: str | Path, cfg: BuildConfig, *, ray_addr
         for s in kept:
             backends.add(s.backend)
         shards = kept + new_shards
-        err_table = pa.Table.from_pydict(errors, schema=idx.ERRORS_SCHEMA)
+        err_table = pa.Table.from_pydict(errors, schema=fmt.ERRORS_SCHEMA)
         err_info = idx.write_table(index_dir, err_table, kind="errors") if err_table.num_rows else None
 
-        stats.generation = (prev["generation"] if prev else 0) + 1
+        stats.generation = (prev.generation if prev else 0) + 1
         stats.documents = sum(s.rows for s in shards)
         stats.errors = err_table.num_rows
         stats.backends = sorted(b for b in backends if b)
         stats.seconds = time.perf_counter() - t_start
-        manifest = {
-            "format": idx.FORMAT,
-            "format_version": idx.FORMAT_VERSION,
-            "generation": stats.generation,
-            "created_at": idx.now_iso(),
-            "model": identity.to_dict(),
-            "profile": {**cfg.to_dict()["profile"], "prefix_token_ids": prefix_ids, "profile_key": profile_key},
-            "corpus": {"path": str(Path(corpus).resolve()), **cfg.to_dict()["corpus"], "max_tokens": max_tokens},
-            "backends": stats.backends,
-            "shards": [s.to_dict() for s in shards],
-            "errors": err_info.to_dict() if err_info else None,
-            "documents": stats.documents,
-            "tokens": _count_tokens(index_dir, shards),
-            "last_build": stats.to_dict(),
-        }
+        manifest = Manifest(
+            generation=stats.generation,
+            created_at=idx.now_iso(),
+            model=identity,
+            profile={**cfg.to_dict()["profile"], "prefix_token_ids": prefix_ids, "profile_key": profile_key},
+            corpus={"path": str(Path(corpus).resolve()), **cfg.to_dict()["corpus"], "max_tokens": max_tokens},
+            backends=stats.backends,
+            shards=shards,
+            errors=err_info,
+            documents=stats.documents,
+            tokens=_count_tokens(index_dir, shards),
+            last_build=stats.to_dict(),
+        )
         idx.commit_manifest(index_dir, manifest)
         keep = {s.path for s in shards} | ({err_info.path} if err_info else set())
         if prev:  # readers that opened the previous generation may still be reading its files
-            keep |= {s["path"] for s in prev["shards"]} | ({prev["errors"]["path"]} if prev.get("errors") else set())
+            keep |= {s.path for s in prev.files()}
         idx.collect_garbage(index_dir, keep)
         return stats
 
@@ -447,15 +448,15 @@ class _KeyFilter:
 
 def _all_prev_pairs(index_dir: Path, manifest: dict) -> set[tuple[str, str]]:
     pairs = set()
-    for s in manifest["shards"]:
+    for s in manifest.shards:
         try:
-            t = pq.read_table(index_dir / s["path"], columns=["doc_id", "content_hash"])
+            t = pq.read_table(index_dir / s.path, columns=["doc_id", "content_hash"])
         except OSError:
             continue
         pairs |= set(zip(t["doc_id"].to_pylist(), t["content_hash"].to_pylist()))
     return pairs
 
 
-def _count_tokens(index_dir: Path, shards: list[idx.ShardInfo]) -> int:
+def _count_tokens(index_dir: Path, shards: list[fmt.ShardInfo]) -> int:
     return sum(int(pc.sum(pq.read_table(index_dir / s.path, columns=["n_tokens"])["n_tokens"]).as_py() or 0)
                for s in shards)

@@ -9,25 +9,19 @@ the same probabilities) and "triton" (the fused statistics kernel; the output co
 """
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from sift.errors import SiftError
-from sift.kernels.attention_lse import LSE_CHOICES, AttentionWithLse
-from sift.kernels.bits import n_pages
-from sift.kernels.profile_ref import LayerBits, profile_layer_ref
+from sift.format import n_pages
+
+from ..kernels.attention_lse import LSE_CHOICES, AttentionWithLse
+from ..kernels.profile_ref import LayerBits, profile_layer_ref
 
 from .config import ProfileConfig
 
 ATTN_NAME = "sift_profile"
-
-
-def content_hash(token_ids) -> str:
-    """SPEC section 3: hex sha256 of the document's token ids as little-endian int32."""
-    return hashlib.sha256(np.asarray(token_ids, dtype="<i4").tobytes()).hexdigest()
 
 
 def profiling_prefix_ids(tokenizer, profile: ProfileConfig) -> list[int]:
@@ -112,7 +106,7 @@ def _profile_attention(module, query, key, value, attention_mask, scaling=None, 
         bits, out = profile_layer_ref(query[0], key[0], v=value[0], **args)
         out = out.transpose(0, 1).unsqueeze(0)
     else:
-        from sift.kernels.profile import profile_layer
+        from ..kernels.profile import profile_layer
 
         out, lse = _attention_with_lse(module, query, key, value, scaling, softcap, c.forward)
         bits, _ = profile_layer(query[0], key[0], lse=lse, **args)

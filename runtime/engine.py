@@ -35,13 +35,14 @@ from typing import Sequence
 import torch
 
 from sift.errors import SiftError
-from sift.kernels.block_indices import (DocBits, block_indices_layers, block_indices_ref, dense_block_indices,
-                                        dense_indptr)
-from sift.kernels.decode_attention import decode_attention, decode_attention_ref, layout_kv_table
-from sift.kernels.layout import BatchLayout, build_layout
-from sift.kernels.rope import apply_rope_ref, rope_inv_freq
-from sift.kernels.sparse_attention import BLOCKS, HEAD_DIMS, sparse_attention, sparse_attention_ref
-from sift.pipeline.profiler import content_hash
+from sift.format import content_hash
+
+from ..kernels.block_indices import (DocBits, block_indices_layers, block_indices_ref, dense_block_indices,
+                                     dense_indptr)
+from ..kernels.decode_attention import decode_attention, decode_attention_ref, layout_kv_table
+from ..kernels.layout import BatchLayout, build_layout
+from ..kernels.rope import apply_rope_ref, rope_inv_freq
+from ..kernels.sparse_attention import BLOCKS, HEAD_DIMS, sparse_attention, sparse_attention_ref
 
 from .store import SiftIndex
 

@@ -29,11 +29,12 @@ import pyarrow.parquet as pq
 import torch
 
 from sift.errors import SiftError
-from sift.kernels.bits import ca_nbytes, la_nbytes, n_pages, pack_msb
-from sift.kernels.block_indices import DocBits
-from sift.pipeline.index import IndexReader
-from sift.pipeline.model import fingerprint as model_fingerprint
-from sift.pipeline.model import resolve_model_dir
+from sift.format import IndexReader, Manifest, ca_nbytes, la_nbytes, n_pages
+from sift.model import fingerprint as model_fingerprint
+from sift.model import resolve_model_dir
+
+from ..kernels.bits import pack_msb
+from ..kernels.block_indices import DocBits
 
 _COLUMNS = ["doc_id", "content_hash", "n_tokens", "la_bits", "ca_bits"]
 _ON_UNKNOWN = ("error", "dense")
@@ -100,33 +101,23 @@ def _token_count(doc_id, n) -> int:
     return count
 
 
-def _manifest_field(manifest: dict, where: Path, *keys: str):
-    value = manifest
-    for i, key in enumerate(keys):
-        if not isinstance(value, dict) or key not in value:
-            raise SiftError(f"{where} has no {'.'.join(keys[: i + 1])}: the manifest is incomplete; rebuild the index")
-        value = value[key]
-    return value
-
-
 class SiftIndex:
     """A committed generation of a SIFT index, ready to serve (see the module docstring)."""
 
     def __init__(self, reader: IndexReader, *, hbm_budget_bytes: int, device: torch.device):
         m = reader.manifest
-        where = reader.root / "manifest.json"
         self.path: Path = reader.root
-        self.manifest: dict = m
-        self.generation: int = int(_manifest_field(m, where, "generation"))
-        self.tile: int = int(_manifest_field(m, where, "profile", "tile"))
-        self.prefix_token_ids: tuple[int, ...] = tuple(_manifest_field(m, where, "profile", "prefix_token_ids"))
-        self.fingerprint: str = str(_manifest_field(m, where, "model", "fingerprint"))
-        self.n_layers: int = int(_manifest_field(m, where, "model", "n_layers"))
-        self.n_heads: int = int(_manifest_field(m, where, "model", "n_heads"))
-        self.n_kv_heads: int = int(_manifest_field(m, where, "model", "n_kv_heads"))
-        self.head_dim: int = int(_manifest_field(m, where, "model", "head_dim"))
-        self.rope: dict = dict(_manifest_field(m, where, "model", "rope") or {})
-        self.model_name: str = str(m["model"].get("name", ""))
+        self.manifest: Manifest = m
+        self.generation: int = m.generation
+        self.tile: int = m.tile
+        self.prefix_token_ids: tuple[int, ...] = m.prefix_token_ids
+        self.fingerprint: str = m.model.fingerprint
+        self.n_layers: int = m.model.n_layers
+        self.n_heads: int = m.model.n_heads
+        self.n_kv_heads: int = m.model.n_kv_heads
+        self.head_dim: int = m.model.head_dim
+        self.rope: dict = m.model.rope
+        self.model_name: str = m.model.name
         self.device = device
         self.budget_bytes = int(hbm_budget_bytes)
         self._load(reader)
@@ -157,8 +148,8 @@ class SiftIndex:
     def _load(self, reader: IndexReader) -> None:
         ids, hashes, n_tok, la_chunks, ca_chunks = [], [], [], [], []
         vectors = self.n_layers * self.n_heads
-        for shard in reader.manifest["shards"]:
-            where = reader.root / shard["path"]
+        for shard in reader.manifest.shards:
+            where = reader.root / shard.path
             try:
                 table = pq.read_table(where, columns=_COLUMNS)
             except (OSError, pa.ArrowException) as e:

@@ -7,7 +7,7 @@ from sift.pipeline.corpus import SAMPLE_CORPUS
 
 @functools.lru_cache(maxsize=None)
 def _load(attn_implementation: str):
-    from sift.pipeline.model import DEFAULT_MODEL, load_model
+    from sift.model import DEFAULT_MODEL, load_model
 
     model, tokenizer, _ = load_model(DEFAULT_MODEL, attn_implementation=attn_implementation)
     return model, tokenizer

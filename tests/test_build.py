@@ -13,7 +13,7 @@ import pytest
 
 from sift.errors import SiftError
 from sift.pipeline.config import load_config
-from sift.pipeline.index import IndexReader
+from sift.format import IndexReader
 from sift.pipeline.job import run_build
 
 from .helpers import wiki_texts
@@ -215,10 +215,10 @@ def test_sigkill_mid_build_then_resume_with_concurrent_reader(tmp_path):
             # A reader during the build always sees a whole committed generation.
             reader = IndexReader.open(index)
             t = reader.table(["doc_id"])
-            assert t.num_rows == reader.manifest["documents"]
+            assert t.num_rows == reader.manifest.documents
             seen_generations.add(reader.generation)
             new_parts = [p for p in (index / "shards").glob("part-*.parquet")
-                         if f"shards/{p.name}" not in {s["path"] for s in reader.manifest["shards"]}]
+                         if f"shards/{p.name}" not in {s.path for s in reader.manifest.shards}]
             if len(new_parts) >= 2:
                 break
             time.sleep(0.5)

@@ -19,11 +19,12 @@ from sift.kernels.bits import n_pages, pack_msb
 from sift.kernels.block_indices import block_indices_ref, dense_block_indices, pack_doc_bits
 from sift.kernels.layout import build_layout
 from sift.kernels.sparse_attention import sparse_attention_ref
+from sift import format as fmt
 from sift.pipeline import index as idx
-from sift.pipeline.model import DEFAULT_MODEL, fingerprint, resolve_model_dir
-from sift.pipeline.profiler import content_hash
+from sift.model import DEFAULT_MODEL, fingerprint, resolve_model_dir
+from sift.format import content_hash
 from sift.runtime import Request, SiftEngine, SiftIndex
-from sift.runtime.demo import QUERY, SYSTEM
+from sift.demo import QUERY, SYSTEM
 from sift.runtime.engine import sparse_attention_torch
 
 from .helpers import smollm2
@@ -64,11 +65,11 @@ def write_index(root: Path, model, fp: str, docs: dict[str, list[int]], *, tile:
                          source="test", la_density=[0.0] * cfg.num_hidden_layers,
                          ca_density=[0.0] * cfg.num_hidden_layers))
     idx.prepare_dir(root)
-    info = idx.write_table(root, pa.Table.from_pylist(rows, schema=idx.DOCS_SCHEMA), kind="part",
+    info = idx.write_table(root, pa.Table.from_pylist(rows, schema=fmt.DOCS_SCHEMA), kind="part",
                            profile_key="test", backend="torch")
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     manifest = {
-        "format": idx.FORMAT, "format_version": idx.FORMAT_VERSION, "generation": 1, "created_at": idx.now_iso(),
+        "format": fmt.FORMAT, "format_version": fmt.FORMAT_VERSION, "generation": 1, "created_at": idx.now_iso(),
         "model": {"name": str(model.name_or_path), "fingerprint": fp, "model_type": cfg.model_type,
                   "n_layers": cfg.num_hidden_layers, "n_heads": cfg.num_attention_heads,
                   "n_kv_heads": cfg.num_key_value_heads, "head_dim": head_dim, "rope": {},
@@ -78,7 +79,7 @@ def write_index(root: Path, model, fp: str, docs: dict[str, list[int]], *, tile:
                     "prefix_token_ids": [], "profile_key": "test"},
         "shards": [info.to_dict()], "errors": None, "documents": len(rows),
     }
-    idx.commit_manifest(root, manifest)
+    idx.commit_manifest(root, fmt.Manifest.from_dict(manifest))
     return SiftIndex.open(root, device="cpu")
 
 

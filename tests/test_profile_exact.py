@@ -110,7 +110,7 @@ def test_local_model_folders_of_each_family(family, eager_model, tmp_path):
     bits (tiny random weights: this checks the plumbing and shapes, not attention patterns)."""
     from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    from sift.pipeline.model import load_model
+    from sift.model import load_model
 
     _, tokenizer = eager_model
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}[family]

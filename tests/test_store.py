@@ -12,9 +12,10 @@ import torch
 from sift.errors import SiftError
 from sift.kernels.bits import ca_nbytes, la_nbytes, n_pages, pack_msb
 from sift.kernels.block_indices import DocBits
+from sift import format as fmt
 from sift.pipeline import index as idx
-from sift.pipeline.model import fingerprint
-from sift.pipeline.profiler import content_hash
+from sift.model import fingerprint
+from sift.format import content_hash
 from sift.runtime.store import DocEntry, SiftIndex
 
 TILE, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 16, 3, 4, 2, 8
@@ -44,10 +45,10 @@ def make_index(root: Path, lengths: dict[str, int] = LENGTHS, *, shards: int = 2
     infos = []
     for s in range(shards):
         part = [rows[d] for d in ids[s::shards]]
-        table = pa.Table.from_pylist(part, schema=idx.DOCS_SCHEMA)
+        table = pa.Table.from_pylist(part, schema=fmt.DOCS_SCHEMA)
         infos.append(idx.write_table(root, table, kind="part", profile_key="k", backend="torch"))
     manifest = {
-        "format": idx.FORMAT, "format_version": idx.FORMAT_VERSION, "generation": 1, "created_at": idx.now_iso(),
+        "format": fmt.FORMAT, "format_version": fmt.FORMAT_VERSION, "generation": 1, "created_at": idx.now_iso(),
         "model": {"name": "stub-model", "fingerprint": fp, "model_type": "llama", "n_layers": LAYERS,
                   "n_heads": HEADS, "n_kv_heads": KV_HEADS, "head_dim": HEAD_DIM,
                   "rope": {"rope_type": "default", "rope_theta": 10000.0}, "max_position_embeddings": 2048},
@@ -56,7 +57,7 @@ def make_index(root: Path, lengths: dict[str, int] = LENGTHS, *, shards: int = 2
                     "prefix_token_ids": [1], "profile_key": "k"},
         "shards": [i.to_dict() for i in infos], "errors": None, "documents": len(rows),
     }
-    idx.commit_manifest(root, manifest)
+    idx.commit_manifest(root, fmt.Manifest.from_dict(manifest))
     return rows
 
 

