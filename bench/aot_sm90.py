@@ -1,41 +1,40 @@
-"""Compile `_sparse_attn_fwd` for sm_90 without a GPU and print registers, spills and shared memory per config.
+"""Compile the attention kernels for sm_90 without a GPU and print registers, spills and shared memory.
 
-    python bench/aot_sm90.py                       # the default configs, RoPE modes "pre" / "k" and pre-rotated
-    python bench/aot_sm90.py 128,8,2,pre,0,1 128,8,3,k   # block_n,warps,stages,rope_on[,q_reload,pre_via_out]
-    python bench/aot_sm90.py gluon                 # the Gluon Hopper kernel (kernels/sparse_attention_sm90.py)
+    python bench/aot_sm90.py          # the tl kernel: default configs at block 128 ("pre") and 64 ("k"), with
+                                      # RoPE and with pre-rotated keys
+    python bench/aot_sm90.py gluon    # the Gluon Hopper kernel (kernels/sparse_attention_sm90.py)
 
 Uses Triton's own ptxas (shipped in the wheel) on the PTX the JIT would build for an H100/H200 (bf16, head_dim
-128, block 128, GQA 4, unit last strides, 16-divisible pointers and strides). A spill in the steady loop or a
-shared-memory total over 227 KiB shows here before any GPU time is spent; speed still needs the GPU.
+128, GQA 4, unit last strides, 16-divisible pointers and strides). A spill in the steady loop or a shared-memory
+total over 227 KiB shows here before any GPU time is spent; speed still needs the GPU.
 """
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-os.environ.pop("TRITON_INTERPRET", None)
-ROOT = Path(__file__).resolve().parents[1]
-from _checkout import use_checkout  # noqa: E402
-
-use_checkout()
-from sift.kernels import sparse_attention as sa  # noqa: E402
+os.environ.pop("TRITON_INTERPRET", None)   # before triton is imported: compile, do not interpret
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from sift.kernels import sparse_attention_sm90 as sm90  # noqa: E402
+from sift.kernels import sparse_attention_tl as tlk  # noqa: E402
+
 POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16", "Indptr": "*i32", "RowEnd": "*i32",
-            "Indices": "*i32", "BlockValid": "*i32", "BlockOffset": "*i32", "QTokStart": "*i32", "Turns": "*fp64"}
-ROPE = {None: sa.ROPE_NONE.value, "k": sa.ROPE_ON_K.value, "q": sa.ROPE_ON_Q.value, "pre": sa.ROPE_PRE.value}
+            "Indices": "*i32", "BlockValid": "*i32", "BlockOffset": "*i32", "QTokStart": "*i32", "InvFreq": "*fp32"}
+ROPE = {None: tlk.ROPE_NONE.value, "k": tlk.ROPE_ON_K.value, "pre": tlk.ROPE_PRE.value}
 
 
-def compile_sm90(cfg: sa.KernelConfig, rope_on: str | None, *, head_dim: int = 128, block: int = 128,
-                 group: int = 4, q_tokens: bool = False):
-    fn = sa._sparse_attn_fwd
+def compile_tl(cfg: tlk.AttentionConfig, rope_on: str | None, *, block: int, head_dim: int = 128, group: int = 4,
+               q_tokens: bool = False):
+    """The tl kernel `_sparse_attn_fwd` compiled for sm_90 with launch parameters cfg (rope_on None: pre-rotated)."""
+    fn = tlk._sparse_attn_fwd
     sig, attrs, const = {}, {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in POINTERS:
@@ -48,9 +47,8 @@ def compile_sm90(cfg: sa.KernelConfig, rope_on: str | None, *, head_dim: int = 1
             sig[name] = "i32"
         elif name == "qk_scale":
             sig[name] = "fp32"
-    const.update(GROUP=group, BLOCK=block, BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, ROPE=ROPE[rope_on],
-                 Q_RELOAD=cfg.q_reload, Q_TOKENS=q_tokens, PRE_VIA_OUT=cfg.pre_via_out, DOT_PRECISION="tf32",
-                 FAST_TRIG=True)
+    const.update(GROUP=group, BLOCK=block, HEAD_DIM=head_dim, ROPE=ROPE[rope_on], Q_TOKENS=q_tokens,
+                 DOT_PRECISION="tf32", FAST_TRIG=True)
     missing = set(fn.arg_names) - set(sig) - set(const)
     if missing:
         raise SystemExit(f"aot_sm90.py does not know the kernel arguments {sorted(missing)}: update POINTERS")
@@ -75,27 +73,23 @@ def ptxas_report(ptx: str) -> str:
             f"{spill.group(2) if spill else '?'} B loaded")
 
 
-def main(argv: list[str]) -> None:
-    if argv == ["gluon"]:  # the warp-specialised Hopper kernel (kernels/sparse_attention_sm90.py)
-        from sift.kernels import sparse_attention_sm90 as sm90
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("kernel", nargs="?", choices=("tl", "gluon"), default="tl", help="which kernel to compile")
+    args = ap.parse_args()
+    if args.kernel == "gluon":
         for rope, q_tokens in ((True, True), (False, False)):
             kernel = sm90.compile_for_sm90(rope=rope, q_tokens=q_tokens)
             print(f"gluon rope={rope} q_tokens={q_tokens}: shared memory {kernel.metadata.shared} B, "
                   f"{ptxas_report(kernel.asm['ptx'])}", flush=True)
         return
-    if argv:
-        configs = []
-        for spec in argv:
-            f = spec.split(",")
-            configs.append(sa.KernelConfig(int(f[0]), int(f[1]), int(f[2]), f[3], *(x == "1" for x in f[4:])))
-    else:
-        configs = [sa.default_config(128, 128), sa.KernelConfig(128, 8, 2, "k")]
-    for cfg in configs:
+    for block in (128, 64):
+        cfg = tlk.default_config(block)
         for rope_on in (cfg.rope_on, None):
-            kernel = compile_sm90(cfg, rope_on)
-            print(f"{cfg} rope={rope_on}: shared memory {kernel.metadata.shared} B, {ptxas_report(kernel.asm['ptx'])}",
-                  flush=True)
+            kernel = compile_tl(cfg, rope_on, block=block)
+            print(f"tl block={block} {cfg} rope={rope_on}: shared memory {kernel.metadata.shared} B, "
+                  f"{ptxas_report(kernel.asm['ptx'])}", flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

@@ -9,32 +9,28 @@
 
 Every GPU result is checked against its reference before it is timed. Times are triton.testing.do_bench medians
 in microseconds; `*_device_us` the same calls queued behind a GPU spin (host launch cost hidden), `*_host_us` the
-host's time per call. Writes $OUT/decode.json when $OUT is set. PARTS=index / attention runs one of the two;
-PREV_DECODE=<file> times another decode_attention module (e.g. the previous commit's) next to this one.
+host's time per call. Writes bench/results/decode.json.
 
-Run from the repository root: `python3 bench/bench_decode.py` (the package need not be installed).
+    python bench/bench_decode.py [--parts index,attention] [--contexts 16384,32768,65536] [--splits 8,16,...]
+
+Needs a CUDA GPU (no --smoke mode: the timers spin the GPU).
 """
 from __future__ import annotations
 
 import json
 import math
-import os
-import pathlib
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-from _checkout import load_file, use_checkout  # noqa: E402
-
-use_checkout()
+from common import parser, write_result
 
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
-from sift.kernels.bits import n_pages, pack_msb  # noqa: E402
+from sift.format import n_pages  # noqa: E402
+from sift.kernels.bits import pack_msb  # noqa: E402
 from sift.kernels.block_indices import (block_indices, block_indices_layers, block_indices_ref,  # noqa: E402
                                         dense_indptr, pack_doc_bits)
-from sift.runtime.engine import DECODE_GROUP_BYTES  # noqa: E402
 from sift.kernels.decode_attention import (  # noqa: E402
     decode_attention,
     decode_attention_ref,
@@ -43,8 +39,8 @@ from sift.kernels.decode_attention import (  # noqa: E402
 )
 from sift.kernels.layout import build_layout  # noqa: E402
 from sift.kernels.rope import apply_rope_ref  # noqa: E402
+from sift.runtime.backends import DECODE_GROUP_BYTES  # noqa: E402
 
-CONTEXTS = (16384, 32768, 65536)
 DOC_TOKENS, QUERY_TOKENS, PREFIX_TOKENS = 2048, 512, 1
 TILE, BLOCK = 64, 128
 HQ, HKV, HEAD_DIM = 32, 8, 128
@@ -52,9 +48,6 @@ N_LAYERS = 32  # layers of bits per document (the multi-layer decode groups cons
 LA_DENSITY, CA_DENSITY = 0.30, 0.06
 ROPE_THETA = 500000.0
 DTYPE = torch.bfloat16
-PARTS = os.environ.get("PARTS", "index,attention").split(",")   # which of the two benchmarks to run
-PREV_DECODE = os.environ.get("PREV_DECODE")   # a decode_attention module file to time next to this one
-SPLITS_SWEEP = [int(x) for x in os.environ.get("SPLITS", "8,16,33,66,132,264").split(",")]   # num_splits timed
 
 
 def bench(fn) -> float:
@@ -144,7 +137,6 @@ def bench_index_decode(context: int, dev: torch.device, gen: torch.Generator) ->
         raise AssertionError(f"one-pass block_indices differs from block_indices_ref at L={context}")
 
     sweep = {}  # launch shapes of the one-pass decode: heads per program, key blocks per step, warps
-    # run 7 also timed tl.range num_stages 2 / 3 on the step loop: 1.4-2.6x slower (removed).
     for hb, bj, nw in ((8, 64, 4), (4, 64, 4), (2, 64, 4), (1, 64, 4), (4, 128, 4), (2, 128, 4), (2, 64, 2),
                        (1, 64, 2), (1, 128, 4), (1, 32, 1), (2, 32, 1), (1, 16, 1), (2, 16, 1)):
         la, ca = bits.layer_ptrs(0)
@@ -193,7 +185,7 @@ def bench_index_decode(context: int, dev: torch.device, gen: torch.Generator) ->
     }
 
 
-def bench_decode_attention(context: int, dev: torch.device, gen: torch.Generator) -> dict:
+def bench_decode_attention(context: int, dev: torch.device, gen: torch.Generator, splits_sweep: list[int]) -> dict:
     n_docs = context // DOC_TOKENS
     requests = [[("prefix", PREFIX_TOKENS)] + [("doc", DOC_TOKENS)] * n_docs + [("query", QUERY_TOKENS)]]
     layout = build_layout(requests, BLOCK, device=dev)
@@ -248,51 +240,41 @@ def bench_decode_attention(context: int, dev: torch.device, gen: torch.Generator
         "sdpa_host_us": host_us(sdpa),
         "num_splits_sweep_device_us": {
             s_: queued_us(lambda s_=s_: decode_attention(*args, scale=scale, block=BLOCK, num_splits=s_))
-            for s_ in SPLITS_SWEEP},
+            for s_ in splits_sweep},
     }
     row["decode_attention_device_kv_GBps"] = kv_bytes / row["decode_attention_device_us"] / 1e3
     row["sdpa_device_kv_GBps"] = kv_bytes / row["sdpa_device_us"] / 1e3
-    if PREV_DECODE:   # another decode_attention module (e.g. the previous commit's), same arguments
-        prev = load_file(PREV_DECODE, "prev_decode").decode_attention
-        row["prev_decode_attention_device_us"] = queued_us(lambda: prev(*args, scale=scale, block=BLOCK))
-        row["prev_decode_attention_host_us"] = host_us(lambda: prev(*args, scale=scale, block=BLOCK))
     return row
 
 
 def main() -> None:
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_decode needs a CUDA GPU")
+    ap = parser(__doc__.splitlines()[0])
+    ap.add_argument("--parts", default="index,attention", help="benchmarks to run: index, attention")
+    ap.add_argument("--contexts", default="16384,32768,65536", help="context lengths (tokens), comma-separated")
+    ap.add_argument("--splits", default="8,16,33,66,132,264", help="num_splits values of the decode sweep")
+    args = ap.parse_args()
+    if args.smoke or not torch.cuda.is_available():
+        raise SystemExit("bench_decode.py needs a CUDA GPU (no --smoke mode)")
+    parts = args.parts.split(",")
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(0)
     results = []
-    for context in CONTEXTS:
+    for context in [int(x) for x in args.contexts.split(",")]:
         row = {"context": context}
-        if "index" in PARTS:
+        if "index" in parts:
             row.update(bench_index_decode(context, dev, gen))
-        if "attention" in PARTS:
-            row.update(bench_decode_attention(context, dev, gen))
+        if "attention" in parts:
+            row.update(bench_decode_attention(context, dev, gen, [int(x) for x in args.splits.split(",")]))
         results.append(row)
         print(json.dumps(row), flush=True)
-    report = {
-        "bench": "decode",
-        "device": torch.cuda.get_device_name(dev),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "setup": {
-            "batch": 1, "q_heads": HQ, "kv_heads": HKV, "head_dim": HEAD_DIM, "dtype": "bfloat16",
-            "tile": TILE, "block": BLOCK, "doc_tokens": DOC_TOKENS, "query_tokens": QUERY_TOKENS,
-            "prefix_tokens": PREFIX_TOKENS, "la_density": LA_DENSITY, "ca_density": CA_DENSITY,
-            "timer": "triton.testing.do_bench median, microseconds; *_device_us: queued behind a GPU spin "
-                     "(host launch cost hidden), median of 5 x 50 calls",
-        },
-        "results": results,
+    setup = {
+        "batch": 1, "q_heads": HQ, "kv_heads": HKV, "head_dim": HEAD_DIM, "dtype": "bfloat16",
+        "tile": TILE, "block": BLOCK, "doc_tokens": DOC_TOKENS, "query_tokens": QUERY_TOKENS,
+        "prefix_tokens": PREFIX_TOKENS, "la_density": LA_DENSITY, "ca_density": CA_DENSITY,
+        "timer": "triton.testing.do_bench median, microseconds; *_device_us: queued behind a GPU spin "
+                 "(host launch cost hidden), median of 5 x 50 calls",
     }
-    out = os.environ.get("OUT")
-    if out:
-        path = pathlib.Path(out) / "decode.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(report, indent=2))
-        print(f"wrote {path}")
+    write_result("decode", {"setup": setup, "results": results}, args.out)
 
 
 if __name__ == "__main__":

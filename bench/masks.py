@@ -36,7 +36,8 @@ from typing import NamedTuple
 
 import torch
 
-from sift.kernels.bits import ca_nbytes, la_nbytes, n_pages, pack_msb, unpack_msb
+from sift.format import ca_nbytes, la_nbytes, n_pages
+from sift.kernels.bits import pack_msb, unpack_msb
 from sift.kernels.block_indices import block_indices, block_indices_ref, pack_doc_bits
 from sift.kernels.layout import DOC, PREFIX, QUERY, BatchLayout, build_layout
 

@@ -4,8 +4,8 @@ The GPU builder runs each layer's attention anyway (its output continues the for
 also hands back the row log-sum-exp, the profiling kernel (`profile.profile_layer(lse=...)`) skips its own
 first pass. Two torch SDPA backends return it:
 
-* "cudnn": `aten._scaled_dot_product_cudnn_attention(..., compute_log_sumexp=True)`, the fastest dense
-  forward on Hopper (1.6x flash at 32K tokens, bench/README_profile.md); lse [B, H, L] or [B, H, L, 1];
+* "cudnn": `aten._scaled_dot_product_cudnn_attention(..., compute_log_sumexp=True)`, the faster dense
+  forward on Hopper at long contexts (`bench/bench_profile.py` times both); lse [B, H, L] or [B, H, L, 1];
 * "flash": `aten._scaled_dot_product_flash_attention`; lse [B, H, L].
 
 Both are private ops whose shapes and conventions are not part of torch's public API, so nothing is taken on

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import torch
 
-from sift.format import ca_nbytes, la_nbytes, n_pages  # noqa: F401  (re-exported: the sizes of these vectors)
-
 
 def pack_msb(bits: torch.Tensor) -> torch.Tensor:
     """bits: [..., n] bool -> [..., ceil(n / 8)] uint8, MSB-first, trailing bits 0."""

@@ -34,10 +34,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .bits import ca_nbytes, la_nbytes, n_pages, tril_to_square, unpack_msb
-from .layout import PREFIX, BatchLayout
+from sift.format import TILES, ca_nbytes, la_nbytes, n_pages
 
-TILES = (16, 32, 64, 128)
+from .bits import tril_to_square, unpack_msb
+from .layout import PREFIX, BatchLayout
 
 
 # --------------------------------------------------------------------------------------------------- bits
@@ -61,8 +61,8 @@ class DocBits:
     n_heads: int
 
     def all_layer_ptrs(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (la_ptr, ca_ptr): int64 [n_layers, n_docs, Hq]; [layer] is `layer_ptrs(layer)` without the four
-        small device ops per layer (measured as ~12 us of device time per layer on the H200)."""
+        """-> (la_ptr, ca_ptr): int64 [n_layers, n_docs, Hq]; [layer] is `layer_ptrs(layer)`, built once per
+        batch so that no layer pays `layer_ptrs`' four small device ops."""
         vec = torch.arange(self.n_layers * self.n_heads, device=self.la_base.device, dtype=torch.int64)
         vec = vec.view(self.n_layers, 1, self.n_heads)
         la = self.la_base[None, :, None] + vec * self.la_head_nbytes[None, :, None]
@@ -266,9 +266,9 @@ def _launch_shape(layout: BatchLayout, tile: int, n_heads: int, hb, block_j, num
     """(heads per program, key blocks per step, warps), defaults filled in."""
     r = layout.block // tile
     if layout.device.type == "cuda":
-        # H200 sweep (bench/results/decode-h200-2026-11-29-run4.json, tile 64, block 128): one head per program,
-        # 32 key blocks per step, one warp: 9.7 / 20.1 / 54.9 us at 16K / 32K / 64K against 11.2 / 23.4 / 61.4
-        # for 8 heads, 64 blocks, 4 warps (many small programs fill the GPU; each one's work is a short gather).
+        # One head per program, 32 key blocks per step, one warp: each program's work is a short dependent
+        # gather, so many small programs fill the GPU better than fewer large ones (bench/bench_decode.py
+        # sweeps these).
         hb = hb or 1
         return hb, block_j or max(8, min(32, 8192 // (hb * r * r))), num_warps or 1
     # the interpreter runs programs one after another: fewer, larger ones
@@ -355,7 +355,7 @@ def block_indices(
     la_bytes / ca_bytes: uint8 flat buffers; la_ptr / ca_ptr: int64 [n_docs, Hq] byte offset of each
     (document, head) vector, documents in layout order. Only indices[:indptr[-1]] is defined.
     heads_per_program: a power of two, query heads decoded by one program; block_j: key blocks per step;
-    num_warps. Defaults: tuned on the H200 for CUDA, fewer larger programs for the interpreter.
+    num_warps. Defaults: many small programs on CUDA, fewer larger ones for the interpreter (`_launch_shape`).
     """
     n_heads = _validate(layout, la_bytes, la_ptr, ca_bytes, ca_ptr, tile)
     if heads_per_program is not None and (heads_per_program < 1 or heads_per_program & (heads_per_program - 1)):

@@ -35,14 +35,16 @@ import torch
 import triton
 import triton.language as tl
 
+from sift.format import TILES
+
 from .layout import BatchLayout
-from .rope import apply_rope_ref
+from .numerics import LOG2E
+from .rope import _cos_sin, apply_rope_ref
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-BLOCKS = (16, 32, 64, 128)
-LOG2E = 1.4426950408889634
+BLOCKS = TILES
 # Key slots per step. From ptxas on sm_90 (bf16, D=128, GQA 4, 4 warps): 32 fits in ~200 registers without
-# spills; 64 spills. Not yet timed on a GPU (bench/bench_decode.py).
+# spills; 64 spills.
 BLOCK_N = 32
 
 
@@ -108,16 +110,11 @@ def _decode_split_kernel(
         if ROPE:
             off = tl.load(BlockOffset + kb)
             if off != cur_off:
-                # q' = R(-delta) q: q1' = q1 c + q2 s, q2' = q2 c - q1 s. Angle in fp64 turns, reduced to
-                # [-1/2, 1/2) before fp32, so offsets of 65K and far beyond stay exact.
+                # q' = R(-delta) q: q1' = q1 c + q2 s, q2' = q2 c - q1 s (angles as every kernel forms them,
+                # `rope._cos_sin`; accurate sin / cos: q is rotated once per segment, not per key block).
                 # Angles are formed on the whole [G_PAD, D/2] tile (each thread only its own elements) rather
                 # than on a [D/2] vector that every thread would hold whole: fewer registers at the peak.
-                turns = tl.load(InvFreq + offs_h[None, :] + 0 * offs_g[:, None]).to(tl.float64) / 6.283185307179586
-                t = (off - q_off).to(tl.float64) * turns
-                t = t - tl.floor(t + 0.5)
-                angle = t.to(tl.float32) * 6.283185307179586
-                cos = tl.cos(angle)
-                sin = tl.sin(angle)
+                cos, sin = _cos_sin(off - q_off, InvFreq, offs_h[None, :] + 0 * offs_g[:, None], False)
                 q1 = tl.load(q1_ptr, mask=g_ok[:, None], other=0.0).to(tl.float32)
                 q2 = tl.load(q2_ptr, mask=g_ok[:, None], other=0.0).to(tl.float32)
                 q1r = (q1 * cos + q2 * sin).to(K.dtype.element_ty)
@@ -236,7 +233,7 @@ _SM_COUNT: dict[int, int] = {}
 
 def default_num_splits(batch: int, kv_heads: int, nnz_blocks: int, device: torch.device) -> int:
     """About four programs per SM (flash-decoding; on the H200, B=1, 8 KV heads, 16K-64K tokens, 66 splits
-    measured 1.2-1.4x faster than 33 and 1.07-1.13x faster than 132: bench/README_attention.md), never more
+    measured 1.2-1.4x faster than 33 and 1.07-1.13x faster than 132: docs/design.md), never more
     splits than a request's average block count; from host-known sizes only, so no device sync."""
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()

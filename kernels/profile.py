@@ -38,10 +38,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .bits import ca_nbytes, la_nbytes, n_pages
-from .profile_ref import LayerBits, finish_bits, validate_profile_args
+from sift.format import ca_nbytes, la_nbytes, n_pages
 
-LOG2E = 1.4426950408889634
+from .numerics import LOG2E
+from .profile_ref import LayerBits, validate_profile_args
+
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -348,7 +349,7 @@ def _bits_kernel(
 
 
 @dataclass(frozen=True)
-class KernelConfig:
+class ProfileKernelConfig:
     """Launch parameters of one pass.
 
     block_m: query rows per block; block_n: keys per block. For the stats pass both are multiples of the
@@ -364,34 +365,35 @@ class KernelConfig:
     tma: bool = False  # stats pass: stream q blocks with TMA (Hopper+; pointer loads where q does not allow it)
 
 
-def default_configs(tile: int, head_dim: int, dtype: torch.dtype) -> tuple[KernelConfig, KernelConfig]:
+def default_configs(tile: int, head_dim: int,
+                    dtype: torch.dtype) -> tuple[ProfileKernelConfig, ProfileKernelConfig]:
     """(lse pass, stats pass) launch parameters; the interpreter ignores warps and stages.
 
-    16-bit, head_dim <= 128: 128 x 128 blocks in both passes and [queries, keys] scores in the stats pass,
-    the fastest of the H200 sweep at 16K tokens (bench/README_profile.md), now with q streamed by TMA
-    (compiled for sm_90: 162 registers, no spills, 332 instructions a steady-loop iteration per thread,
-    against 255 registers with spills and 397 for pointer loads; not yet timed, the sweep has both).
-    fp32 (IEEE dots on FMA units, for checks rather than speed): up to tile 64 both passes share one block shape and orientation, so a cell's
-    q.k comes out of the same instruction sequence in both and log2 A of a row's only key is exactly 0;
-    more warps for bigger blocks keep the unrolled FMA dot's compile time down. Shared memory (227 KiB on
-    Hopper, checked by compiling for sm_90) bounds blocks and stages for head_dim > 128.
+    16-bit, head_dim <= 128: 128 x 128 blocks and [queries, keys] scores; the stats pass streams q with TMA
+    (without it the steady loop spills registers) and, for tiles <= 64, uses 64 x 128 blocks with 4 warps, so
+    two programs share an SM and one's tensor-core work overlaps the other's ALU work (`bench/bench_profile.py`
+    sweeps these shapes). fp32 (IEEE dots on FMA units, for checks rather than speed): up to tile 64 both
+    passes share one block shape and orientation, so a cell's q.k comes out of the same instruction sequence in
+    both and log2 A of a row's only key is exactly 0; more warps for bigger blocks keep the unrolled FMA dot's
+    compile time down. Shared memory (227 KiB on Hopper) bounds blocks and stages for head_dim > 128.
     """
     wide = head_dim > 128
     if dtype == torch.float32:
         block = max(tile, 32)
-        stats = KernelConfig(block_m=block, block_n=block, num_warps={32: 4, 64: 8, 128: 16}[block], num_stages=2)
+        stats = ProfileKernelConfig(block_m=block, block_n=block, num_warps={32: 4, 64: 8, 128: 16}[block],
+                                    num_stages=2)
         if wide:
-            return KernelConfig(block_m=32, block_n=32, num_warps=4, num_stages=2), stats
-        return (stats if block <= 64 else KernelConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)), stats
+            return ProfileKernelConfig(block_m=32, block_n=32, num_warps=4, num_stages=2), stats
+        lse = stats if block <= 64 else ProfileKernelConfig(block_m=64, block_n=64, num_warps=8, num_stages=2)
+        return lse, stats
     if wide:
-        return (KernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=2),
-                KernelConfig(block_m=max(tile, 64), block_n=max(tile, 64), num_warps=8,
+        return (ProfileKernelConfig(block_m=64, block_n=64, num_warps=4, num_stages=2),
+                ProfileKernelConfig(block_m=max(tile, 64), block_n=max(tile, 64), num_warps=8,
                              num_stages=2 if tile <= 64 else 1, key_rows=True))
-    # H200 sweep at 16K (bench/results/profile-h200-2026-11-29-run2.json): 64 x 128 blocks, 4 warps, TMA for the
-    # stats pass 2.39 ms against 2.86 ms for 128 x 128 (0 bit flips); a 64-row block needs tile <= 64.
-    stats = (KernelConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, tma=True) if tile <= 64 else
-             KernelConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, tma=True))
-    return KernelConfig(block_m=128, block_n=128, num_warps=8, num_stages=3), stats
+    # A 64-row block holds whole tiles only for tile <= 64.
+    stats = (ProfileKernelConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, tma=True) if tile <= 64 else
+             ProfileKernelConfig(block_m=128, block_n=128, num_warps=8, num_stages=3, tma=True))
+    return ProfileKernelConfig(block_m=128, block_n=128, num_warps=8, num_stages=3), stats
 
 
 @dataclass(frozen=True)
@@ -450,7 +452,7 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
 
 
-def _launch_lse(q, k, *, n_prefix, scale, softcap, cfg: KernelConfig) -> torch.Tensor:
+def _launch_lse(q, k, *, n_prefix, scale, softcap, cfg: ProfileKernelConfig) -> torch.Tensor:
     """-> lse2 [Hq, L] fp32: log2-sum-exp2 of the document rows' scores in log2 units."""
     hq, lp, d = q.shape
     n_doc = lp - n_prefix
@@ -491,7 +493,7 @@ def _lse_input(lse: torch.Tensor | None, q, k, *, n_prefix, scale, softcap, cfg)
 
 
 def _launch_stats(q, k, lse: _Lse, key_counts, heads: range, *, n_prefix, tile, beta, scale, softcap,
-                  cfg: KernelConfig, zero_upper: bool = True) -> torch.Tensor:
+                  cfg: ProfileKernelConfig, zero_upper: bool = True) -> torch.Tensor:
     """Fills key_counts[heads] and returns tile_max [len(heads), P, P] fp32 (above the diagonal: 0 when
     zero_upper, else whatever the allocation held; the bits read only the lower triangle)."""
     hq, lp, d = q.shape
@@ -558,7 +560,7 @@ def _launch_bits(tile_max, key_counts, dense, la, ca, heads: range, *, n_doc, ti
         )
 
 
-def _configs(configs, tile, q, n_prefix) -> tuple[KernelConfig, KernelConfig]:
+def _configs(configs, tile, q, n_prefix) -> tuple[ProfileKernelConfig, ProfileKernelConfig]:
     if configs is None and q.dtype == torch.float32 and q.shape[-1] > 128 and tile == 128:
         raise ValueError(f"fp32 inputs with head_dim={q.shape[-1]} > 128 and tile=128 do not fit in shared "
                          "memory; profile in bf16 / fp16 or with a smaller tile")
@@ -584,7 +586,7 @@ def profile_stats(
     beta: float,
     softcap: float | None = None,
     lse: torch.Tensor | None = None,
-    configs: tuple[KernelConfig, KernelConfig] | None = None,
+    configs: tuple[ProfileKernelConfig, ProfileKernelConfig] | None = None,
 ) -> ProfileStats:
     """The statistics behind `profile_layer`'s bits, for every query head (tests, debugging, benchmarks).
 
@@ -621,8 +623,7 @@ def profile_layer(
     v: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     stats_bytes: int = 256 << 20,
-    configs: tuple[KernelConfig, KernelConfig] | None = None,
-    bits: str = "kernel",
+    configs: tuple[ProfileKernelConfig, ProfileKernelConfig] | None = None,
 ) -> tuple[LayerBits, None]:
     """One layer's SIFT bits for every query head, on the GPU; same meaning as `profile_layer_ref`.
 
@@ -633,12 +634,8 @@ def profile_layer(
        skips the first pass. Only the document rows are read.
     stats_bytes: budget for the [heads, P, P] fp32 tile maxima; heads are processed in chunks that fit it.
     configs: launch parameters (lse pass, stats pass); default `default_configs`.
-    bits: "kernel" (`_bits_kernel`) or "torch" (the reference's `finish_bits` on the same statistics: for
-       debugging, and for timing the path before the bits kernel); the two are equal bit for bit.
     Returns (LayerBits(la [Hq, ceil(P(P+1)/2/8)] uint8, ca [Hq, ceil(P/8)] uint8), None).
     """
-    if bits not in ("kernel", "torch"):
-        raise ValueError(f"bits={bits!r} must be 'kernel' or 'torch'")
     validate_profile_args(q, k, n_prefix=n_prefix, tile=tile, alpha=alpha, beta=beta, gamma=gamma,
                           ca_normalize=ca_normalize)
     _check_kernel_inputs(q, k, scale=scale, softcap=softcap, lse=lse, dense_heads=dense_heads, v=v)
@@ -660,13 +657,6 @@ def profile_layer(
         heads = range(h0, min(h0 + chunk, hq))
         tile_max = _launch_stats(q, k, lse_in, key_counts, heads, n_prefix=n_prefix, tile=tile, beta=beta,
                                  scale=scale, softcap=softcap, cfg=stats_cfg, zero_upper=False)
-        if bits == "kernel":
-            _launch_bits(tile_max, key_counts, dense, la, ca, heads, n_doc=n_doc, tile=tile, alpha=alpha,
-                         gamma=gamma, ca_normalize=ca_normalize, force_sink_page=force_sink_page)
-        else:
-            ref = finish_bits(tile_max, key_counts[heads.start:heads.stop], n_doc, tile=tile, alpha=alpha,
-                              gamma=gamma, ca_normalize=ca_normalize, force_sink_page=force_sink_page,
-                              dense_heads=sorted({int(h) - h0 for h in dense_heads if int(h) in heads}))
-            la[heads.start:heads.stop] = ref.la
-            ca[heads.start:heads.stop] = ref.ca
+        _launch_bits(tile_max, key_counts, dense, la, ca, heads, n_doc=n_doc, tile=tile, alpha=alpha,
+                     gamma=gamma, ca_normalize=ca_normalize, force_sink_page=force_sink_page)
     return LayerBits(la=la, ca=ca), None

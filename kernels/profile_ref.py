@@ -14,7 +14,9 @@ from typing import Sequence
 
 import torch
 
-from .bits import n_pages, pack_msb, square_to_tril
+from sift.format import TILES, n_pages
+
+from .bits import pack_msb, square_to_tril
 
 CA_NORMALIZE = ("causal", "key_index")
 
@@ -37,8 +39,8 @@ def validate_profile_args(q, k, *, n_prefix, tile, alpha, beta, gamma, ca_normal
         raise ValueError(f"query heads ({q.shape[0]}) must be a multiple of key heads ({k.shape[0]})")
     if not 0 <= n_prefix < q.shape[1]:
         raise ValueError(f"n_prefix={n_prefix} must leave at least one document token (length {q.shape[1]})")
-    if tile not in (16, 32, 64, 128):
-        raise ValueError(f"tile={tile} must be one of 16, 32, 64, 128")
+    if tile not in TILES:
+        raise ValueError(f"tile={tile} must be one of {', '.join(map(str, TILES))}")
     for name, value in (("alpha", alpha), ("beta", beta), ("gamma", gamma)):
         if not 0.0 <= value <= 1.0:
             raise ValueError(f"{name}={value} must lie in [0, 1]")

@@ -1,4 +1,5 @@
-"""RoPE parameters from a transformers config, and the torch reference rotation (SPEC section 5).
+"""RoPE for every kernel (SPEC section 5): the parameters from a transformers config, the angle arithmetic the
+Triton kernels share, the key pass and the cos / sin table, and their torch twins.
 
 The attention kernel applies a *relative* rotation by `delta = block_offset[kb] - block_offset[qb]` to each key
 tile; that is exact only when the rotation angle is linear in position, `angle = position * inv_freq`. The RoPE
@@ -13,6 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -102,3 +106,139 @@ def apply_rope_ref(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Ten
     x1, x2 = x64[..., :half], x64[..., half:]
     out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
     return out.to(x.dtype)
+
+
+# ---- angles in the kernels --------------------------------------------------------------------------------
+# Every kernel forms an angle the same way: turns = inv_freq / 2 pi in fp64, position * turns in fp64, reduced to
+# one period [-1/2, 1/2) before the cast to fp32. That keeps angles exact at offsets of 200K and beyond (an fp32
+# angle of 1.5e5 rad is good to ~0.01 rad), with a single fp32 sin / cos per element.
+
+
+@triton.jit
+def _cos_sin_of_turns(t, FAST_TRIG: tl.constexpr):
+    """cos, sin fp32 of the angles t (fp64, in turns), reduced to [-1/2, 1/2) before fp32."""
+    t = t - tl.floor(t + 0.5)
+    angle = t.to(tl.float32) * 6.283185307179586
+    # |angle| <= pi here, where the MUFU approximations are good to ~5e-7; accurate libdevice sin / cos cost
+    # thousands of cycles per tile.
+    if FAST_TRIG:
+        cos = libdevice.fast_cosf(angle)
+        sin = libdevice.fast_sinf(angle)
+    else:  # the interpreter has no MUFU functions
+        cos = tl.cos(angle)
+        sin = tl.sin(angle)
+    return cos, sin
+
+
+@triton.jit
+def _cos_sin(position, InvFreq, offs, FAST_TRIG: tl.constexpr):
+    """cos, sin fp32 of position * inv_freq[offs] (offs: any shape of indices into [D/2]). The fp64 turns are made
+    here from inv_freq, so a launch needs no host-side cast or division."""
+    turns = tl.load(InvFreq + offs).to(tl.float64) / 6.283185307179586
+    return _cos_sin_of_turns(position.to(tl.float64) * turns, FAST_TRIG)
+
+
+@triton.jit
+def _rotate(x1, x2, cos, sin):
+    """rotate_half RoPE of the halves x1, x2 [rows, D/2] by the angles (cos, sin) [D/2], in fp32."""
+    x1f = x1.to(tl.float32)
+    x2f = x2.to(tl.float32)
+    y1 = (x1f * cos[None, :] - x2f * sin[None, :]).to(x1.dtype)
+    y2 = (x2f * cos[None, :] + x1f * sin[None, :]).to(x1.dtype)
+    return y1, y2
+
+
+@triton.jit
+def _store_cos_sin(CosSin, b, offs_h, cos, sin, HALF: tl.constexpr):
+    """Row b of the table CosSin [NB, 2 * HALF] fp32: cos | sin."""
+    tl.store(CosSin + b * 2 * HALF + offs_h, cos)
+    tl.store(CosSin + b * 2 * HALF + HALF + offs_h, sin)
+
+
+@triton.jit
+def _rotate_blocks_kernel(K, Out, BlockOffset, InvFreq, CosSin, stride_kh, stride_kn, stride_kd, stride_oh,
+                          stride_on, stride_od, BLOCK: tl.constexpr, HALF: tl.constexpr, FAST_TRIG: tl.constexpr,
+                          WRITE_CS: tl.constexpr):
+    """Rows of block b of head h rotated by block_offset[b] (local -> logical positions). WRITE_CS: the head-0
+    programs also store the angles they used, row b of the table CosSin [NB, 2 * HALF] fp32 (cos | sin)."""
+    h = tl.program_id(0)
+    b = tl.program_id(1)
+    rows = (b * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    offs_h = tl.arange(0, HALF)
+    src = K + h.to(tl.int64) * stride_kh + rows[:, None] * stride_kn
+    dst = Out + h.to(tl.int64) * stride_oh + rows[:, None] * stride_on
+    x1 = tl.load(src + offs_h[None, :] * stride_kd)
+    x2 = tl.load(src + (offs_h + HALF)[None, :] * stride_kd)
+    cos, sin = _cos_sin(tl.load(BlockOffset + b), InvFreq, offs_h, FAST_TRIG)
+    y1, y2 = _rotate(x1, x2, cos, sin)
+    tl.store(dst + offs_h[None, :] * stride_od, y1)
+    tl.store(dst + (offs_h + HALF)[None, :] * stride_od, y2)
+    if WRITE_CS:
+        if h == 0:
+            _store_cos_sin(CosSin, b, offs_h, cos, sin, HALF)
+
+
+@triton.jit
+def _cos_sin_kernel(BlockOffset, InvFreq, CosSin, HALF: tl.constexpr, FAST_TRIG: tl.constexpr):
+    """Row b of the table CosSin [NB, 2 * HALF] fp32: cos | sin of block_offset[b] * inv_freq (as the pass)."""
+    b = tl.program_id(0)
+    offs_h = tl.arange(0, HALF)
+    cos, sin = _cos_sin(tl.load(BlockOffset + b), InvFreq, offs_h, FAST_TRIG)
+    _store_cos_sin(CosSin, b, offs_h, cos, sin, HALF)
+
+
+def rotate_key_blocks(k: torch.Tensor, block_offset: torch.Tensor, inv_freq: torch.Tensor, *, block: int,
+                      out: torch.Tensor | None = None, cos_sin: torch.Tensor | None = None) -> torch.Tensor:
+    """The key pass: k [Hkv, NB * block, D] at segment-local positions -> the same keys at logical positions
+    (every row of block b rotated by block_offset[b], int32 [NB]), in `out` (any strides) or a new contiguous
+    tensor. inv_freq: [D/2] float. cos_sin: optional fp32 [NB, D] that receives each block's angles (cos | sin,
+    the `cos_sin_table`), written by the same launch. Runs on CUDA or in the Triton interpreter.
+
+    The attention kernels take keys from this pass rather than rotating them per (query tile, key block): that
+    rotation costs a share of what the tensor cores need for the block's two products, once per (tile, block),
+    where the pass rotates each key block once per layer and costs about one copy of K."""
+    hkv, n, d = k.shape
+    if n % block or block_offset.shape != (n // block,) or inv_freq.shape != (d // 2,):
+        raise ValueError(f"k {tuple(k.shape)}, block_offset {tuple(block_offset.shape)}, inv_freq "
+                         f"{tuple(inv_freq.shape)} do not fit block={block}")
+    if out is None:
+        out = torch.empty((hkv, n, d), dtype=k.dtype, device=k.device)
+    _rotate_blocks_kernel[(hkv, n // block)](
+        k, out, block_offset, inv_freq.to(k.device), out if cos_sin is None else cos_sin, *k.stride(),
+        *out.stride(), BLOCK=block, HALF=d // 2, FAST_TRIG=k.device.type == "cuda", WRITE_CS=cos_sin is not None,
+        num_warps=4)
+    return out
+
+
+def rotate_key_blocks_ref(k: torch.Tensor, block_offset: torch.Tensor, inv_freq: torch.Tensor, *, block: int,
+                          out: torch.Tensor | None = None, cos_sin: torch.Tensor | None = None) -> torch.Tensor:
+    """Torch twin of `rotate_key_blocks` (same signature and result up to rounding; fp64 angles)."""
+    positions = block_offset.long().repeat_interleave(block)
+    result = apply_rope_ref(k, positions, inv_freq)
+    if cos_sin is not None:
+        cos_sin.copy_(cos_sin_table_ref(block_offset, inv_freq))
+    if out is None:
+        return result
+    out.copy_(result)
+    return out
+
+
+def cos_sin_table(block_offset: torch.Tensor, inv_freq: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 [NB, D]: row b = cos | sin of block_offset[b] * inv_freq ([D/2] float on block_offset's device),
+    angles as the kernels form them, in `out` if given. What the Gluon kernel rotates each query tile with."""
+    half = inv_freq.numel()
+    if out is None:
+        out = torch.empty((block_offset.numel(), 2 * half), dtype=torch.float32, device=block_offset.device)
+    _cos_sin_kernel[(block_offset.numel(),)](block_offset, inv_freq, out, HALF=half,
+                                             FAST_TRIG=block_offset.device.type == "cuda", num_warps=1)
+    return out
+
+
+def cos_sin_table_ref(block_offset: torch.Tensor, inv_freq: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Torch twin of `cos_sin_table` (fp64 angles, rounded to fp32)."""
+    cos, sin = rope_cos_sin(block_offset.long(), inv_freq)
+    table = torch.cat([cos, sin], dim=1).float()
+    if out is None:
+        return table
+    out.copy_(table)
+    return out

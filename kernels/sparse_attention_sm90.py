@@ -1,9 +1,9 @@
 """Hopper (sm_90) block-sparse prefill attention in Gluon: warp-specialised, TMA-fed, wgmma, persistent.
 
-The same computation as `sparse_attention._sparse_attn_fwd` with `rope_on="pre"` or pre-rotated keys (module
-docstring there: CSR rows of key blocks per (head, query block), causal diagonal block, padding never attended),
-written with explicit Hopper machinery because the tl kernel's single-partition FA2 loop stops at ~470 TFLOP/s
-dense on the H200 while cuDNN reaches ~600 (bench/README_attention.md):
+The computation of `sparse_attention` (module docstring there: CSR rows of key blocks per (head, query block),
+causal diagonal block, padding never attended) with keys at logical positions, written with explicit Hopper
+machinery because a single-partition FA2 loop in Triton's tile language stops well short of cuDNN's dense
+throughput on Hopper (docs/design.md):
 
   * one producer warp issues TMA loads: each tile's Q (two 64-row halves) into `q_raws`, then the K and V blocks
     listed by the tile's CSR row into rings of K_STAGES / STAGES buffers, signalled by mbarriers. K runs one
@@ -13,25 +13,22 @@ dense on the H200 while cuDNN reaches ~600 (bench/README_attention.md):
     in-warpgroup pipeline: S_j = Q K_j^T is issued asynchronously before O += P_{j-1} V_{j-1}, and the softmax
     of S_j runs while that product is in flight. While a tile's last P V runs, each moves its half of the next
     tile's Q to logical positions (RoPE by the query block's offset; keys arrive at logical positions from
-    `rotate_key_blocks`) from `q_raws` into `q_rots`, so no rotation sits at a tile's start;
+    `rope.rotate_key_blocks`) from `q_raws` into `q_rots`, so no rotation sits at a tile's start;
   * the grid is persistent (one CTA per SM) and dynamic: the producer draws the next tile (head, query block)
     from a global counter and hands its number to the consumers through shared memory, so a CTA that drew long
     rows takes fewer tiles, and it prefetches the next tile's Q and K while the consumers finish the current one.
     Tiles go KV head by KV head (the CTAs running at once share one KV head's K / V in L2), late query blocks (the
     longest rows) first (`_tile_coords`).
 
-Rotating the keys inside this kernel instead of the pass was built and measured (bench/README_attention.md,
-check_sm90 runs 10-13): the query tile rotated by -delta on each change of segment (rotations at 33-49% of mask
-(a)'s blocks) cost +15-21%, each key block rotated in shared memory by the two consumers one block ahead +54-67%:
-a 128 x 128 rotation on the CUDA cores costs a large share of what the tensor cores need for the block's two
-products, once per (tile, block), where the pass rotates each key block once per layer. Rotating each block once
-but inside this kernel, by an extra 2-warp partition in the background with per-KV-head ready counters the producer
-waits on (check_sm90 runs 16-19), was correct and no faster than the pass. Moving the Q rotation to a 2-warp
-partition of its own (Q double-buffered, rotated in place a tile ahead; 2026-11-30 run 1) was slower too.
+Keys come from the pass, not rotated in this kernel: rotating the query tile by -delta on each change of segment,
+or each key block in shared memory, costs a 128 x 128 rotation on the CUDA cores per (tile, block), a large share
+of what the tensor cores need for the block's two products, where the pass rotates each key block once per layer
+(about one copy of K). Rotating each block once inside this kernel, in a background partition, is no faster than
+the pass.
 
-Not runnable in the Triton interpreter: CI compiles it for sm_90 (tests/test_sparse_attention_sm90.py) and the
-H200 run compares it with `sparse_attention_ref` (bench/bench_attention.py). Supported: block 128, head_dim 128,
-fp16 / bf16; `supports()` says when, and `sparse_attention` falls back to the tl kernel otherwise.
+Not runnable in the Triton interpreter: CI compiles it for sm_90 (tests/test_sparse_attention_sm90.py) and
+bench/check_sm90.py compares it with `sparse_attention_ref` on a GPU. Supported: block 128, head_dim 128,
+fp16 / bf16; `supports()` says when, and `sparse_attention` picks the tl kernel otherwise.
 """
 from __future__ import annotations
 
@@ -43,8 +40,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from .numerics import LOG2E
+from .rope import rotate_key_blocks
+
 BLOCK = gl.constexpr(128)  # layout block = query rows per tile = key rows per K/V buffer
 ROWS = gl.constexpr(64)    # query rows per consumer warpgroup
+# Ring depths: K runs one block ahead of V, so its ring is one deeper (with the four Q half-buffers: 230 KB of
+# shared memory).
+K_STAGES = gl.constexpr(3)
+STAGES = gl.constexpr(2)
 _GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16}
 # Launch shape: the default partition (consumer warpgroup 0) has NUM_WARPS warps, plus a 4-warp consumer and a
 # 1-warp producer = 12 warps after rounding; MAXNREG * 384 threads fits the SM's 64K registers, and the
@@ -115,27 +119,20 @@ def _softmax_step(s, m_i, l_i, kb, qb, k_valid, offs_m, offs_n, qk_scale):
 
 
 @gluon.jit
-def _tile_coords(t, n_heads, NB, band, sec, GROUP: gl.constexpr):
-    """Tile t -> (query head, query block). Query blocks go in bands of `band` from the last (longest rows first:
-    a long row started late is a tail); inside a band, sections of `sec` KV heads, then query blocks from the
-    last, then the sec * GROUP query heads fastest. band = NB, sec = Hkv: every head of one query block together;
-    small sec: the CTAs running at once share few KV heads' K / V in L2."""
-    b = t // (band * n_heads)
-    r = t - b * band * n_heads
-    bsize = gl.minimum(band, NB - b * band)
-    width = sec * GROUP
-    sec_tiles = bsize * width
-    si = r // sec_tiles
-    r2 = r - si * sec_tiles
-    qb = NB - 1 - b * band - r2 // width
-    h = si * width + r2 % width
-    return h, qb
+def _tile_coords(t, NB, GROUP: gl.constexpr):
+    """Tile t -> (query head, query block): KV head by KV head (the CTAs running at once share one KV head's K / V
+    in L2), inside one the query blocks from the last (longest rows first: a long row started late is a tail),
+    the GROUP query heads of the KV head fastest."""
+    per_kv = NB * GROUP
+    kvh = t // per_kv
+    r = t - kvh * per_kv
+    return kvh * GROUP + r % GROUP, NB - 1 - r // GROUP
 
 
 @gluon.jit
-def _tile_row(t, Indptr, RowEnd, QTokStart, n_heads, NB, band, sec, GROUP: gl.constexpr, Q_TOKENS: gl.constexpr):
+def _tile_row(t, Indptr, RowEnd, QTokStart, n_heads, NB, GROUP: gl.constexpr, Q_TOKENS: gl.constexpr):
     """Tile t -> (head, query block, its CSR row's [start, end), the q / out row of the block's first slot)."""
-    h, qb = _tile_coords(t, n_heads, NB, band, sec, GROUP)
+    h, qb = _tile_coords(t, NB, GROUP)
     row = h * NB + qb
     if Q_TOKENS:
         q_row0 = gl.load(QTokStart + qb)
@@ -146,7 +143,7 @@ def _tile_row(t, Indptr, RowEnd, QTokStart, n_heads, NB, band, sec, GROUP: gl.co
 
 @gluon.jit
 def _next_tile(tcount, q_raws, q_rots, sched, cs_smem, q_ready, q_empty, Indptr, RowEnd, QTokStart,
-               n_heads, NB, band, sec, GROUP: gl.constexpr, ROPE: gl.constexpr, Q_TOKENS: gl.constexpr,
+               n_heads, NB, GROUP: gl.constexpr, ROPE: gl.constexpr, Q_TOKENS: gl.constexpr,
                WG: gl.constexpr, HEAD_DIM: gl.constexpr):
     """Take the next tile from the producer (its Q is usually in `q_raws` already: the producer runs ahead) and
     move this warpgroup's Q half to logical positions in `q_rots` (free: every S of the previous tile is done;
@@ -154,7 +151,7 @@ def _next_tile(tcount, q_raws, q_rots, sched, cs_smem, q_ready, q_empty, Indptr,
     mbarrier.wait(q_ready, tcount & 1)
     t, _ = _block_info(sched, tcount & 1)   # tile number (>= n_tiles: done)
     h, qb, start, end, q_row0 = _tile_row(gl.minimum(t, n_heads * NB - 1), Indptr, RowEnd, QTokStart, n_heads, NB,
-                                          band, sec, GROUP, Q_TOKENS)
+                                          GROUP, Q_TOKENS)
     if t < n_heads * NB:
         _rotate_q(q_raws.index(WG), q_rots.index(WG), cs_smem, ROPE, HEAD_DIM)
         fence_async_shared()
@@ -165,10 +162,9 @@ def _next_tile(tcount, q_raws, q_rots, sched, cs_smem, q_ready, q_empty, Indptr,
 
 @gluon.jit
 def _consumer(q_desc, k_desc, v_desc, bufs, bars, Out, Indptr, RowEnd, Indices, BlockValid, BlockOffset, QTokStart,
-              CosSin, Counter, n_heads, NB, n_q, n_k, band, sec, stride_oh, stride_on, qk_scale,
-              GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, K_STAGES: gl.constexpr, STAGES: gl.constexpr,
-              ROPE: gl.constexpr, Q_TOKENS: gl.constexpr, QHR: gl.constexpr, KHR: gl.constexpr,
-              DYNAMIC: gl.constexpr, WG: gl.constexpr):
+              CosSin, Counter, n_heads, NB, n_q, n_k, stride_oh, stride_on, qk_scale,
+              GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, ROPE: gl.constexpr, Q_TOKENS: gl.constexpr, QHR: gl.constexpr, KHR: gl.constexpr,
+              WG: gl.constexpr):
     q_raws, q_rots, k_bufs, v_bufs, kinfo, sched, cs_smem = bufs
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
     dtype: gl.constexpr = q_desc.dtype
@@ -187,7 +183,7 @@ def _consumer(q_desc, k_desc, v_desc, bufs, bars, Out, Indptr, RowEnd, Indices, 
     it = 0           # key blocks used so far (all tiles of this CTA, in the producer's order)
     tcount = 0
     t, h, qb, start, end, q_row0 = _next_tile(tcount, q_raws, q_rots, sched, cs_smem, q_ready, q_empty, Indptr,
-                                              RowEnd, QTokStart, n_heads, NB, band, sec, GROUP, ROPE,
+                                              RowEnd, QTokStart, n_heads, NB, GROUP, ROPE,
                                               Q_TOKENS, WG, HEAD_DIM)
     while t < n_heads * NB:
         q_valid = gl.load(BlockValid + qb)
@@ -235,14 +231,14 @@ def _consumer(q_desc, k_desc, v_desc, bufs, bars, Out, Indptr, RowEnd, Indices, 
             # While the last P V runs: the next tile's Q to logical positions (every S of this one is done).
             t_n, h_n, qb_n, start_n, end_n, q_row0_n = _next_tile(
                 tcount, q_raws, q_rots, sched, cs_smem, q_ready, q_empty, Indptr, RowEnd, QTokStart,
-                n_heads, NB, band, sec, GROUP, ROPE, Q_TOKENS, WG, HEAD_DIM)
+                n_heads, NB, GROUP, ROPE, Q_TOKENS, WG, HEAD_DIM)
             acc, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
             mbarrier.arrive(v_empty.index(prev), count=1)
             it += n
         else:
             t_n, h_n, qb_n, start_n, end_n, q_row0_n = _next_tile(
                 tcount, q_raws, q_rots, sched, cs_smem, q_ready, q_empty, Indptr, RowEnd, QTokStart,
-                n_heads, NB, band, sec, GROUP, ROPE, Q_TOKENS, WG, HEAD_DIM)
+                n_heads, NB, GROUP, ROPE, Q_TOKENS, WG, HEAD_DIM)
 
         l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
         l_o = gl.where(l_o == 0.0, 1.0, l_o)     # rows that saw no key (empty CSR row) stay 0
@@ -257,7 +253,7 @@ def _consumer(q_desc, k_desc, v_desc, bufs, bars, Out, Indptr, RowEnd, Indices, 
 
 
 @gluon.jit
-def _load_v(v_desc, v_bufs, v_ready, v_empty, pos, row, col, STAGES: gl.constexpr):
+def _load_v(v_desc, v_bufs, v_ready, v_empty, pos, row, col):
     """TMA of the V block at [row, col] into ring entry `pos` (waits for the entry's previous use to be done)."""
     vidx = pos % STAGES
     mbarrier.wait(v_empty.index(vidx), ((pos // STAGES) & 1) ^ 1)
@@ -267,10 +263,9 @@ def _load_v(v_desc, v_bufs, v_ready, v_empty, pos, row, col, STAGES: gl.constexp
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, bufs, bars, Out, Indptr, RowEnd, Indices, BlockValid, BlockOffset, QTokStart,
-              CosSin, Counter, n_heads, NB, n_q, n_k, band, sec, stride_oh, stride_on, qk_scale,
-              GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, K_STAGES: gl.constexpr, STAGES: gl.constexpr,
-              ROPE: gl.constexpr, Q_TOKENS: gl.constexpr, QHR: gl.constexpr, KHR: gl.constexpr,
-              DYNAMIC: gl.constexpr, WG: gl.constexpr):
+              CosSin, Counter, n_heads, NB, n_q, n_k, stride_oh, stride_on, qk_scale,
+              GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, ROPE: gl.constexpr, Q_TOKENS: gl.constexpr, QHR: gl.constexpr, KHR: gl.constexpr,
+              WG: gl.constexpr):
     q_raws, q_rots, k_bufs, v_bufs, kinfo, sched, cs_smem = bufs
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
@@ -281,7 +276,7 @@ def _producer(q_desc, k_desc, v_desc, bufs, bars, Out, Indptr, RowEnd, Indices, 
     tcount = 0
     t = gl.program_id(0)
     while t < n_tiles:
-        h, qb, start, end, q_row0 = _tile_row(t, Indptr, RowEnd, QTokStart, n_heads, NB, band, sec, GROUP, Q_TOKENS)
+        h, qb, start, end, q_row0 = _tile_row(t, Indptr, RowEnd, QTokStart, n_heads, NB, GROUP, Q_TOKENS)
         kvh = h // GROUP
         # Heads along rows (one [.., D] view, n_q / n_k rows per head) or along columns ([N, H * D] view).
         if QHR:
@@ -316,16 +311,14 @@ def _producer(q_desc, k_desc, v_desc, bufs, bars, Out, Indptr, RowEnd, Indices, 
             mbarrier.expect(k_ready.index(idx), k_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(k_desc, [k_r + kb * BLOCK, k_c], k_ready.index(idx), k_bufs.index(idx))
             if e > start:
-                _load_v(v_desc, v_bufs, v_ready, v_empty, it - 1, k_r + kb_prev * BLOCK, k_c, STAGES)
+                _load_v(v_desc, v_bufs, v_ready, v_empty, it - 1, k_r + kb_prev * BLOCK, k_c)
             kb_prev = kb
             it += 1
         if end > start:
-            _load_v(v_desc, v_bufs, v_ready, v_empty, it - 1, k_r + kb_prev * BLOCK, k_c, STAGES)
+            _load_v(v_desc, v_bufs, v_ready, v_empty, it - 1, k_r + kb_prev * BLOCK, k_c)
         tcount += 1
-        if DYNAMIC:   # next tile from the global counter: a CTA that drew long rows takes fewer tiles
-            t = gl.num_programs(0) + gl.atomic_add(Counter, 1)
-        else:
-            t += gl.num_programs(0)
+        # Next tile from the global counter: a CTA that drew long rows takes fewer tiles.
+        t = gl.num_programs(0) + gl.atomic_add(Counter, 1)
     mbarrier.wait(q_empty, (tcount & 1) ^ 1)
     sched.index(tcount & 1).store(gl.where(r2 == 0, t, 0))
     mbarrier.arrive(q_ready, count=1)   # no Q: the consumers read t >= n_tiles and stop
@@ -333,10 +326,8 @@ def _producer(q_desc, k_desc, v_desc, bufs, bars, Out, Indptr, RowEnd, Indices, 
 
 @gluon.jit
 def _sparse_attn_fwd_sm90(q_desc, k_desc, v_desc, Out, Indptr, RowEnd, Indices, BlockValid, BlockOffset, QTokStart,
-                          CosSin, Counter, n_heads, NB, n_q, n_k, band, sec, stride_oh, stride_on, qk_scale,
-                          GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, K_STAGES: gl.constexpr, STAGES: gl.constexpr,
-                          ROPE: gl.constexpr, Q_TOKENS: gl.constexpr, QHR: gl.constexpr, KHR: gl.constexpr,
-                          DYNAMIC: gl.constexpr):
+                          CosSin, Counter, n_heads, NB, n_q, n_k, stride_oh, stride_on, qk_scale,
+                          GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, ROPE: gl.constexpr, Q_TOKENS: gl.constexpr, QHR: gl.constexpr, KHR: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
     q_raws = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], q_desc.layout)   # as loaded, per half
     q_rots = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], q_desc.layout)   # at logical positions
@@ -365,14 +356,14 @@ def _sparse_attn_fwd_sm90(q_desc, k_desc, v_desc, Out, Indptr, RowEnd, Indices, 
     bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty)
     gl.warp_specialize([
         (_consumer, (q_desc, k_desc, v_desc, bufs, bars, Out, Indptr, RowEnd, Indices, BlockValid, BlockOffset,
-                     QTokStart, CosSin, Counter, n_heads, NB, n_q, n_k, band, sec, stride_oh, stride_on, qk_scale,
-                     GROUP, HEAD_DIM, K_STAGES, STAGES, ROPE, Q_TOKENS, QHR, KHR, DYNAMIC, 0)),
+                     QTokStart, CosSin, Counter, n_heads, NB, n_q, n_k, stride_oh, stride_on, qk_scale,
+                     GROUP, HEAD_DIM, ROPE, Q_TOKENS, QHR, KHR, 0)),
         (_consumer, (q_desc, k_desc, v_desc, bufs, bars, Out, Indptr, RowEnd, Indices, BlockValid, BlockOffset,
-                     QTokStart, CosSin, Counter, n_heads, NB, n_q, n_k, band, sec, stride_oh, stride_on, qk_scale,
-                     GROUP, HEAD_DIM, K_STAGES, STAGES, ROPE, Q_TOKENS, QHR, KHR, DYNAMIC, 1)),
+                     QTokStart, CosSin, Counter, n_heads, NB, n_q, n_k, stride_oh, stride_on, qk_scale,
+                     GROUP, HEAD_DIM, ROPE, Q_TOKENS, QHR, KHR, 1)),
         (_producer, (q_desc, k_desc, v_desc, bufs, bars, Out, Indptr, RowEnd, Indices, BlockValid, BlockOffset,
-                     QTokStart, CosSin, Counter, n_heads, NB, n_q, n_k, band, sec, stride_oh, stride_on, qk_scale,
-                     GROUP, HEAD_DIM, K_STAGES, STAGES, ROPE, Q_TOKENS, QHR, KHR, DYNAMIC, 0)),
+                     QTokStart, CosSin, Counter, n_heads, NB, n_q, n_k, stride_oh, stride_on, qk_scale,
+                     GROUP, HEAD_DIM, ROPE, Q_TOKENS, QHR, KHR, 0)),
     ], [4, 1], [240, 24])
 
 
@@ -409,55 +400,55 @@ _SM_COUNT: dict[int, int] = {}
 _NO_TABLE: dict[int, torch.Tensor] = {}
 
 
-def launch(q, k, v, out, indptr, row_end, indices, block_valid, block_offset, tok_start, inv_freq, *, scale_log2: float,
-           rope: bool, q_tokens: bool, cos_sin: torch.Tensor | None = None, stages: int = 2, k_stages: int = 3,
-           band: int | None = None, sec: int | None = 1, dynamic: bool = True):
-    """Run the kernel (arguments validated and prepared by `sparse_attention._launch`). k at logical positions,
-    laid out as v is (`_head_view`: same orientation and rows per head), else both are copied first. rope: q at
-    segment-local positions, each query tile rotated by its block's offset with row b of cos_sin (fp32 [NB, D],
-    `sparse_attention.cos_sin_table`; the key pass writes it; None: made here from block_offset and inv_freq,
-    [D/2] float on q's device, unused without rope).
-    stages / k_stages: V / K ring depths (3 K stages: 230 KB of shared memory; check_sm90 run 14 timed 2 and
-    3, mixed within ~5%). Tile order (`_tile_coords`): bands of `band` query blocks (None: one band), sections
-    of `sec` KV heads (None: all); dynamic: CTAs draw tiles from a global counter. Default (one band, one KV
-    head per section, dynamic) measured best on the H200 (bench/README_attention.md, check_sm90 run 5): mask (a)
-    0.83 / 2.08 / 5.82 ms at 16K / 32K / 64K against 0.80 / 2.17 / 6.45 with all heads of a query block
-    together."""
-    hq, _, d = q.shape
-    nb = k.shape[1] // BLOCK.value
+def _descriptors(q, k, v):
+    """TMA descriptors of q, k, v (`_head_view`) -> (q_desc, k_desc, v_desc, q heads along rows?, q rows per head,
+    k heads along rows?, k rows per head). K and V share one coordinate rule: when their views differ, both are
+    copied (slow path; the key pass lays its output out as v)."""
     dt = _GL_DTYPES[q.dtype]
+    d = q.shape[2]
     (q2, q_rows, q_pitch), (k2, k_rows, k_pitch), (v2, v_rows, v_pitch) = _head_view(q), _head_view(k), _head_view(v)
-    if (k_rows, k_pitch) != (v_rows, v_pitch):  # one coordinate rule serves K and V: copies (slow path)
+    if (k_rows, k_pitch) != (v_rows, v_pitch):
         (k2, k_rows, k_pitch), (v2, v_rows, v_pitch) = _head_view(k.contiguous()), _head_view(v.contiguous())
     rows, block = ROWS.value, BLOCK.value
     q_desc = TensorDescriptor.from_tensor(q2, [rows, d], gl.NVMMASharedLayout.get_default_for([rows, d], dt))
     kv_layout = gl.NVMMASharedLayout.get_default_for([block, d], dt)
     k_desc = TensorDescriptor.from_tensor(k2, [block, d], kv_layout)
     v_desc = TensorDescriptor.from_tensor(v2, [block, d], kv_layout)
+    return q_desc, k_desc, v_desc, q_rows, q_pitch, k_rows, k_pitch
+
+
+def launch(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, *, scale, out, q_block_start=None,
+           row_end=None):
+    """Run the kernel: the arguments of `sparse_attention.sparse_attention` (validated there, `supports` true),
+    out allocated. With inv_freq, one pass over K (`rope.rotate_key_blocks`) moves the keys to logical positions
+    into a buffer laid out as v, and writes each block's cos | sin, with which the kernel rotates the query tiles
+    (no other launch: the pass forms the fp64 angles from inv_freq itself). Returns out."""
+    hq, _, d = q.shape
+    nb = k.shape[1] // BLOCK.value
     dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    if dev not in _SM_COUNT:
-        _SM_COUNT[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
-    grid = (min(_SM_COUNT[dev], hq * nb), )
-    if rope and cos_sin is None:
-        from .sparse_attention import cos_sin_table
-        cos_sin = cos_sin_table(block_offset, inv_freq)
-    elif not rope:   # not read (ROPE is off); any fp32 pointer
+    if inv_freq is not None:
+        cos_sin = torch.empty((nb, d), dtype=torch.float32, device=q.device)
+        k = rotate_key_blocks(k, block_offset, inv_freq, block=BLOCK.value, cos_sin=cos_sin, out=torch.empty_strided(
+            v.shape, v.stride(), dtype=k.dtype, device=k.device))
+    else:   # not read (ROPE is off); any fp32 pointer
         if dev not in _NO_TABLE:
             _NO_TABLE[dev] = torch.zeros(1, dtype=torch.float32, device=q.device)
         cos_sin = _NO_TABLE[dev]
-    _sparse_attn_fwd_sm90[grid](
-        q_desc, k_desc, v_desc, out, indptr, row_end, indices, block_valid, block_offset, tok_start, cos_sin,
-        torch.zeros(1, dtype=torch.int32, device=q.device),
-        hq, nb, q_pitch, k_pitch, min(band or nb, nb), sec or k.shape[0], out.stride(0), out.stride(1),
-        scale_log2,
-        GROUP=hq // k.shape[0], HEAD_DIM=d, K_STAGES=k_stages, STAGES=stages, ROPE=rope, Q_TOKENS=q_tokens,
-        QHR=q_rows, KHR=k_rows, DYNAMIC=dynamic,
-        num_warps=NUM_WARPS, maxnreg=MAXNREG)
+    q_desc, k_desc, v_desc, q_rows, q_pitch, k_rows, k_pitch = _descriptors(q, k, v)
+    if dev not in _SM_COUNT:
+        _SM_COUNT[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
+    _sparse_attn_fwd_sm90[(min(_SM_COUNT[dev], hq * nb),)](
+        q_desc, k_desc, v_desc, out, indptr, indptr[1:] if row_end is None else row_end, indices, block_valid,
+        block_offset, block_valid if q_block_start is None else q_block_start, cos_sin,
+        torch.zeros(1, dtype=torch.int32, device=q.device),   # the tile counter
+        hq, nb, q_pitch, k_pitch, out.stride(0), out.stride(1), float(scale) * LOG2E,
+        GROUP=hq // k.shape[0], HEAD_DIM=d, ROPE=inv_freq is not None, Q_TOKENS=q_block_start is not None,
+        QHR=q_rows, KHR=k_rows, num_warps=NUM_WARPS, maxnreg=MAXNREG)
     return out
 
 
 def compile_for_sm90(*, rope: bool = True, q_tokens: bool = True, q_rows: bool = False, k_rows: bool = True,
-                     group: int = 4, stages: int = 2, k_stages: int = 3, dtype: torch.dtype = torch.bfloat16):
+                     group: int = 4, dtype: torch.dtype = torch.bfloat16):
     """Compile the kernel for sm_90 on any machine (no GPU needed: Triton's bundled ptxas) and return the
     CompiledKernel (`.metadata.shared` bytes, `.asm["ptx"]`, `.asm["cubin"]`). Used by CI to keep the kernel
     compiling and within shared memory, and by bench/aot_sm90.py for register / spill reports."""
@@ -474,9 +465,8 @@ def compile_for_sm90(*, rope: bool = True, q_tokens: bool = True, q_rows: bool =
     sig.update({p: "*i32" for p in ("Indptr", "RowEnd", "Indices", "BlockValid", "BlockOffset", "QTokStart",
                                     "Counter")})
     sig.update(CosSin="*fp32", qk_scale="fp32")
-    sig.update({p: "i32" for p in ("n_heads", "NB", "n_q", "n_k", "band", "sec", "stride_oh", "stride_on")})
-    const = dict(GROUP=group, HEAD_DIM=128, K_STAGES=k_stages, STAGES=stages, ROPE=rope, Q_TOKENS=q_tokens,
-                 QHR=q_rows, KHR=k_rows, DYNAMIC=True)
+    sig.update({p: "i32" for p in ("n_heads", "NB", "n_q", "n_k", "stride_oh", "stride_on")})
+    const = dict(GROUP=group, HEAD_DIM=128, ROPE=rope, Q_TOKENS=q_tokens, QHR=q_rows, KHR=k_rows)
     sig.update({p: "constexpr" for p in const})
     missing = set(_sparse_attn_fwd_sm90.arg_names) - set(sig)
     if missing:

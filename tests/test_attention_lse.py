@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from sift.kernels import attention_lse as al
-
-LOG2E = 1.4426950408889634
+from sift.kernels.numerics import LOG2E
 
 
 def _dense(query, key, value, scale):

@@ -9,7 +9,8 @@ import random
 import pytest
 import torch
 
-from sift.kernels.bits import n_pages, pack_msb, tril_to_square
+from sift.format import n_pages
+from sift.kernels.bits import pack_msb, tril_to_square
 from sift.kernels.block_indices import (
     block_indices,
     block_indices_layers,

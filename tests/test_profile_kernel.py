@@ -15,9 +15,10 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 
-from sift.kernels.bits import n_pages, tril_to_square, unpack_msb
-from sift.kernels.profile import KernelConfig, profile_layer, profile_stats
-from sift.kernels.profile_ref import profile_layer_ref
+from sift.format import n_pages
+from sift.kernels.bits import tril_to_square, unpack_msb
+from sift.kernels.profile import ProfileKernelConfig, profile_layer, profile_stats
+from sift.kernels.profile_ref import finish_bits, profile_layer_ref
 
 NEAR_RTOL = 1e-4  # |A - threshold| <= NEAR_RTOL * threshold: a cell whose side may differ from the reference
 STAT_RTOL = 1e-4  # fp32 statistics: relative error of the tile maxima
@@ -154,7 +155,7 @@ def _run_case(c: Case):
         denom = (n - keys) if c.ca_normalize == "causal" else (keys + 1)
         gamma = min(_midpoint(counts_ref.float() / denom, 0.95), 1.0)
 
-    configs = (KernelConfig(*c.blocks), KernelConfig(*c.blocks, key_rows=c.key_rows, tma=c.tma))
+    configs = (ProfileKernelConfig(*c.blocks), ProfileKernelConfig(*c.blocks, key_rows=c.key_rows, tma=c.tma))
     stats = profile_stats(q, k, scale=scale, n_prefix=c.n_prefix, tile=c.tile, beta=beta, softcap=c.softcap,
                           configs=configs)
 
@@ -222,7 +223,11 @@ def test_layer_defaults_without_lse_and_in_head_chunks(dtype):
     whole, _ = profile_layer(q, k, **args)
     chunked, _ = profile_layer(q, k, stats_bytes=p * p * 4, **args)  # one head per chunk
     assert torch.equal(chunked.la, whole.la) and torch.equal(chunked.ca, whole.ca)
-    torch_bits, _ = profile_layer(q, k, stats_bytes=p * p * 4, bits="torch", **args)  # finish_bits per chunk
+    # The reference's finish_bits on the kernel's own statistics gives the same bits as the bits kernel.
+    stats = profile_stats(q, k, scale=args["scale"], n_prefix=c.n_prefix, tile=c.tile, beta=args["beta"])
+    torch_bits = finish_bits(stats.tile_max, stats.key_counts, c.n_doc, tile=c.tile, alpha=args["alpha"],
+                             gamma=args["gamma"], ca_normalize="causal", force_sink_page=True,
+                             dense_heads=c.dense_heads)
     assert torch.equal(torch_bits.la, whole.la) and torch.equal(torch_bits.ca, whole.ca)
     flips = int((unpack_msb(whole.la, p * (p + 1) // 2) != unpack_msb(ref.la, p * (p + 1) // 2)).sum()) \
         + int((unpack_msb(whole.ca, p) != unpack_msb(ref.ca, p)).sum())
@@ -249,11 +254,9 @@ def test_rejects_bad_input():
     with pytest.raises(ValueError, match="tile"):
         profile_layer(q, k, **{**args, "tile": 8})
     with pytest.raises(ValueError, match="multiples of tile"):
-        profile_layer(q, k, configs=(KernelConfig(32, 16), KernelConfig(32, 16)), **{**args, "tile": 32})
+        profile_layer(q, k, configs=(ProfileKernelConfig(32, 16), ProfileKernelConfig(32, 16)), **{**args, "tile": 32})
     with pytest.raises(ValueError, match="n_prefix"):
         profile_layer(q, k, **{**args, "n_prefix": q.shape[1]})
-    with pytest.raises(ValueError, match="bits="):
-        profile_layer(q, k, bits="numpy", **args)
 
 
 @pytest.mark.parametrize("n_doc,tile,normalize,sink,dense", [

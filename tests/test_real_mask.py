@@ -1,11 +1,13 @@
-"""bench/masks.py (the attention benchmark's mask (b)) against SPEC sections 2-4 read directly off the stored file.
+"""The runtime's decode of real stored SIFT bits (the attention benchmark's mask (b), bench/masks.py) against
+SPEC sections 2-4 read directly off the stored file.
 
-The expected block mask is built here with numpy from the Parquet bytes and the SPEC's definitions (LA bit
-n = i(i+1)/2 + j MSB-first, CA bit j, a kernel block kept iff any of its tiles is, the section 4 pattern), not
-with the runtime's decoders; the Triton decode (interpreter) is compared with its torch twin on the same bits.
+A prompt of `context` tokens is a prefix, the stored documents in order (cycling, the last one cut to fit) and a
+query. The expected block mask is built here with numpy from the Parquet bytes and the SPEC's definitions (LA bit
+n = i(i+1)/2 + j MSB-first, CA bit j, a kernel block kept iff any of its tiles is, the section 4 pattern); the
+decoded one comes from the product path (`build_layout`, `pack_doc_bits`, `block_indices_ref` / `block_indices`).
+The Triton decode (interpreter) is compared with its torch twin on the same bits.
 """
 import hashlib
-import importlib.util
 import json
 from pathlib import Path
 
@@ -14,16 +16,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
-DATA = BENCH / "data" / "smollm2-wiki2048-bits.parquet"
+from sift.kernels.block_indices import block_indices, block_indices_ref, pack_doc_bits
+from sift.kernels.layout import build_layout
 
-
-@pytest.fixture(scope="module")
-def masks():
-    spec = importlib.util.spec_from_file_location("bench_masks", BENCH / "masks.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+DATA = Path(__file__).resolve().parents[1] / "bench" / "data" / "smollm2-wiki2048-bits.parquet"
+PREFIX, QUERY, BLOCK = 128, 512, 128
 
 
 @pytest.fixture(scope="module")
@@ -63,18 +60,30 @@ def test_stored_file_is_consistent(stored):
         assert check["la_bits_differing"] == 0
 
 
-def _spec_mask(rows, meta, context, n_heads, layer, prefix, query, block):
-    """SPEC section 4's block mask [n_heads, NB, NB] for the geometry masks.py documents."""
-    tile, layers, heads = meta["profile"]["tile"], meta["model"]["n_layers"], meta["model"]["n_heads"]
-    r = block // tile
-    vec = [h * layers * heads // n_heads if layer is None else layer * heads + h % heads for h in range(n_heads)]
-    docs, budget, k = [], context - prefix - query, 0
+def _plan(rows, budget):
+    """[(stored row, tokens used)]: the stored documents in order, cycling, the last one cut to fit `budget`."""
+    docs, k = [], 0
     while budget > 0:
         d = rows[k % len(rows)]
         n = min(d["n_tokens"], budget)
         docs.append((d, n))
         budget -= n
         k += 1
+    return docs
+
+
+def _vectors(meta, n_heads, layer):
+    """Vector (layer * heads + head) each query head reads: spread over all layers, or layer `layer`'s heads."""
+    layers, heads = meta["model"]["n_layers"], meta["model"]["n_heads"]
+    return [h * layers * heads // n_heads if layer is None else layer * heads + h % heads for h in range(n_heads)]
+
+
+def _spec_mask(rows, meta, context, n_heads, layer, prefix, query, block):
+    """SPEC section 4's block mask [n_heads, NB, NB] for a prompt of `context` tokens (module docstring)."""
+    tile, layers, heads = meta["profile"]["tile"], meta["model"]["n_layers"], meta["model"]["n_heads"]
+    r = block // tile
+    vec = _vectors(meta, n_heads, layer)
+    docs = _plan(rows, context - prefix - query)
     segs = [("prefix", prefix, None)] + [("doc", n, d) for d, n in docs] + [("query", query, None)]
     spans, b = [], 0
     for kind, n, d in segs:
@@ -114,27 +123,61 @@ def _csr(keep):
     return indptr, torch.from_numpy(np.nonzero(keep)[2]).to(torch.int32)
 
 
+def _cut(blob: bytes, n_vectors: int, n_bits: int, keep: int) -> bytes:
+    """The first `keep` of each vector's n_bits, re-packed MSB-first into byte-aligned vectors (SPEC section 3):
+    a document cut at a page boundary has the bits of its first pages, since tile row i only sees keys < (i+1)T."""
+    bits = _bits(blob, n_vectors, -(-n_bits // 8) * 8)[:, :keep]
+    return np.packbits(bits, axis=1).tobytes()
+
+
+def _decoded(rows, meta, context, n_heads, layer, backend="torch"):
+    """The product decode of the stored bits for a prompt of `context` tokens -> (layout, indptr, indices)."""
+    tile, layers, heads = meta["profile"]["tile"], meta["model"]["n_layers"], meta["model"]["n_heads"]
+    docs = _plan(rows, context - PREFIX - QUERY)
+    la_blobs, ca_blobs = [], []
+    for d, n in docs:
+        la, ca = d["la_bits"], d["ca_bits"]
+        if n < d["n_tokens"]:
+            p, p2 = -(-d["n_tokens"] // tile), -(-n // tile)
+            la = _cut(la, layers * heads, p * (p + 1) // 2, p2 * (p2 + 1) // 2)
+            ca = _cut(ca, layers * heads, p, p2)
+        la_blobs.append(la)
+        ca_blobs.append(ca)
+    layout = build_layout([[("prefix", PREFIX)] + [("doc", n) for _, n in docs] + [("query", QUERY)]], BLOCK,
+                          device="cpu")
+    packed = pack_doc_bits(la_blobs, ca_blobs, [n for _, n in docs], tile=tile, n_layers=layers, n_heads=heads,
+                           device="cpu")
+    vec = torch.tensor(_vectors(meta, n_heads, layer), dtype=torch.int64)
+    la_ptr = packed.la_base[:, None] + vec[None, :] * packed.la_head_nbytes[:, None]  # [n_docs, n_heads]
+    ca_ptr = packed.ca_base[:, None] + vec[None, :] * packed.ca_head_nbytes[:, None]
+    decode = block_indices if backend == "triton" else block_indices_ref
+    indptr, indices = decode(layout, packed.la_bytes, la_ptr, packed.ca_bytes, ca_ptr, tile)
+    return layout, indptr, indices[: int(indptr[-1])]  # the Triton decode allocates the dense upper bound
+
+
 @pytest.mark.parametrize("layer", [None, 7])
-def test_real_mask_matches_spec(masks, stored, layer):
+def test_real_mask_matches_spec(stored, layer):
     rows, meta = stored
-    m = masks.real_mask(8192, 32, "cpu", layer=layer)
-    assert m.layout.n_blocks == 8192 // 128 and m.layout.n_tokens == 8192
-    assert m.stats["doc_tokens"] == [2048, 2048, 2048, 1408]
-    want = _csr(_spec_mask(rows, meta, 8192, 32, layer, 128, 512, 128))
-    assert torch.equal(m.indptr, want[0]) and torch.equal(m.indices, want[1])
-    assert m.stats["tiles"] == int(want[0][-1])
-    assert m.stats["query_rows"]["fraction"] == 1.0 and m.stats["doc_rows_prefix"] == 1.0
+    assert [n for _, n in _plan(rows, 8192 - PREFIX - QUERY)] == [2048, 2048, 2048, 1408]
+    layout, indptr, indices = _decoded(rows, meta, 8192, 32, layer)
+    assert layout.n_blocks == 8192 // 128 and layout.n_tokens == 8192
+    want = _csr(_spec_mask(rows, meta, 8192, 32, layer, PREFIX, QUERY, BLOCK))
+    assert torch.equal(indptr, want[0]) and torch.equal(indices, want[1])
 
 
-def test_real_mask_cycles_and_cuts(masks, stored):
-    rows, _ = stored
+def test_real_mask_cycles_and_cuts(stored):
+    rows, meta = stored
     n = len(rows)
-    ctx = 128 + 512 + (n + 1) * 2048 + 640  # every stored document, then the first again, then a cut one
-    s = masks.real_mask(ctx, 4, "cpu", layer=3).stats
-    assert s["stored_docs"] == [i % n for i in range(n + 2)] and s["doc_tokens"][-1] == 640
+    ctx = PREFIX + QUERY + (n + 1) * 2048 + 640  # every stored document, then the first again, then a cut one
+    docs = _plan(rows, ctx - PREFIX - QUERY)
+    assert [d is rows[i % n] for i, (d, _) in enumerate(docs)] == [True] * (n + 2) and docs[-1][1] == 640
+    _, indptr, indices = _decoded(rows, meta, ctx, 4, 3)
+    want = _csr(_spec_mask(rows, meta, ctx, 4, 3, PREFIX, QUERY, BLOCK))
+    assert torch.equal(indptr, want[0]) and torch.equal(indices, want[1])
 
 
-def test_triton_decode_matches_twin(masks):
-    a = masks.real_mask(5376, 4, "cpu", backend="triton")  # 2 documents + a cut one; TRITON_INTERPRET=1 (conftest)
-    b = masks.real_mask(5376, 4, "cpu", backend="torch")
-    assert torch.equal(a.indptr, b.indptr) and torch.equal(a.indices, b.indices)
+def test_triton_decode_matches_twin(stored):
+    rows, meta = stored
+    _, ptr_a, idx_a = _decoded(rows, meta, 5376, 4, None, backend="triton")  # 2 documents + a cut one;
+    _, ptr_b, idx_b = _decoded(rows, meta, 5376, 4, None, backend="torch")   # TRITON_INTERPRET=1 (conftest)
+    assert torch.equal(ptr_a, ptr_b) and torch.equal(idx_a, idx_b)

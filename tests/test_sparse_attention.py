@@ -12,8 +12,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from sift.kernels import sparse_attention_tl
 from sift.kernels.rope import RopeSpec, apply_rope_ref, rope_inv_freq
-from sift.kernels.sparse_attention import KernelConfig, _launch, sparse_attention, sparse_attention_ref
+from sift.kernels.sparse_attention import sparse_attention, sparse_attention_ref
+from sift.kernels.sparse_attention_tl import AttentionConfig
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Max abs error allowed on outputs of magnitude ~1 (V ~ N(0, 1)); fp16 rounds q, k, the rotated K tile and P.
@@ -133,13 +135,22 @@ def default_inv_freq(d, theta=10000.0):
     return 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
 
 
+def run_tl(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, *, scale, block, config, out=None,
+           q_block_start=None):
+    """The tl kernel with an explicit RoPE mode (`sparse_attention` picks the mode by block size)."""
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    return sparse_attention_tl.launch(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, scale=scale,
+                                      block=block, out=out, q_block_start=q_block_start, config=config)
+
+
 def run_kernel(q, k, v, indptr, indices, layout, inv_freq, scale, config=None):
     args = [x.to(DEVICE) for x in (q, k, v, indptr, indices, layout.block_valid, layout.block_offset)]
     inv = None if inv_freq is None else inv_freq.to(DEVICE)
     if config is None:
         out = sparse_attention(*args, inv, scale=scale, block=layout.block)
     else:
-        out = _launch(*args, inv, scale=scale, block=layout.block, out=None, config=config)
+        out = run_tl(*args, inv, scale=scale, block=layout.block, config=config)
     return out.cpu()
 
 
@@ -218,16 +229,17 @@ def test_offsets_beyond_65535(dtype):
     check_close(out, dense_reference(q_log, k_log, v.double(), layout, mask, d ** -0.5), dtype, "large offsets")
 
 
-@pytest.mark.parametrize("rope_on", ["k", "q", "pre"])
-def test_key_subtiles_and_rope_side(rope_on):
-    """block 32 processed as two 16-slot key sub-tiles; rotating Q by -delta gives the same scores."""
+@pytest.mark.parametrize("rope_on", ["k", "pre"])
+def test_rope_modes(rope_on):
+    """block 32 in either RoPE mode of the tl kernel: each key tile rotated by delta ("k", the default below
+    block 128) or the keys rotated by the pass and each Q tile once ("pre", the default at block 128)."""
     gen = torch.Generator().manual_seed(5)
     block, d, hq, hkv, dtype = 32, 64, 4, 2, torch.float32
     layout = make_layout([[20, 45, 70]], block, starts=[[0, 20, 100_000]])
     inv_freq = default_inv_freq(d)
     q, k, v, q_log, k_log = make_qkv(layout, hq, hkv, d, dtype, inv_freq, gen, nan_padding=True)
     indptr, indices, mask = make_csr(layout, hq, "random", gen)
-    cfg = KernelConfig(block_n=16, num_warps=4, num_stages=2, rope_on=rope_on)
+    cfg = AttentionConfig(num_warps=4, num_stages=2, rope_on=rope_on)
     out = run_kernel(q, k, v, indptr, indices, layout, inv_freq, d ** -0.5, config=cfg)
     check_close(out, dense_reference(q_log, k_log, v.double(), layout, mask, d ** -0.5), dtype, f"rope on {rope_on}")
 
@@ -241,16 +253,15 @@ def _delta_runs(layout: Layout, indptr, indices):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("rope_on,q_reload", [("k", False), ("q", False), ("q", True), ("pre", False)])
-@pytest.mark.parametrize("block,block_n", [(16, 16), (32, 16)])
-def test_mixed_zero_and_nonzero_deltas(block, block_n, rope_on, q_reload, dtype):
+@pytest.mark.parametrize("rope_on", ["k", "pre"])
+@pytest.mark.parametrize("block", [16, 32])
+def test_mixed_zero_and_nonzero_deltas(block, rope_on, dtype):
     """Rows whose key blocks mix delta == 0 (own segment, and another segment starting at the same logical
     position) with runs of equal nonzero deltas (several consecutive blocks of one earlier segment), and a delta
-    that comes back after a different one: exercises the cos/sin (rope_on="k") and rotated-Q (rope_on="q")
-    caches (hit, miss, refill, a zero delta in the middle of a row), the unmasked main loop next to the
-    diagonal block, and padded last blocks."""
-    if dtype == torch.float16 and (q_reload or rope_on == "q" or block != 32):
-        pytest.skip("fp16 only for the default modes (k, pre) with key sub-tiles (interpreter time)")
+    that comes back after a different one: exercises the cos/sin cache of rope_on="k" (hit, miss, refill, a zero
+    delta in the middle of a row), the unmasked main loop next to the diagonal block, and padded last blocks."""
+    if dtype == torch.float16 and block != 32:
+        pytest.skip("fp16 only at block 32 (interpreter time)")
     gen = torch.Generator().manual_seed(19)
     d, hq, hkv = 64, 2, 1
     # Segments 0/2 and 1/3 start at the same logical positions, segment 4 later (offsets past 65,535 in the
@@ -266,19 +277,19 @@ def test_mixed_zero_and_nonzero_deltas(block, block_n, rope_on, q_reload, dtype)
     assert any(any(x == 0 and any(y != 0 for y in r[i:]) for i, x in enumerate(r)) for r in rows)  # 0 mid-row
     assert any(any(a == b != 0 for a, b in zip(r, r[1:])) for r in rows)               # cache hits
     assert any(any(x != 0 and x in r[:i] and r[i - 1] != x for i, x in enumerate(r)) for r in rows)  # refill
-    cfg = KernelConfig(block_n=block_n, num_warps=4, num_stages=2, rope_on=rope_on, q_reload=q_reload)
+    cfg = AttentionConfig(num_warps=4, num_stages=2, rope_on=rope_on)
     out = run_kernel(q, k, v, indptr, indices, layout, inv_freq, d ** -0.5, config=cfg)
     ref = dense_reference(q_log, k_log, v.double(), layout, mask, d ** -0.5)
-    check_close(out, ref, dtype, f"mixed deltas block={block}/{block_n} rope_on={rope_on} q_reload={q_reload}")
+    check_close(out, ref, dtype, f"mixed deltas block={block} rope_on={rope_on}")
     # Same mask with a random subset of blocks (gaps inside runs, rows that end on an earlier segment).
     indptr, indices, mask = make_csr(layout, hq, "random", gen)
     out = run_kernel(q, k, v, indptr, indices, layout, inv_freq, d ** -0.5, config=cfg)
     ref = dense_reference(q_log, k_log, v.double(), layout, mask, d ** -0.5)
-    check_close(out, ref, dtype, f"mixed deltas (random) block={block}/{block_n} rope_on={rope_on} q_reload={q_reload}")
+    check_close(out, ref, dtype, f"mixed deltas (random) block={block} rope_on={rope_on}")
 
 
-@pytest.mark.parametrize("rope_on,q_reload", [("k", False), ("q", True), ("pre", False)])
-def test_queries_and_output_in_token_order(rope_on, q_reload):
+@pytest.mark.parametrize("rope_on", ["k", "pre"])
+def test_queries_and_output_in_token_order(rope_on):
     """q_block_start: q and out hold only the real tokens (strided views, as the engine passes the model's
     projections and o_proj's buffer); equal to the dense reference at the real slots, nothing else written."""
     block, d, hq, dtype = 32, 64, 4, torch.float32
@@ -289,9 +300,9 @@ def test_queries_and_output_in_token_order(rope_on, q_reload):
     nb = layout.n // block
     starts = torch.searchsorted(real, torch.arange(nb) * block).to(torch.int32)
     buf = torch.full((real.numel(), hq, d), 7.0)
-    cfg = KernelConfig(block_n=16, num_warps=4, num_stages=2, rope_on=rope_on, q_reload=q_reload)
-    _launch(q_tok, k, v, indptr, indices, layout.block_valid, layout.block_offset, inv_freq, scale=d ** -0.5,
-            block=block, out=buf.transpose(0, 1), config=cfg, q_block_start=starts)
+    cfg = AttentionConfig(num_warps=4, num_stages=2, rope_on=rope_on)
+    run_tl(q_tok, k, v, indptr, indices, layout.block_valid, layout.block_offset, inv_freq, scale=d ** -0.5,
+           block=block, out=buf.transpose(0, 1), config=cfg, q_block_start=starts)
     ref = dense_reference(q_log, k_log, v.double(), layout, mask, d ** -0.5)[:, real]
     check_close(buf.transpose(0, 1), ref, dtype, f"token-order q/out rope_on={rope_on}")
     twin = sparse_attention_ref(q_tok, k, v, indptr, indices, layout.block_valid, layout.block_offset, inv_freq,
@@ -301,7 +312,7 @@ def test_queries_and_output_in_token_order(rope_on, q_reload):
 
 def test_rotate_key_blocks_matches_reference():
     """The pass of rope_on="pre": each block's rows rotated by its segment offset (here up to 300,000)."""
-    from sift.kernels.sparse_attention import rotate_key_blocks
+    from sift.kernels.rope import rotate_key_blocks
 
     gen = torch.Generator().manual_seed(31)
     block, d = 16, 64
@@ -316,7 +327,7 @@ def test_rotate_key_blocks_matches_reference():
 def test_cos_sin_table_matches_reference():
     """Row b of the table the Gluon kernel rotates query tiles with: cos | sin of block_offset[b] * inv_freq, the
     same from `cos_sin_table` and from the key pass (which writes it for free), offsets up to 300,000."""
-    from sift.kernels.sparse_attention import _rotate_key_blocks, cos_sin_table
+    from sift.kernels.rope import cos_sin_table, rotate_key_blocks
 
     block, d = 16, 64
     offsets = torch.tensor([0, 7, 7, 65_536, 300_000, 1], dtype=torch.int32)
@@ -328,30 +339,62 @@ def test_cos_sin_table_matches_reference():
     assert (table.double() - ref).abs().max() < 1e-5
     k = torch.randn(2, 6 * block, d, generator=torch.Generator().manual_seed(3)).to(DEVICE)
     from_pass = torch.full((6, d), float("nan"), device=DEVICE)
-    _rotate_key_blocks(k, offsets.to(DEVICE), inv_freq.to(DEVICE), block, torch.empty_like(k), from_pass)
+    rotate_key_blocks(k, offsets.to(DEVICE), inv_freq.to(DEVICE), block=block, out=torch.empty_like(k),
+                      cos_sin=from_pass)
     assert torch.equal(from_pass.cpu(), table)
+
+
+def test_rope_twins_match_kernels():
+    """The torch twins of the key pass and of the cos / sin table agree with the kernels (offsets to 300,000)."""
+    from sift.kernels.rope import cos_sin_table, cos_sin_table_ref, rotate_key_blocks, rotate_key_blocks_ref
+
+    block, d = 16, 64
+    offsets = torch.tensor([0, 7, 65_536, 300_000], dtype=torch.int32)
+    inv_freq = default_inv_freq(d)
+    k = torch.randn(2, 4 * block, d, generator=torch.Generator().manual_seed(5))
+    table, table_ref = torch.empty(4, d, device=DEVICE), torch.empty(4, d)
+    got = rotate_key_blocks(k.to(DEVICE), offsets.to(DEVICE), inv_freq.to(DEVICE), block=block, cos_sin=table)
+    want = rotate_key_blocks_ref(k, offsets, inv_freq, block=block, cos_sin=table_ref)
+    check_close(got.cpu(), want.double(), torch.float32, "rotate_key_blocks vs twin")
+    check_close(table.cpu(), table_ref.double(), torch.float32, "key pass table vs twin")
+    check_close(cos_sin_table(offsets.to(DEVICE), inv_freq.to(DEVICE)).cpu(), cos_sin_table_ref(offsets, inv_freq)
+                .double(), torch.float32, "cos_sin_table vs twin")
+
+
+def test_torch_backend_without_triton(monkeypatch):
+    """CPU tensors without the Triton interpreter: `sparse_attention` runs the torch twin."""
+    from sift.kernels.sparse_attention import attention_backend
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    block, d = 16, 64
+    layout, inv_freq, q, k, v, q_log, k_log, indptr, indices, mask, _ = random_case(
+        43, block, [[20, 45]], [[0, 70_000]])
+    assert attention_backend(q, k, v, block) == "torch"
+    out = sparse_attention(q, k, v, indptr, indices, layout.block_valid, layout.block_offset, inv_freq,
+                           scale=d ** -0.5, block=block)
+    check_close(out, dense_reference(q_log, k_log, v.double(), layout, mask, d ** -0.5), torch.float32, "torch")
 
 
 @pytest.mark.parametrize("token_order", [False, True])
 def test_pre_rotation_through_output_rows(token_order):
-    """rope_on="pre" with pre_via_out: the once-rotated Q tile passes through the program's own output rows (NaN
-    there beforehand, NaN in padding) and the result still equals the dense reference."""
+    """rope_on="pre": the once-rotated Q tile passes through the program's own output rows (NaN there
+    beforehand, NaN in padding) and the result still equals the dense reference."""
     block, d, hq, dtype = 32, 64, 4, torch.float32
     layout, inv_freq, q, k, v, q_log, k_log, indptr, indices, mask, _ = random_case(
         37, block, [[20, 45, 70], [33, 17]], [[0, 20, 100_000], [0, 70_000]])
-    cfg = KernelConfig(block_n=16, num_warps=4, num_stages=2, rope_on="pre", pre_via_out=True)
+    cfg = AttentionConfig(num_warps=4, num_stages=2, rope_on="pre")
     ref = dense_reference(q_log, k_log, v.double(), layout, mask, d ** -0.5)
     if token_order:
         real = (layout.pos >= 0).nonzero()[:, 0]
         starts = torch.searchsorted(real, torch.arange(layout.n // block) * block).to(torch.int32)
         out = torch.full((hq, real.numel(), d), float("nan"))
-        _launch(q[:, real], k, v, indptr, indices, layout.block_valid, layout.block_offset, inv_freq,
-                scale=d ** -0.5, block=block, out=out, config=cfg, q_block_start=starts)
+        run_tl(q[:, real], k, v, indptr, indices, layout.block_valid, layout.block_offset, inv_freq,
+               scale=d ** -0.5, block=block, out=out, config=cfg, q_block_start=starts)
         ref = ref[:, real]
     else:
         out = torch.full_like(q, float("nan"))
-        _launch(q, k, v, indptr, indices, layout.block_valid, layout.block_offset, inv_freq, scale=d ** -0.5,
-                block=block, out=out, config=cfg)
+        run_tl(q, k, v, indptr, indices, layout.block_valid, layout.block_offset, inv_freq, scale=d ** -0.5,
+               block=block, out=out, config=cfg)
     check_close(out, ref, dtype, f"pre via out (token order {token_order})")
 
 

@@ -2,7 +2,7 @@
 
 Gluon does not run in the Triton interpreter, so CI checks what can be checked here: the kernel compiles for
 sm_90 (Triton's bundled ptxas) within the SM's shared memory and with the Hopper machinery it is built on; the
-TMA views of q / k / v; that the launcher hands every call it cannot take to the tl kernel (whose results CI
+TMA views of q / k / v; that `sparse_attention` hands every call it cannot take to the tl kernel (whose results CI
 compares with the torch twin). Its numbers are checked on the H200 against `sparse_attention_ref` by
 bench/check_sm90.py and bench/bench_attention.py (padded and token-order layouts, NaN in padding, offsets past
 65,535, empty rows, GQA 4, every output row of 32 heads x 16K-64K tokens).
@@ -76,11 +76,11 @@ def test_supports_only_sm90_shapes():
     assert not sm90.supports(q, k, k, 128, None)        # CPU tensors
 
 
-def test_default_config_falls_back_off_hopper(monkeypatch):
-    """On CPU (the interpreter) the Gluon default hands the call to the tl kernel: same result as the tl default."""
+def test_block_128_falls_back_to_tl_off_hopper(monkeypatch):
+    """On CPU (the interpreter) a block-128 call the Gluon kernel cannot take goes to the tl kernel: same result
+    as the twin."""
     if not os.environ.get("TRITON_INTERPRET"):
         pytest.skip("needs TRITON_INTERPRET=1 for the tl kernel on CPU")
-    assert sa.default_config(128, 128).backend == "gluon"
     gen = torch.Generator().manual_seed(0)
     hq, hkv, block, nb, d = 2, 1, 128, 2, 128
     q = torch.randn(hq, nb * block, d, generator=gen).to(torch.float16)
@@ -92,6 +92,7 @@ def test_default_config_falls_back_off_hopper(monkeypatch):
     offset = torch.tensor([0, 128], dtype=torch.int32)
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
     args = (q, k, v, indptr, indices, valid, offset, inv_freq)
+    assert sa.attention_backend(q, k, v, block) == "tl"
     out = sa.sparse_attention(*args, scale=d ** -0.5, block=block)
     ref = sa.sparse_attention_ref(*args, scale=d ** -0.5, block=block)
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-3, rtol=2e-3)
