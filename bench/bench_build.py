@@ -1,26 +1,33 @@
-"""Builder throughput: the Ray job over the embedded sample corpus with the real SmolLM2 weights, next to a plain
-forward pass of the same documents through the same model on the same device, in one run.
+"""Builder throughput: sift-build's Ray job next to a plain forward of the same documents -> results/build.json.
 
-On the GPU machine (see bench/device_env.sh):  python3 bench/bench_build.py --cpu-index .dev3/cpu-index
-Locally (CPU):                                 .venv/bin/python bench/bench_build.py --device cpu
-Writes JSON to $OUT/build.json (or --json) and prints a table last. With --cpu-index it also counts the bits that
-differ between this build and an index built by the CPU backend (same model, same documents).
+    python bench/bench_build.py [--backend auto|torch|triton] [--cpu-index INDEX] [--out DIR]
+    python bench/bench_build.py --smoke      # CPU, torch backend, 4 documents: checks that the script runs
+
+The Ray job builds an index of the sample corpus with the real SmolLM2 weights; the plain forward runs the same
+documents through the same model on the same device, in the same run. Prints a table last. With --cpu-index it
+also counts the bits that differ between this build and an index of the same corpus built by the CPU (torch)
+backend, same model.
 """
-import argparse
+from __future__ import annotations
+
+import dataclasses
 import json
-import os
 import shutil
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+from common import RESULTS, parser, write_result
 
 from sift.format import IndexReader
-from sift.model import DEFAULT_MODEL, load_model
+from sift.model import load_model, resolve_model_dir
 from sift.pipeline import SAMPLE_CORPUS, load_config, run_build
 from sift.pipeline.corpus import list_sources, read_source
 from sift.pipeline.profiler import profiling_prefix_ids
+
+SMOKE_DOCS = 4
 
 
 def plain_forward(cfg, device: str, docs: list[list[int]]) -> dict:
@@ -43,8 +50,6 @@ def plain_forward(cfg, device: str, docs: list[list[int]]) -> dict:
 
 def corpus_token_ids(cfg, corpus) -> list[list[int]]:
     from transformers import AutoTokenizer
-
-    from sift.model import resolve_model_dir
 
     tok = AutoTokenizer.from_pretrained(resolve_model_dir(cfg.model))
     docs = []
@@ -74,31 +79,56 @@ def bit_flips(index_a: Path, index_b: Path) -> dict:
     return out
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--corpus", default=str(SAMPLE_CORPUS))
-    ap.add_argument("--out", default="/tmp/sift-bench-index")
-    ap.add_argument("--config", default=None)
-    ap.add_argument("--backend", default="auto")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--cpu-index", default=None, help="an index of the same corpus built by the CPU backend")
-    ap.add_argument("--json", default=os.path.join(os.environ.get("OUT", "."), "build.json"))
+def smoke_corpus(folder: Path) -> Path:
+    """The first SMOKE_DOCS records of the sample corpus's Wikipedia leads, as a one-file corpus."""
+    lines = (SAMPLE_CORPUS / "wiki_vital_leads.jsonl").read_text(encoding="utf-8").splitlines()[:SMOKE_DOCS]
+    path = folder / "smoke.jsonl"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def print_table(result: dict, backends: list[str]) -> None:
+    b, fwd = result["build"], result["plain_forward"]
+    print(f"\n{result['device']}  {result['model']} {result['dtype']} tile {result['tile']}  backend(s) {backends}")
+    print(f"{'':28s}{'docs':>7s}{'tokens':>9s}{'seconds':>9s}{'docs/s':>9s}{'tokens/s':>10s}")
+    print(f"{'sift-build (end to end)':28s}{b['profiled']:7d}{b['tokens_profiled']:9d}{b['wall_seconds']:9.1f}"
+          f"{b['docs_per_s_wall']:9.1f}{b['tokens_profiled'] / b['wall_seconds']:10.0f}")
+    if b["actor_seconds"]:
+        print(f"{'sift-build (actor compute)':28s}{b['profiled']:7d}{b['tokens_profiled']:9d}"
+              f"{b['actor_seconds']:9.1f}{b['docs_per_s_actor']:9.1f}{b['tokens_per_s_actor']:10.0f}")
+    print(f"{'plain forward, same docs':28s}{fwd['documents']:7d}{fwd['tokens']:9d}{fwd['seconds']:9.1f}"
+          f"{fwd['docs_per_s']:9.1f}{fwd['tokens_per_s']:10.0f}")
+    if "flips_vs_cpu_index" in result:
+        print("flips vs CPU index:", json.dumps(result["flips_vs_cpu_index"]))
+
+
+def main() -> None:
+    ap = parser(__doc__.splitlines()[0])
+    ap.add_argument("--corpus", type=Path, default=SAMPLE_CORPUS, help="corpus folder or file")
+    ap.add_argument("--index", type=Path, default=Path(tempfile.gettempdir()) / "sift-bench-index",
+                    help="index folder the build writes (deleted first)")
+    ap.add_argument("--config", default=None, help="TOML config; none: configs/default.toml")
+    ap.add_argument("--backend", choices=("auto", "torch", "triton"), default="auto",
+                    help="build.backend for the Ray job's actors")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="device of the plain forward")
+    ap.add_argument("--cpu-index", type=Path, default=None,
+                    help="an index of the same corpus built by the CPU backend, to count differing bits")
     args = ap.parse_args()
 
     cfg = load_config(args.config)
-    if args.backend != "auto":
-        cfg = type(cfg)(model=cfg.model, profile=cfg.profile, corpus=cfg.corpus,
-                        build=type(cfg.build)(shard_rows=cfg.build.shard_rows, backend=args.backend))
-    shutil.rmtree(args.out, ignore_errors=True)
+    corpus, backend, device = args.corpus, args.backend, args.device
+    if args.smoke:
+        corpus, backend, device = smoke_corpus(Path(tempfile.mkdtemp())), "torch", "cpu"
+    if backend != "auto":
+        cfg = dataclasses.replace(cfg, build=dataclasses.replace(cfg.build, backend=backend))
+    shutil.rmtree(args.index, ignore_errors=True)
     t0 = time.perf_counter()
-    stats = run_build(args.corpus, args.out, cfg)
+    stats = run_build(corpus, args.index, cfg)
     wall = time.perf_counter() - t0
-    docs = corpus_token_ids(cfg, args.corpus)
-    fwd = plain_forward(cfg, args.device, docs)
+    fwd = plain_forward(cfg, device, corpus_token_ids(cfg, corpus))
     result = {
-        "date": time.strftime("%Y-%m-%d"),
-        "device": torch.cuda.get_device_name() if args.device == "cuda" else f"CPU ({os.cpu_count()} cores)",
-        "model": cfg.model, "dtype": cfg.profile.dtype, "tile": cfg.profile.tile,
+        "smoke": args.smoke, "model": cfg.model, "dtype": cfg.profile.dtype, "tile": cfg.profile.tile,
         "build": {**stats.to_dict(), "wall_seconds": wall,
                   "docs_per_s_wall": stats.profiled / wall,
                   "docs_per_s_actor": stats.profiled / stats.actor_seconds if stats.actor_seconds else None,
@@ -106,21 +136,10 @@ def main():
         "plain_forward": fwd,
     }
     if args.cpu_index:
-        result["flips_vs_cpu_index"] = bit_flips(Path(args.out), Path(args.cpu_index))
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(result, indent=2))
-    b = result["build"]
-    print(f"\n{result['device']}  {cfg.model} {cfg.profile.dtype} tile {cfg.profile.tile}  backend(s) {stats.backends}")
-    print(f"{'':28s}{'docs':>7s}{'tokens':>9s}{'seconds':>9s}{'docs/s':>9s}{'tokens/s':>10s}")
-    print(f"{'sift-build (end to end)':28s}{stats.profiled:7d}{stats.tokens_profiled:9d}{wall:9.1f}"
-          f"{b['docs_per_s_wall']:9.1f}{stats.tokens_profiled / wall:10.0f}")
-    if stats.actor_seconds:
-        print(f"{'sift-build (actor compute)':28s}{stats.profiled:7d}{stats.tokens_profiled:9d}"
-              f"{stats.actor_seconds:9.1f}{b['docs_per_s_actor']:9.1f}{b['tokens_per_s_actor']:10.0f}")
-    print(f"{'plain forward, same docs':28s}{fwd['documents']:7d}{fwd['tokens']:9d}{fwd['seconds']:9.1f}"
-          f"{fwd['docs_per_s']:9.1f}{fwd['tokens_per_s']:10.0f}")
-    if "flips_vs_cpu_index" in result:
-        print("flips vs CPU index:", json.dumps(result["flips_vs_cpu_index"]))
+        result["flips_vs_cpu_index"] = bit_flips(args.index, args.cpu_index)
+    # A smoke run never replaces the measured result: it goes to results/smoke/ unless --out says otherwise.
+    path = write_result("build", result, args.out / "smoke" if args.smoke and args.out == RESULTS else args.out)
+    print_table(json.loads(path.read_text()), stats.backends)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import click
 import numpy as np
 
 from sift.errors import SiftError
+from sift.format import TILES
 
 EXIT_OK, EXIT_DOC_ERRORS, EXIT_NOTHING = 0, 1, 2
 
@@ -31,7 +32,7 @@ def _fail(message: str) -> None:
 @click.option("--config", "config_path", type=click.Path(), default=None,
               help="TOML config (default: configs/default.toml).")
 @click.option("--model", default=None, help="'smollm2-135m-instruct' (default) or a local transformers folder.")
-@click.option("--tile", type=int, default=None, help="Tile / page size: 16, 32, 64 or 128.")
+@click.option("--tile", type=int, default=None, help=f"Tile / page size: {', '.join(map(str, TILES))}.")
 @click.option("--alpha", type=float, default=None, help="LA threshold.")
 @click.option("--beta", type=float, default=None, help="CA cell threshold.")
 @click.option("--gamma", type=float, default=None, help="CA concentration threshold.")
@@ -63,22 +64,21 @@ def summarize(path: str) -> dict:
 
     reader = IndexReader.open(path)
     m = reader.manifest
-    model = m.model.to_dict()
     t = reader.table(["n_tokens", "la_bits", "ca_bits", "la_density", "ca_density"])
     tokens = int(np.asarray(t["n_tokens"]).sum()) if t.num_rows else 0
     la_bytes = sum(len(b) for b in t["la_bits"].to_pylist())
     ca_bytes = sum(len(b) for b in t["ca_bits"].to_pylist())
     # The KV cache the same tokens would take in bf16: K and V, every layer, every KV head.
-    kv_bytes = tokens * model["n_layers"] * 2 * model["n_kv_heads"] * model["head_dim"] * 2
+    kv_bytes = tokens * m.model.n_layers * 2 * m.model.n_kv_heads * m.model.head_dim * 2
     la_density = np.asarray(t["la_density"].to_pylist(), dtype=np.float64) if t.num_rows else np.zeros((0, 0))
     ca_density = np.asarray(t["ca_density"].to_pylist(), dtype=np.float64) if t.num_rows else np.zeros((0, 0))
     errors = reader.errors()
-    last = m.last_build
     return {
         "path": os.path.abspath(path),
         "generation": m.generation,
         "created_at": m.created_at,
-        "model": {k: model[k] for k in ("name", "fingerprint", "n_layers", "n_heads", "n_kv_heads", "head_dim")},
+        "model": {k: getattr(m.model, k) for k in ("name", "fingerprint", "n_layers", "n_heads", "n_kv_heads",
+                                                    "head_dim")},
         "profile": {k: m.profile.get(k) for k in ("tile", "alpha", "beta", "gamma", "ca_normalize", "dtype")},
         "backends": m.backends,
         "documents": t.num_rows,
@@ -93,12 +93,16 @@ def summarize(path: str) -> dict:
         "ca_density_per_layer": ca_density.mean(axis=0).round(4).tolist() if ca_density.size else [],
         "errors": errors.num_rows,
         "error_rows": errors.slice(0, 20).to_pylist(),
-        "last_build": {"profiled": last.get("profiled", 0),
-                       "reused": last.get("reused", 0) + last.get("reused_orphans", 0),
-                       "deleted": last.get("deleted", 0), "errors": last.get("errors", 0),
-                       "seconds": round(last.get("seconds", 0.0), 2), "tokens_profiled": last.get("tokens_profiled", 0),
-                       "profile_seconds": round(last.get("profile_seconds", 0.0), 2)},
+        "last_build": _last_build(m.last_build),
     }
+
+
+def _last_build(last: dict) -> dict:
+    """The manifest's record of the build that wrote it (`BuildStats`), with the two kinds of reuse summed."""
+    return {"profiled": last.get("profiled", 0), "reused": last.get("reused", 0) + last.get("reused_orphans", 0),
+            "deleted": last.get("deleted", 0), "errors": last.get("errors", 0),
+            "seconds": round(last.get("seconds", 0.0), 2), "tokens_profiled": last.get("tokens_profiled", 0),
+            "profile_seconds": round(last.get("profile_seconds", 0.0), 2)}
 
 
 def _human(n: float) -> str:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from sift.errors import SiftError
-
+from sift.format import TILES
 from sift.model import DEFAULT_MODEL
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -38,8 +38,8 @@ class ProfileConfig:
     dtype: str = "float32"          # the dtype the model runs in while profiling
 
     def __post_init__(self):
-        if self.tile not in (16, 32, 64, 128):
-            raise SiftError(f"profile.tile = {self.tile} is not one of 16, 32, 64, 128")
+        if self.tile not in TILES:
+            raise SiftError(f"profile.tile = {self.tile} is not one of {', '.join(map(str, TILES))}")
         for name in ("alpha", "beta", "gamma"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:

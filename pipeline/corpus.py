@@ -109,13 +109,22 @@ def list_sources(root: str | Path) -> list[Source]:
         return sorted(sources, key=Source.sort_key)
     if not os.access(given, os.R_OK | os.X_OK):
         raise SiftError(f"corpus folder is not readable: {given}; fix its permissions")
+    sources = _walk(given)
+    if not sources:
+        raise SiftError(f"no readable documents under {given}; put .txt/.md/.jsonl/.jsonl.gz/.parquet files "
+                        "or a datasets.save_to_disk folder there")
+    return sorted(sources, key=Source.sort_key)
+
+
+def _walk(root: Path) -> list[Source]:
+    """The sources of every visible file and saved dataset under the folder `root` (unsorted)."""
 
     def on_error(err: OSError) -> None:
         raise SiftError(f"cannot read corpus folder {err.filename}: {err.strerror}; fix its permissions")
 
     sources: list[Source] = []
     ignored: list[str] = []
-    for dirpath, dirnames, filenames in os.walk(given, onerror=on_error):
+    for dirpath, dirnames, filenames in os.walk(root, onerror=on_error):
         here = Path(dirpath)
         keep = []
         for name in sorted(dirnames):
@@ -123,24 +132,21 @@ def list_sources(root: str | Path) -> list[Source]:
                 continue
             sub = here / name
             if _dataset_kind(sub) is not None:
-                sources += _sources_for_entry(given, sub)  # a dataset folder is a leaf: its .arrow files are its own
+                sources += _sources_for_entry(root, sub)  # a dataset folder is a leaf: its .arrow files are its own
             else:
                 keep.append(name)
         dirnames[:] = keep
         for name in sorted(filenames):
             if name.startswith("."):
                 continue
-            found = _sources_for_entry(given, here / name)
+            found = _sources_for_entry(root, here / name)
             if found:
                 sources += found
             else:
-                ignored.append((here / name).relative_to(given).as_posix())
+                ignored.append((here / name).relative_to(root).as_posix())
     if ignored:
-        log.debug("corpus %s: ignored %d file(s) with other extensions: %s", given, len(ignored), ", ".join(ignored))
-    if not sources:
-        raise SiftError(f"no readable documents under {given}; put .txt/.md/.jsonl/.jsonl.gz/.parquet files "
-                        "or a datasets.save_to_disk folder there")
-    return sorted(sources, key=Source.sort_key)
+        log.debug("corpus %s: ignored %d file(s) with other extensions: %s", root, len(ignored), ", ".join(ignored))
+    return sources
 
 
 def _dataset_kind(path: Path) -> str | None:

@@ -32,8 +32,9 @@ def profiling_prefix_ids(tokenizer, profile: ProfileConfig) -> list[int]:
 
 
 @dataclass(frozen=True)
-class DocBits:
-    """One document's packed bits: la/ca are bytes in (layer, head) order, each head byte-aligned."""
+class ProfiledBits:
+    """One document's packed bits as the index stores them (one row of DOCS_SCHEMA): la/ca are bytes in
+    (layer, head) order, each head byte-aligned."""
 
     la: bytes
     ca: bytes
@@ -160,7 +161,7 @@ class Profiler:
         return backend_label(self.backend, self.forward.plans.values())
 
     @torch.inference_mode()
-    def profile(self, token_ids: list[int]) -> DocBits:
+    def profile(self, token_ids: list[int]) -> ProfiledBits:
         n = len(token_ids)
         if n == 0:
             raise SiftError("empty document: nothing to profile")
@@ -177,5 +178,5 @@ class Profiler:
         la = torch.stack([capture.layers[i].la for i in range(self.n_layers)])  # [layers, Hq, bytes]
         ca = torch.stack([capture.layers[i].ca for i in range(self.n_layers)])
         p = n_pages(n, self.profile_cfg.tile)
-        return DocBits(la=la.cpu().numpy().tobytes(), ca=ca.cpu().numpy().tobytes(),
-                       la_density=_density(la, p * (p + 1) // 2), ca_density=_density(ca, p))
+        return ProfiledBits(la=la.cpu().numpy().tobytes(), ca=ca.cpu().numpy().tobytes(),
+                            la_density=_density(la, p * (p + 1) // 2), ca_density=_density(ca, p))

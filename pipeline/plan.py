@@ -1,0 +1,280 @@
+"""The builder's first stage: decide what a build does before any document is profiled.
+
+    resolve_target   the previous generation, the model's identity, the profiling prefix, the profile key
+    plan             read + tokenise every source (Ray tasks), apply the duplicate policy, split error rows
+                     from live documents, and match each live document against reusable rows -> `BuildPlan`
+
+A live document is reusable when a row with the same (doc_id, content_hash) and the same profile key exists in
+the previous generation or in a whole shard a killed build left behind (an "orphan"); every other live document
+is profiled. Nothing here writes to the index.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from sift import format as fmt
+from sift.format import Manifest, ModelIdentity, content_hash
+from sift.model import DEFAULT_MODEL, fingerprint
+
+from .config import BuildConfig
+from .corpus import Source, SourceDoc, read_source, resolve_duplicates
+from .profiler import profiling_prefix_ids
+
+log = logging.getLogger("sift.build")
+
+LISTING_COLUMNS = ["key", "doc_id", "source", "n_tokens", "content_hash", "error"]
+
+Pair = tuple[str, str]                # (doc_id, content_hash): what identifies a reusable row
+ErrorRow = tuple[str, str, str]       # (doc_id, source, reason): one row of the errors table
+
+
+@dataclass(frozen=True)
+class BuildTarget:
+    """What the new generation is built for, decided before any document is read."""
+
+    previous: Manifest | None   # the committed generation this build replaces, None for a first build
+    model: ModelIdentity
+    prefix_ids: tuple[int, ...]  # the tokens placed before every document while profiling (SPEC section 1)
+    max_tokens: int              # the longest document the model can profile after the prefix
+    profile_key: str             # hash of everything that decides the bits: equal keys mean reusable rows
+
+
+@dataclass(frozen=True)
+class BuildPlan:
+    """What a build does: which documents are profiled, which rows are reused, which records are error rows."""
+
+    target: BuildTarget
+    corpus: str                     # the corpus path, resolved (recorded in the manifest)
+    docs: Any                       # materialised ray.data.Dataset: LISTING_COLUMNS + token_ids, one row per record
+    todo: frozenset[str]            # listing keys of the documents to profile
+    reuse: Mapping[Pair, str]       # reused row -> the shard (relative path) that holds it
+    errors: tuple[ErrorRow, ...]    # records that are not indexed, in corpus order
+    reused: int                     # live documents found in the previous generation
+    recovered: int                  # live documents found in orphan shards
+    deleted: int                    # doc_ids of the previous generation that are gone
+    note: str = ""
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The target
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer(model_dir: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def resolve_target(cfg: BuildConfig, model_dir: Path, index_dir: Path) -> BuildTarget:
+    """Read the previous generation and the model's identity; derive the prefix, max_tokens and profile key."""
+    from transformers import AutoConfig
+
+    previous = fmt.read_manifest(index_dir)
+    name = DEFAULT_MODEL if cfg.model == DEFAULT_MODEL else str(model_dir)
+    model = ModelIdentity.from_config(name, fingerprint(model_dir), AutoConfig.from_pretrained(model_dir))
+    prefix_ids = profiling_prefix_ids(_tokenizer(str(model_dir)), cfg.profile)
+    room = model.max_position_embeddings - len(prefix_ids)
+    return BuildTarget(previous=previous, model=model, prefix_ids=tuple(prefix_ids),
+                       max_tokens=min(cfg.corpus.max_tokens or room, room),
+                       profile_key=cfg.profile_key(model.fingerprint, fmt.FORMAT_VERSION))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Read + tokenise (Ray tasks; pure functions of their batch)
+
+
+def _split_text(tokenizer, text: str, max_tokens: int) -> list[str]:
+    """Cut `text` at token boundaries into pieces that each tokenise (on their own) to <= max_tokens."""
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    offsets = enc["offset_mapping"]
+    pieces, start_tok = [], 0
+    while start_tok < len(offsets):
+        take = max_tokens
+        while True:
+            end_tok = min(start_tok + take, len(offsets))
+            c0 = offsets[start_tok][0]
+            c1 = offsets[end_tok][0] if end_tok < len(offsets) else len(text)
+            piece = text[c0:c1]
+            if len(tokenizer(piece, add_special_tokens=False).input_ids) <= max_tokens or take <= 1:
+                break
+            take = max(1, int(take * 0.95))
+        pieces.append(piece)
+        start_tok = end_tok
+    return pieces
+
+
+def read_and_tokenize(batch: dict, *, model_dir: str, id_field: str, text_field: str, max_tokens: int,
+                      too_long: str) -> dict:
+    """Ray Data map_batches fn over source rows -> one row per document record (errors included).
+
+    `key` is "<source index>:<row index>[:<part>]", zero-padded, so sorting keys restores corpus order.
+    """
+    tok = _tokenizer(model_dir)
+    out = {c: [] for c in LISTING_COLUMNS + ["token_ids"]}
+
+    def emit(key, doc_id, source, ids, error):
+        out["key"].append(key)
+        out["doc_id"].append(doc_id)
+        out["source"].append(source)
+        out["n_tokens"].append(len(ids))
+        out["content_hash"].append(content_hash(ids) if ids else "")
+        out["error"].append(error)
+        out["token_ids"].append(ids)
+
+    for s_idx, s_fields in zip(batch["index"], batch["source"]):
+        docs: list[SourceDoc] = read_source(Source(**s_fields), id_field=id_field, text_field=text_field)
+        for r_idx, doc in enumerate(docs):
+            key = f"{int(s_idx):09d}:{r_idx:09d}"
+            if doc.error is not None:
+                emit(key, doc.doc_id, doc.source, [], doc.error)
+                continue
+            ids = tok(doc.text, add_special_tokens=False).input_ids
+            if not ids:
+                emit(key, doc.doc_id, doc.source, [], "document tokenises to no tokens: remove it or give it text")
+            elif len(ids) <= max_tokens:
+                emit(key, doc.doc_id, doc.source, ids, None)
+            elif too_long == "split":
+                for part, piece in enumerate(_split_text(tok, doc.text, max_tokens)):
+                    emit(f"{key}:{part:06d}", f"{doc.doc_id}#part{part}", doc.source,
+                         tok(piece, add_special_tokens=False).input_ids, None)
+            else:
+                emit(key, doc.doc_id, doc.source, [],
+                     f"document has {len(ids)} tokens, more than the model's {max_tokens}: set "
+                     f"corpus.too_long = \"split\" to index it in parts, or shorten it")
+    return out
+
+
+def _tokenise(sources: list[Source], model_dir: Path, cfg: BuildConfig, max_tokens: int):
+    """Every record of every source, tokenised by Ray tasks (one source per task) -> a materialised Dataset."""
+    import ray.data
+
+    src_rows = [{"index": i, "source": dict(s.__dict__)} for i, s in enumerate(sources)]
+    return ray.data.from_items(src_rows, override_num_blocks=max(1, min(len(src_rows), 64))).map_batches(
+        read_and_tokenize, batch_size=1, fn_kwargs=dict(
+            model_dir=str(model_dir), id_field=cfg.corpus.id_field, text_field=cfg.corpus.text_field,
+            max_tokens=max_tokens, too_long=cfg.corpus.too_long)).materialize()
+
+
+def _listing(docs) -> pa.Table:
+    """The tokenised records without their token ids, in corpus order."""
+    return pa.concat_tables(
+        [pa.Table.from_pandas(b, preserve_index=False) if not isinstance(b, pa.Table) else b
+         for b in docs.select_columns(LISTING_COLUMNS).iter_batches(batch_format="pyarrow")]
+    ).sort_by("key")
+
+
+def _live_and_errors(listing: pa.Table) -> tuple[dict[str, Pair], list[ErrorRow]]:
+    """Apply the duplicate policy (the first occurrence in corpus order wins), then split the records into live
+    documents (listing key -> (doc_id, content_hash)) and error rows."""
+    resolved = resolve_duplicates(
+        SourceDoc(d, None, s, e) for d, s, e in zip(listing["doc_id"].to_pylist(), listing["source"].to_pylist(),
+                                                    listing["error"].to_pylist()))
+    live, errors = {}, []
+    for key, doc, h in zip(listing["key"].to_pylist(), resolved, listing["content_hash"].to_pylist()):
+        if doc.error is not None:
+            errors.append((doc.doc_id, doc.source, doc.error))
+        else:
+            live[key] = (doc.doc_id, h)
+    return live, errors
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Reuse
+
+
+def _pairs(path: Path) -> list[Pair]:
+    t = pq.read_table(path, columns=["doc_id", "content_hash"])
+    return list(zip(t["doc_id"].to_pylist(), t["content_hash"].to_pylist()))
+
+
+def _previous_rows(index_dir: Path, previous: Manifest | None, profile_key: str) -> dict[Pair, str]:
+    """(doc_id, content_hash) -> shard path for every reusable row of the previous generation."""
+    if previous is None or previous.profile_key != profile_key:
+        return {}
+    rows = {}
+    for s in previous.shards:
+        path = index_dir / s.path
+        try:
+            if fmt.sha256_file(path) != s.sha256:
+                raise OSError("sha256 mismatch")
+            pairs = _pairs(path)
+        except OSError as e:
+            log.warning("previous shard %s is unreadable (%s): its documents are re-profiled", path, e)
+            continue
+        for pair in pairs:
+            rows[pair] = s.path
+    return rows
+
+
+def _orphan_rows(index_dir: Path, previous: Manifest | None, profile_key: str) -> dict[Pair, str]:
+    """Rows in whole shards a killed build wrote (not in the manifest) with the same profile key."""
+    live = {s.path for s in previous.shards} if previous else set()
+    rows = {}
+    for f in sorted((index_dir / fmt.SHARDS).glob("part-*.parquet")):
+        rel = f"{fmt.SHARDS}/{f.name}"
+        if rel in live:
+            continue
+        try:
+            meta = pq.read_schema(f).metadata or {}
+            if meta.get(fmt.PROFILE_KEY_META, b"").decode() != profile_key:
+                continue
+            pairs = _pairs(f)
+        except Exception as e:  # a torn file cannot have its final name, but be safe
+            log.warning("ignoring unreadable shard %s: %s", f, e)
+            continue
+        for pair in pairs:
+            rows.setdefault(pair, rel)
+    return rows
+
+
+def _deleted(index_dir: Path, previous: Manifest | None, live_ids: set[str]) -> int:
+    """How many doc_ids of the previous generation are not live any more."""
+    if previous is None:
+        return 0
+    prev_ids = set()
+    for s in previous.shards:
+        try:
+            prev_ids |= {d for d, _ in _pairs(index_dir / s.path)}
+        except OSError:
+            continue
+    return len(prev_ids - live_ids)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The stage
+
+
+def plan(corpus: str | Path, sources: list[Source], model_dir: Path, index_dir: Path, cfg: BuildConfig,
+         target: BuildTarget, echo) -> BuildPlan:
+    """Tokenise the corpus and decide, per record, whether it is an error row, a reused row or to be profiled."""
+    docs = _tokenise(sources, model_dir, cfg, target.max_tokens)
+    live, errors = _live_and_errors(_listing(docs))
+    prev_rows = _previous_rows(index_dir, target.previous, target.profile_key)
+    orphan_rows = _orphan_rows(index_dir, target.previous, target.profile_key)
+    reuse: dict[Pair, str] = {}
+    todo, reused, recovered = set(), 0, 0
+    for key, pair in live.items():
+        if pair in prev_rows:
+            reuse[pair] = prev_rows[pair]
+            reused += 1
+        elif pair in orphan_rows:
+            reuse[pair] = orphan_rows[pair]
+            recovered += 1
+        else:
+            todo.add(key)
+    changed = target.previous is not None and target.previous.profile_key != target.profile_key
+    echo(f"sift-build: {len(live)} documents ({reused} unchanged, {recovered} recovered "
+         f"from an interrupted build, {len(todo)} to profile), {len(errors)} error rows")
+    return BuildPlan(target=target, corpus=str(Path(corpus).resolve()), docs=docs, todo=frozenset(todo),
+                     reuse=reuse, errors=tuple(errors), reused=reused, recovered=recovered,
+                     deleted=_deleted(index_dir, target.previous, {d for d, _ in live.values()}),
+                     note="profile or model changed: every document is re-profiled" if changed else "")
