@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from sift.errors import SiftError
-from sift.kernels.bits import n_pages, pack_msb
+from sift.format import n_pages
+from sift.kernels.bits import pack_msb
 from sift.kernels.block_indices import block_indices_ref, dense_block_indices, pack_doc_bits
 from sift.kernels.layout import build_layout
 from sift.kernels.sparse_attention import sparse_attention_ref
@@ -24,8 +25,8 @@ from sift.pipeline import index as idx
 from sift.model import DEFAULT_MODEL, fingerprint, resolve_model_dir
 from sift.format import content_hash
 from sift.runtime import Request, SiftEngine, SiftIndex
-from sift.demo import QUERY, SYSTEM
-from sift.runtime.engine import sparse_attention_torch
+from sift.runtime.demo import QUERY, SYSTEM
+from sift.kernels.sparse_attention import sparse_attention_torch
 
 from .helpers import smollm2
 

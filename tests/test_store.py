@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from sift.errors import SiftError
-from sift.kernels.bits import ca_nbytes, la_nbytes, n_pages, pack_msb
+from sift.format import ca_nbytes, la_nbytes, n_pages
+from sift.kernels.bits import pack_msb
 from sift.kernels.block_indices import DocBits
 from sift import format as fmt
 from sift.pipeline import index as idx

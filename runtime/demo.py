@@ -13,8 +13,10 @@ Exit codes: 0 success, 2 error (one line on stderr, no traceback).
 from __future__ import annotations
 
 import gzip
+import importlib.util
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -31,7 +33,7 @@ EXIT_OK, EXIT_ERROR = 0, 2
 
 
 def load_questions(n: int | None = None) -> list[dict]:
-    """HotpotQA questions (sift/data, CC BY-SA 4.0): id, question, answer, paragraphs [[title, text]]."""
+    """HotpotQA questions (runtime/data, CC BY-SA 4.0): id, question, answer, paragraphs [[title, text]]."""
     with gzip.open(DATA, "rt") as f:
         rows = [json.loads(line) for line in f]
     return rows if n is None else rows[:n]
@@ -40,7 +42,7 @@ def load_questions(n: int | None = None) -> list[dict]:
 def hotpot_request(q: dict, *, chat: bool = True):
     """A question as a RAG request: doc_id = paragraph title, text exactly as indexed. chat=True wraps prefix
     and query in SmolLM2's chat template (its special tokens are plain text here; the tokenizer parses them)."""
-    from sift.runtime import Request
+    from .engine import Request
 
     docs = [(title, text) for title, text in q["paragraphs"]]
     if chat:
@@ -48,13 +50,27 @@ def hotpot_request(q: dict, *, chat: bool = True):
     return Request("Answer the question from the passages.\n", docs, f"\nQuestion: {q['question']}\nAnswer:")
 
 
-def _ensure_index(path: Path, corpus: Path | str, tile: int | None, echo) -> None:
-    """Build (or incrementally update) the index at `path` from `corpus` with the pipeline's own job."""
-    from sift.pipeline import load_config, run_build
+def _sample_corpus() -> Path:
+    """The sample corpus shipped in the builder's package folder (found without importing the builder)."""
+    spec = importlib.util.find_spec("sift.pipeline")
+    return Path(spec.submodule_search_locations[0]) / "sample_corpus"
 
-    stats = run_build(corpus, path, load_config(tile=tile), echo=echo)
-    if stats.errors:
-        raise SiftError(f"{stats.errors} document(s) of {corpus} could not be indexed: see `sift-inspect {path}`")
+
+def _ensure_index(path: Path, corpus: Path | str, tile: int | None, echo) -> None:
+    """Build (or incrementally update) the index at `path` from `corpus` with `sift-build`, as an operator
+    would: serving code never imports the builder (and with it Ray)."""
+    cmd = [str(Path(sys.executable).with_name("sift-build")), str(corpus), "--out", str(path)]
+    if tile:
+        cmd += ["--tile", str(tile)]
+    if not Path(cmd[0]).exists():
+        raise SiftError(f"{cmd[0]} not found: install the package (`make install`) to build indexes")
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in (proc.stderr + proc.stdout).splitlines():
+        echo(line)
+    if proc.returncode == 1:
+        raise SiftError(f"some documents of {corpus} could not be indexed: see `sift-inspect {path}`")
+    if proc.returncode != 0:
+        raise SiftError(f"`{' '.join(cmd)}` failed with exit code {proc.returncode} (its output is above)")
 
 
 def _corpus_of(questions: list[dict], folder: Path) -> Path:
@@ -82,7 +98,9 @@ def _shorten(text: str, width: int) -> str:
 
 def run(index_path: Path, questions: list[dict], max_new_tokens: int, batch: int, verbose: bool, echo) -> dict:
     from sift.model import DEFAULT_MODEL, load_model
-    from sift.runtime import SiftEngine, SiftIndex
+
+    from .engine import SiftEngine
+    from .store import SiftIndex
 
     import torch
 
@@ -163,10 +181,9 @@ def main(index_path, questions, max_new_tokens, batch, all_questions, all_index,
             result = run(all_index, qs, max_new_tokens, batch, verbose=False, echo=log)
         else:
             if not (index_path / "manifest.json").exists():
-                from sift.pipeline import SAMPLE_CORPUS
-
-                log(f"{index_path} has no index yet: building it from {SAMPLE_CORPUS} (as `make demo` does)")
-                _ensure_index(index_path, SAMPLE_CORPUS, None, log)
+                corpus = _sample_corpus()
+                log(f"{index_path} has no index yet: building it from {corpus} (as `make demo` does)")
+                _ensure_index(index_path, corpus, None, log)
             result = run(index_path, load_questions(20)[:questions], max_new_tokens, batch, verbose=True, echo=echo)
     except SiftError as e:
         click.echo(f"error: {e}", err=True)

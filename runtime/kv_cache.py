@@ -1,0 +1,70 @@
+"""The position-free KV cache of one batch (docs/SPEC.md section 5).
+
+Keys are stored rotated at segment-local positions (each segment starts at local position 0) and each block
+records the logical position of its segment's first token (`block_offset`): the attention kernels rotate by
+that offset, so the stored keys never depend on where a segment sits in a prompt. The cache holds every
+layer's K and V in the batch's physical slots (the prompt's blocks, then `gen_blocks` blocks per request for
+generated tokens) and, per block, how many of its slots hold real tokens (`block_valid`); padding slots are
+zero and never attended.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..kernels.layout import BatchLayout
+
+
+class BatchKVCache:
+    """K / V: [n_layers] x [Hkv, slots, D], allocated at the first write with the model's dtype. Its methods
+    are its whole contract: `write_prompt` / `prompt_kv` during the prefill, `append` / `layer_kv` during
+    generation, `advance` before each generation step."""
+
+    def __init__(self, layout: BatchLayout, n_layers: int, *, gen_blocks: int = 0):
+        dev, b = layout.device, layout.n_requests
+        self.layout = layout
+        self.n_layers = n_layers
+        self.n_slots = (layout.n_blocks + b * gen_blocks) * layout.block
+        self.block_valid = torch.cat([layout.block_valid, torch.zeros(b * gen_blocks, dtype=torch.int32, device=dev)])
+        # A request's generated segment starts at its next logical position: its prompt length.
+        self.block_offset = torch.cat([layout.block_offset, layout.req_n_tokens.repeat_interleave(gen_blocks)])
+        self._k: torch.Tensor | None = None
+        self._v: torch.Tensor | None = None
+        self._written: set[int] = set()
+
+    def _allocate(self, like: torch.Tensor) -> None:
+        shape = (self.n_layers, like.shape[0], self.n_slots, like.shape[2])
+        self._k = torch.zeros(shape, dtype=like.dtype, device=like.device)
+        self._v = torch.zeros(shape, dtype=like.dtype, device=like.device)
+
+    @property
+    def layers_written(self) -> int:
+        """How many layers the prefill wrote (every layer must: proof that each ran the engine's attention)."""
+        return len(self._written)
+
+    def write_prompt(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """key / value: [Hkv, n_real, D], the batch's real tokens in packed order -> their physical slots."""
+        if self._k is None:
+            self._allocate(key)
+        slots = self.layout.token_phys
+        self._k[layer].index_copy_(1, slots, key)
+        self._v[layer].index_copy_(1, slots, value)
+        self._written.add(layer)
+
+    def prompt_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[Hkv, NB * block, D] views of the prompt's slots (the first slots of the layer's cache)."""
+        n = self.layout.n_slots
+        return self._k[layer][:, :n], self._v[layer][:, :n]
+
+    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[Hkv, slots, D]: the layer's whole cache, generated blocks included."""
+        return self._k[layer], self._v[layer]
+
+    def advance(self, slots: torch.Tensor) -> None:
+        """Make the slots of the next generated tokens (int64 [B], one per request) valid in their blocks."""
+        block = self.layout.block
+        self.block_valid[slots // block] = (slots % block + 1).to(torch.int32)
+
+    def append(self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """key / value: [Hkv, B, D], one generated token per request -> `slots` (int64 [B])."""
+        self._k[layer].index_copy_(1, slots, key)
+        self._v[layer].index_copy_(1, slots, value)
