@@ -42,6 +42,16 @@ def smoke_env(argv: list[str] | None = None) -> bool:
     return smoke
 
 
+def out_dir(args: argparse.Namespace) -> Path:
+    """Where the result goes: --out, except that a --smoke run without its own --out writes to a temporary
+    folder, so a smoke run never replaces a measured result in bench/results/."""
+    if args.smoke and Path(args.out) == RESULTS:
+        import tempfile
+
+        return Path(tempfile.gettempdir()) / "sift-bench-smoke"
+    return Path(args.out)
+
+
 def environment() -> dict:
     """Date, device and library versions of this run."""
     import triton
@@ -72,3 +82,20 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """max |out - ref| / max |ref|, in fp32."""
     out, ref = out.float(), ref.float()
     return float((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+
+
+class IdTokenizer:
+    """Stand-in tokenizer for random-weight models: text is token ids written as decimal numbers separated by
+    spaces (the engine's API takes text)."""
+
+    def __init__(self, bos: int, eos: int):
+        self.bos_token_id, self.eos_token_id = bos, eos
+
+    def __call__(self, text: str, add_special_tokens: bool = True):
+        from types import SimpleNamespace
+
+        ids = [int(t) for t in text.split()]
+        return SimpleNamespace(input_ids=([self.bos_token_id] if add_special_tokens else []) + ids)
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return " ".join(map(str, ids))

