@@ -28,7 +28,6 @@ Shapes:
 """
 from __future__ import annotations
 
-import math
 import os
 
 import torch
@@ -38,7 +37,7 @@ import triton.language as tl
 from sift.format import TILES
 
 from .layout import BatchLayout
-from .numerics import LOG2E
+from .numerics import LOG2E, check_heads_and_blocks, check_scale
 from .rope import _cos_sin, apply_rope_ref
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -197,18 +196,11 @@ def _validate(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block_valid,
     hkv, n = k_cache.shape[:2]
     if k_cache.shape != v_cache.shape or k_cache.shape[2] != d:
         raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must be [Hkv, N, D={d}]")
-    if hq % hkv:
-        raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hkv})")
     half = d // 2
     if d % 2 or half < 16 or half & (half - 1):
         raise ValueError(f"head_dim={d} is unsupported: D / 2 must be a power of two >= 16 (32, 64, 128, 256)")
-    if block not in BLOCKS:
-        raise ValueError(f"block={block} is unsupported; use one of {BLOCKS}")
-    if n % block:
-        raise ValueError(f"the cache has N={n} slots, not a whole number of blocks of {block}")
-    nb = n // block
-    if not (isinstance(scale, (int, float)) and scale > 0 and math.isfinite(scale)):
-        raise ValueError(f"scale={scale!r} must be a positive finite float (usually head_dim ** -0.5)")
+    nb = check_heads_and_blocks(hq, hkv, n, block)
+    check_scale(scale)
     for name, x, shape in (("q_offset", q_offset, (bsz,)), ("kv_indptr", kv_indptr, (bsz + 1,)),
                            ("block_valid", block_valid, (nb,)), ("block_offset", block_offset, (nb,))):
         if not isinstance(x, torch.Tensor) or x.dtype != torch.int32 or tuple(x.shape) != shape:

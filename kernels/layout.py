@@ -193,7 +193,6 @@ def build_layout(
     seg_doc[doc_segment] = torch.arange(len(doc_segment))
     block_doc = seg_doc[block_segment]
 
-    req_ids = torch.arange(n_req)
     req_n_blocks = torch.zeros(n_req, **i64).index_add_(0, seg_request_t, seg_n_blocks)
     req_first_block = torch.cumsum(req_n_blocks, 0) - req_n_blocks
     req_n_tokens = torch.zeros(n_req, **i64).index_add_(0, seg_request_t, seg_n_tokens_t)

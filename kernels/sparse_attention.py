@@ -22,7 +22,6 @@ that query block qb of head h attends to. The diagonal block is masked causally 
 """
 from __future__ import annotations
 
-import math
 import os
 
 import torch
@@ -32,6 +31,7 @@ from sift.format import TILES
 from . import sparse_attention_sm90 as sm90
 from . import sparse_attention_tl as tl_kernel
 from .layout import BatchLayout
+from .numerics import check_heads_and_blocks, check_scale
 from .rope import apply_rope_ref
 
 BLOCKS = TILES
@@ -56,17 +56,10 @@ def _validate(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, sca
         raise ValueError(f"q has {n_q} rows and k {n} slots: without q_block_start q must be in the padded layout")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q, k, v must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
-    if hq % hkv:
-        raise ValueError(f"query heads ({hq}) must be a multiple of kv heads ({hkv})")
     if d not in HEAD_DIMS:
         raise ValueError(f"head_dim={d} is unsupported; use one of {HEAD_DIMS}")
-    if block not in BLOCKS:
-        raise ValueError(f"block={block} is unsupported; use one of {BLOCKS}")
-    if n % block:
-        raise ValueError(f"N={n} token slots must be a whole number of blocks (block={block}); pad the layout")
-    nb = n // block
-    if not (isinstance(scale, (int, float)) and scale > 0 and math.isfinite(scale)):
-        raise ValueError(f"scale={scale!r} must be a positive finite float (usually head_dim ** -0.5)")
+    nb = check_heads_and_blocks(hq, hkv, n, block)
+    check_scale(scale)
     for name, x, shape in (
         ("indptr", indptr, (hq * nb + 1,)),
         ("block_valid", block_valid, (nb,)),
