@@ -27,6 +27,7 @@ the result records which one ran.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -205,6 +206,11 @@ class SiftEngine:
             raise SiftError(f"model {cfg.model_type!r} cannot be served with position-free KV: {e}") from None
         self.inv_freq = rope.inv_freq.to(self.device)
         self.window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
+        # The context the model declares (its RoPE scaling, where it has one, is already reflected here).
+        self.max_positions: int | None = getattr(cfg, "max_position_embeddings", None)
+        # One call at a time: a call swaps the model's attention implementation for its duration, and the GPU
+        # runs one batch's layers in order anyway (batch concurrent requests into one call for throughput).
+        self._lock = threading.Lock()
         self.eos_ids = self._eos_ids()
 
         self.tile = index.tile if index is not None else None
@@ -301,12 +307,25 @@ class SiftEngine:
     @torch.inference_mode()
     def prefill(self, requests: Sequence[Request], mode: str = "sift") -> PrefillResult:
         """Prefill a batch -> PrefillResult (logits at each request's last position)."""
-        return self._prefill(requests, mode, gen_blocks=0)[0]
+        with self._lock:
+            return self._prefill(requests, mode, new_tokens=0)[0]
 
-    def _plan(self, requests: Sequence[Request], mode: str, timer: _Timer):
+    def _check_lengths(self, lengths: list[int], new_tokens: int) -> None:
+        for r, n in enumerate(lengths):
+            if n == 0:
+                raise SiftError(f"request {r} has no tokens (empty prefix, no documents, empty query): give it "
+                                f"a prefix, a document or a query")
+            if self.max_positions and n + new_tokens > self.max_positions:
+                more = f" + {new_tokens} to generate" if new_tokens else ""
+                raise SiftError(f"request {r} has {n} prompt tokens{more}, more than the model's context of "
+                                f"{self.max_positions} (max_position_embeddings): shorten the prompt"
+                                f"{' or lower max_new_tokens' if new_tokens else ''}")
+
+    def _plan(self, requests: Sequence[Request], mode: str, timer: _Timer, new_tokens: int):
         """Requests -> (token ids of the batch [1, n_real], layout, prompt lengths, the documents' bits or None)."""
         segs = [self.tokenize(r) for r in requests]
         lengths = [sum(len(ids) for _, ids in s) for s in segs]
+        self._check_lengths(lengths, new_tokens)
         if self.window and max(lengths) > self.window:
             raise SiftError(f"a prompt of {max(lengths)} tokens exceeds the model's sliding window ({self.window}): "
                             f"the sparse pattern assumes full causal attention; shorten the prompt")
@@ -331,17 +350,17 @@ class SiftEngine:
             return PrefillMetadata.build(layout, self._backend.decode_indices(layout, bits, self.tile, n_heads),
                                          sparse=True)
 
-    def _prefill(self, requests: Sequence[Request], mode: str, gen_blocks: int):
-        """-> (PrefillResult, layout, the batch's KV cache with room for gen_blocks blocks per request)."""
+    def _prefill(self, requests: Sequence[Request], mode: str, new_tokens: int):
+        """-> (PrefillResult, layout, the batch's KV cache with room for new_tokens more per request)."""
         t0 = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._validate_requests(requests, mode)
         timer = _Timer(self.device)
-        ids, layout, lengths, bits = self._plan(requests, mode, timer)
+        ids, layout, lengths, bits = self._plan(requests, mode, timer, new_tokens)
         meta = self._metadata(layout, bits, timer)
         n_layers = self.model.config.num_hidden_layers
-        cache = BatchKVCache(layout, n_layers, gen_blocks=gen_blocks)
+        cache = BatchKVCache(layout, n_layers, gen_blocks=-(-new_tokens // self.block))
         attention = _PrefillAttention(self._backend, meta, cache, self.inv_freq, timer)
         with self._attn_impl():
             hidden = self.model.base_model(input_ids=ids, position_ids=layout.token_local_pos[None], use_cache=False,
@@ -367,10 +386,14 @@ class SiftEngine:
     def generate(self, requests: Sequence[Request], max_new_tokens: int = 32, mode: str = "sift") -> GenerateResult:
         """Greedy generation: prefill, then one token per request per step over the position-free cache,
         until eos or max_new_tokens."""
-        if max_new_tokens < 1:
-            raise SiftError(f"max_new_tokens={max_new_tokens} must be >= 1")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise SiftError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
+        with self._lock:
+            return self._generate(requests, max_new_tokens, mode)
+
+    def _generate(self, requests: Sequence[Request], max_new_tokens: int, mode: str) -> GenerateResult:
         gen_blocks = -(-max_new_tokens // self.block)
-        prefill, layout, cache = self._prefill(requests, mode, gen_blocks=gen_blocks)
+        prefill, layout, cache = self._prefill(requests, mode, new_tokens=max_new_tokens)
         t0 = time.perf_counter()
         b = len(requests)
         out: list[list[int]] = [[] for _ in range(b)]

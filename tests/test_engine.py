@@ -369,3 +369,57 @@ def test_triton_backend_equals_torch_backend(tokenizer, tmp_path):
     assert err <= 1e-4
     assert gpu.prefill.tile_fraction == cpu.prefill.tile_fraction
     assert gpu.token_ids == cpu.token_ids
+
+
+def test_empty_request_and_context_length_are_refused(tokenizer, tmp_path):
+    """A request with no tokens and a prompt (plus the tokens to generate) beyond the model's declared context
+    are refused with the project's error before any work."""
+    model = _tiny("llama", tmp_path, max_position_embeddings=256)
+    engine = SiftEngine(model, tokenizer, None)
+    with pytest.raises(SiftError, match="request 0 has no tokens"):
+        engine.prefill([Request("", [], "")], mode="dense")
+    long_query = " ".join(["word"] * 300)
+    with pytest.raises(SiftError, match=r"more than the model's context of 256 \(max_position_embeddings\)"):
+        engine.prefill([Request("Hi.", [], long_query)], mode="dense")
+    fits = Request("Hi.", [], " ".join(["word"] * 200))
+    n = len(engine.prompt_ids(fits))
+    assert n + 8 <= 256 < n + 64
+    engine.generate([fits], max_new_tokens=8, mode="dense")
+    with pytest.raises(SiftError, match="lower max_new_tokens"):
+        engine.generate([fits], max_new_tokens=64, mode="dense")
+    with pytest.raises(SiftError, match="max_new_tokens"):
+        engine.generate([fits], max_new_tokens=0, mode="dense")
+
+
+def test_concurrent_calls_equal_serial_calls(tokenizer, tmp_path):
+    """Serving code calls one engine from many threads: every call returns what it returns alone, and the
+    model's own attention implementation is restored afterwards."""
+    import threading
+
+    model = _tiny("llama", tmp_path)
+    (a,), (b,) = _tiny_requests()
+    index = write_index(tmp_path / "index", model, fingerprint(tmp_path / "model"), doc_ids(tokenizer, [a, b]),
+                        tile=16)
+    engine = SiftEngine(model, tokenizer, index)
+    reqs = [a, b]
+    serial = {(i, mode): engine.prefill([reqs[i]], mode=mode).logits for i in range(2) for mode in ("sift", "dense")}
+    results, errors = [], []
+
+    def worker(k: int) -> None:
+        try:
+            for j in range(3):
+                i, mode = (k + j) % 2, ("sift", "dense")[(k * 3 + j) % 2]
+                results.append(((i, mode), engine.prefill([reqs[i]], mode=mode).logits))
+        except Exception as e:  # noqa: BLE001 - reported by the assertion below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert len(results) == 12
+    for key, logits in results:
+        assert torch.equal(logits, serial[key]), key
+    assert model.config._attn_implementation == "sdpa"

@@ -184,6 +184,37 @@ def test_budget_never_exceeded(built):
     assert index.stats()["evictions"] > 0 and index.stats()["hits"] > 0
 
 
+def test_fetch_from_many_threads(built):
+    """Serving code fetches from many threads: every batch gets its own documents' bits, the budget holds, and
+    the counters add up to the lookups made."""
+    import threading
+
+    root, rows = built
+    budget = doc_size(250) + doc_size(100) // 2
+    index = SiftIndex.open(root, device="cpu", hbm_budget_bytes=budget)
+    ids, errors, lookups = list(rows), [], []
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        try:
+            for _ in range(25):
+                docs = [(d, rows[d]["n_tokens"]) for d in rng.choices(ids, k=rng.randint(1, 4))]
+                check_bits(index.fetch(docs), docs, rows)
+                lookups.append(len({d for d, _ in docs}))
+                assert index.stats()["resident_bytes"] <= budget
+        except Exception as e:  # noqa: BLE001 - reported by the assertion below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    s = index.stats()
+    assert s["hits"] + s["misses"] == sum(lookups) and s["evictions"] > 0 and s["resident_bytes"] <= budget
+
+
 def test_batch_larger_than_budget_serves_overflow_uncached(tmp_path):
     lengths = {k: 40 for k in "ABC"}
     rows = make_index(tmp_path / "i", lengths)
