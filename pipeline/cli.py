@@ -3,7 +3,10 @@
 Exit codes (both commands):
   0  success: every document indexed (sift-inspect: the index is readable)
   1  committed, but some documents are in the errors table (sift-build only)
-  2  nothing committed: bad usage, bad config, unreadable corpus, not an index, corrupt index
+  2  nothing committed: bad usage, bad config, unreadable corpus, not an index, corrupt index, a folder that
+     cannot be written, a full disk, or any other failure (sift-inspect: the index cannot be read)
+
+Every failure is one line on stderr; SIFT_DEBUG=1 adds the traceback of a failure that is not a SiftError.
 """
 from __future__ import annotations
 
@@ -11,19 +14,27 @@ import json
 import logging
 import os
 import sys
+import traceback
 
 import click
 import numpy as np
 
-from sift.errors import SiftError
+from sift.errors import SiftError, one_line
 from sift.format import TILES
 
 EXIT_OK, EXIT_DOC_ERRORS, EXIT_NOTHING = 0, 1, 2
 
 
 def _fail(message: str) -> None:
-    click.echo(f"error: {message}", err=True)
+    click.echo(f"error: {' '.join(message.splitlines())}", err=True)
     sys.exit(EXIT_NOTHING)
+
+
+def _fail_unexpected(e: Exception, consequence: str) -> None:
+    """A failure the code did not name: still one line and exit 2 (the traceback only with SIFT_DEBUG=1)."""
+    if os.environ.get("SIFT_DEBUG"):
+        traceback.print_exc()
+    _fail(f"{one_line(e)} ({consequence}; SIFT_DEBUG=1 shows the traceback)")
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -50,6 +61,8 @@ def build_main(corpus, out, config_path, model, tile, alpha, beta, gamma, ray_ad
         stats = run_build(corpus, out, cfg, ray_address=ray_address, echo=echo)
     except SiftError as e:
         _fail(str(e))
+    except Exception as e:  # noqa: BLE001 - exit code 1 means "committed", which this is not
+        _fail_unexpected(e, "nothing was committed; the previous generation is unchanged")
     tps = stats.tokens_profiled / stats.profile_seconds if stats.profile_seconds else 0.0
     click.echo(f"committed generation {stats.generation}: {stats.documents} documents "
                f"(profiled {stats.profiled}, reused {stats.reused + stats.reused_orphans}, deleted {stats.deleted}), "
@@ -121,6 +134,8 @@ def inspect_main(index, as_json):
         s = summarize(index)
     except SiftError as e:
         _fail(str(e))
+    except Exception as e:  # noqa: BLE001 - whatever it is, the index could not be read
+        _fail_unexpected(e, "the index could not be read")
     if as_json:
         click.echo(json.dumps(s))
         return

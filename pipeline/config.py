@@ -3,7 +3,8 @@ boundary (unknown keys are an error), hashed, and written into the index it prod
 
     model = "smollm2-135m-instruct"       # or a local transformers folder
     [profile]   tile, alpha, beta, gamma, ca_normalize, force_sink_page, dense_heads, prefix_text, dtype
-    [corpus]    id_field, text_field, too_long ("error" | "split"), max_tokens (0: the model's context)
+    [corpus]    id_field, text_field, too_long ("error" | "split"), max_tokens (0: the model's context),
+                follow_symlinks (read files whose symlink leads outside the corpus folder)
     [build]     shard_rows, backend ("auto" | "torch" | "triton"), actors (0: sized from Ray's resources)
 """
 from __future__ import annotations
@@ -61,8 +62,11 @@ class CorpusConfig:
     text_field: str = "text"
     too_long: str = "error"  # "error": an errors-table row; "split": chunks with ids "<id>#part<k>"
     max_tokens: int = 0      # 0: the model's context length minus the profiling prefix
+    follow_symlinks: bool = False  # False: a symlink leading outside the corpus folder is an error row
 
     def __post_init__(self):
+        if not isinstance(self.follow_symlinks, bool):
+            raise SiftError(f"corpus.follow_symlinks = {self.follow_symlinks!r} must be true or false")
         if self.too_long not in ("error", "split"):
             raise SiftError(f"corpus.too_long = {self.too_long!r} must be 'error' or 'split'")
         if self.max_tokens < 0:

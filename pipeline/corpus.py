@@ -7,7 +7,10 @@ A corpus is one of
   * a single such file, or a single saved dataset folder.
 
 Hidden files and folders (name starting with ".") are skipped; files with other extensions are ignored and listed
-in a debug log. The work is cut into `Source` units (a file, a dataset split, or a row range of a big parquet
+in a debug log. Symlinks: a file or dataset folder reached through a symlink that resolves inside the corpus folder
+is read; one that resolves outside it is an error row unless `follow_symlinks` (config `corpus.follow_symlinks`);
+a symlinked folder that is not a saved dataset is not descended into; dangling links and symlink loops are error
+rows. The work is cut into `Source` units (a file, a dataset split, or a row range of a big parquet
 file / split) so that one Ray task reads one unit:
 
     sources = list_sources(root)                                  # driver: cheap, sorted, deterministic
@@ -29,6 +32,7 @@ A row that cannot be read at all (corrupt parquet file, unreadable dataset) gets
 """
 from __future__ import annotations
 
+import errno
 import gzip
 import json
 import logging
@@ -224,9 +228,12 @@ def _parquet_sources(root: Path, rel: str) -> list[Source]:
 
 
 def read_source(source: Source, *, id_field: str = "id", text_field: str = "text",
-                max_chars: int | None = None) -> list[SourceDoc]:
+                max_chars: int | None = None, follow_symlinks: bool = False) -> list[SourceDoc]:
     """The documents of one source, in row order. Never raises for bad content: a document that cannot be indexed
-    is returned with `error` set. `max_chars`: longer documents become error rows (never truncated silently)."""
+    is returned with `error` set. `max_chars`: longer documents become error rows (never truncated silently).
+    `follow_symlinks`: read a source whose symlink resolves outside the corpus root (else it is an error row)."""
+    if link_error := _link_error(source, follow_symlinks):
+        return [SourceDoc(source.label, None, source.label, link_error)]
     check = _Checker(id_field, text_field, max_chars)
     if source.kind == "text":
         return [_read_text(source, check)]
@@ -237,6 +244,37 @@ def read_source(source: Source, *, id_field: str = "id", text_field: str = "text
     if source.kind == "dataset":
         return _read_dataset(source, check)
     raise ValueError(f"unknown source kind {source.kind!r}")  # programming error, not bad content
+
+
+def _link_error(source: Source, follow_symlinks: bool) -> str | None:
+    """Why the source's file or folder must not be read through its symlinks; None when it may be read."""
+    root = Path(source.root).resolve()
+    path = root / source.path
+    try:
+        real = path.resolve(strict=True)
+    except RuntimeError:  # how Python before 3.13 reports a symlink loop
+        return "symlink loop (the link leads back to itself); fix or remove the link"
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            return "symlink loop (the link leads back to itself); fix or remove the link"
+        if err.errno == errno.ENOENT and path.is_symlink():
+            return f"broken symlink (its target {os.readlink(path)} does not exist); fix or remove the link"
+        return None  # the reader reports it with its own reason
+    if not follow_symlinks and not real.is_relative_to(root):
+        return (f"symlink to {real}, outside the corpus folder; copy the file into the corpus, or set "
+                "corpus.follow_symlinks = true to read files outside it")
+    return None
+
+
+def _read_failed(err: OSError) -> str:
+    """The error row's reason for a file that cannot be opened, with the fix that matches the cause."""
+    if err.errno in (errno.EACCES, errno.EPERM):
+        fix = "fix its permissions"
+    elif err.errno == errno.ENOENT:
+        fix = "the file disappeared while the corpus was read; run sift-build again"
+    else:
+        fix = "check the file and the disk it is on"
+    return f"cannot read file: {_one_line(err.strerror or err)}; {fix}"
 
 
 def _one_line(text: str) -> str:
@@ -299,7 +337,7 @@ def _read_text(source: Source, check: _Checker) -> SourceDoc:
     try:
         data = (Path(source.root) / rel).read_bytes()
     except OSError as err:
-        return SourceDoc(rel, None, rel, f"cannot read file: {_one_line(err.strerror or err)}; fix its permissions")
+        return SourceDoc(rel, None, rel, _read_failed(err))
     nul = data.find(b"\x00")
     if nul >= 0:
         return SourceDoc(rel, None, rel, f"binary file (NUL byte at offset {nul}); "

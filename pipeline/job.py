@@ -22,7 +22,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from sift import format as fmt
-from sift.errors import SiftError
+from sift.errors import SiftError, one_line, root_cause
 from sift.format import Manifest, ShardInfo
 from sift.model import resolve_model_dir
 
@@ -176,12 +176,20 @@ def profile(build: BuildPlan, index_dir: Path, cfg: BuildConfig, echo) -> Profil
     pool = _actor_pool(ray, cfg)
     echo(f"sift-build: profiling on {pool.size} {pool.kind.upper()} actor(s)")
     todo = build.docs.map_batches(_KeyFilter(build.todo), batch_format="numpy")
+    # Everything handed to the actors is absolute: they run in their own working directory, on other machines.
+    assert index_dir.is_absolute(), index_dir
     results = todo.map_batches(
         ProfileShardWriter, batch_size=cfg.build.shard_rows, batch_format="numpy",
-        fn_constructor_kwargs=dict(model=cfg.model, cfg_dict=cfg.to_dict(), index_dir=str(index_dir),
+        fn_constructor_kwargs=dict(model=build.target.model.name, cfg_dict=cfg.to_dict(), index_dir=str(index_dir),
                                    profile_key=build.target.profile_key, threads=pool.threads),
         compute=ray.data.ActorPoolStrategy(size=pool.size), **pool.resources)
-    return _collect(results, len(build.todo), echo)
+    try:
+        return _collect(results, len(build.todo), echo)
+    except Exception as e:  # an actor's error arrives wrapped in Ray's; the user gets the one line behind it
+        if isinstance(root_cause(e), SiftError):
+            raise SiftError(one_line(e)) from e
+        raise SiftError(f"profiling stopped: {one_line(e)} (nothing was committed; the next sift-build reuses "
+                        f"the shards already written)") from e
 
 
 def _collect(results, n_todo: int, echo) -> Profiled:
@@ -268,7 +276,7 @@ def commit(build: BuildPlan, profiled: Profiled, index_dir: Path, cfg: BuildConf
     shards = _assemble(index_dir, build.reuse, build.target.profile_key) + list(profiled.shards)
     errors = _write_errors(index_dir, build.errors + profiled.errors)
     stats = BuildStats(
-        generation=(previous.generation if previous else 0) + 1, documents=sum(s.rows for s in shards),
+        generation=idx.next_generation(index_dir, previous), documents=sum(s.rows for s in shards),
         profiled=sum(s.rows for s in profiled.shards), reused=build.reused, reused_orphans=build.recovered,
         deleted=build.deleted, errors=errors.rows if errors else 0, tokens_profiled=profiled.tokens,
         profile_seconds=profiled.seconds, actor_seconds=profiled.actor_seconds,
@@ -307,7 +315,7 @@ def run_build(corpus: str | Path, out: str | Path, cfg: BuildConfig, *, ray_addr
               echo=print) -> BuildStats:
     """Build or incrementally update the index at `out` from `corpus`. Returns what the build did."""
     t_start = time.perf_counter()
-    index_dir = Path(out)
+    index_dir = Path(out).expanduser().absolute()  # actors write shards here from their own working directory
     sources = list_sources(corpus)
     model_dir = resolve_model_dir(cfg.model)
     idx.prepare_dir(index_dir)

@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from sift import format as fmt
+from sift.errors import SiftError
 from sift.format import Manifest, ModelIdentity, content_hash
 from sift.model import DEFAULT_MODEL, fingerprint
 
@@ -74,11 +75,28 @@ def _tokenizer(model_dir: str):
     return AutoTokenizer.from_pretrained(model_dir)
 
 
+def _previous_generation(index_dir: Path) -> Manifest | None:
+    """The committed manifest; when manifest.json was lost, the newest history copy, so the build continues the
+    history (the next generation is one more) instead of starting it again at 1."""
+    gens = fmt.history(index_dir)
+    if (index_dir / fmt.MANIFEST).exists() or not gens:
+        return fmt.read_manifest(index_dir)
+    newest = gens[max(gens)]
+    try:
+        previous = fmt.load_manifest(newest, index_dir)
+    except SiftError as e:
+        raise SiftError(f"{index_dir / fmt.MANIFEST} is missing and its newest history copy is unusable ({e}); "
+                        f"restore a good copy with `cp {index_dir}/{fmt.HISTORY}/gen-K.json "
+                        f"{index_dir / fmt.MANIFEST}`") from None
+    log.warning("%s is missing: continuing from %s", index_dir / fmt.MANIFEST, newest)
+    return previous
+
+
 def resolve_target(cfg: BuildConfig, model_dir: Path, index_dir: Path) -> BuildTarget:
     """Read the previous generation and the model's identity; derive the prefix, max_tokens and profile key."""
     from transformers import AutoConfig
 
-    previous = fmt.read_manifest(index_dir)
+    previous = _previous_generation(index_dir)
     name = DEFAULT_MODEL if cfg.model == DEFAULT_MODEL else str(model_dir)
     model = ModelIdentity.from_config(name, fingerprint(model_dir), AutoConfig.from_pretrained(model_dir))
     prefix_ids = profiling_prefix_ids(_tokenizer(str(model_dir)), cfg.profile)
@@ -113,7 +131,7 @@ def _split_text(tokenizer, text: str, max_tokens: int) -> list[str]:
 
 
 def read_and_tokenize(batch: dict, *, model_dir: str, id_field: str, text_field: str, max_tokens: int,
-                      too_long: str) -> dict:
+                      too_long: str, follow_symlinks: bool = False) -> dict:
     """Ray Data map_batches fn over source rows -> one row per document record (errors included).
 
     `key` is "<source index>:<row index>[:<part>]", zero-padded, so sorting keys restores corpus order.
@@ -131,7 +149,8 @@ def read_and_tokenize(batch: dict, *, model_dir: str, id_field: str, text_field:
         out["token_ids"].append(ids)
 
     for s_idx, s_fields in zip(batch["index"], batch["source"]):
-        docs: list[SourceDoc] = read_source(Source(**s_fields), id_field=id_field, text_field=text_field)
+        docs: list[SourceDoc] = read_source(Source(**s_fields), id_field=id_field, text_field=text_field,
+                                            follow_symlinks=follow_symlinks)
         for r_idx, doc in enumerate(docs):
             key = f"{int(s_idx):09d}:{r_idx:09d}"
             if doc.error is not None:
@@ -161,7 +180,8 @@ def _tokenise(sources: list[Source], model_dir: Path, cfg: BuildConfig, max_toke
     return ray.data.from_items(src_rows, override_num_blocks=max(1, min(len(src_rows), 64))).map_batches(
         read_and_tokenize, batch_size=1, fn_kwargs=dict(
             model_dir=str(model_dir), id_field=cfg.corpus.id_field, text_field=cfg.corpus.text_field,
-            max_tokens=max_tokens, too_long=cfg.corpus.too_long)).materialize()
+            max_tokens=max_tokens, too_long=cfg.corpus.too_long,
+            follow_symlinks=cfg.corpus.follow_symlinks)).materialize()
 
 
 def _listing(docs) -> pa.Table:

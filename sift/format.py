@@ -4,9 +4,13 @@
       .sift-index                   marker: this folder is a SIFT index (written before anything else)
       .lock                         held (flock) by the one builder writing the folder
       manifest.json                 the only file ever replaced: temp file, fsync, rename, fsync(dir)
-      manifests/gen-N.json          a copy of every committed manifest (history; recovery from a bad manifest.json)
+      manifests/gen-N.json          a copy of every committed manifest (history; recovery from a bad or lost
+                                    manifest.json), written once: generation numbers never go back
       shards/part-<sha>.parquet     document rows (DOCS_SCHEMA), named by the sha256 of their bytes, never modified
       shards/errors-<sha>.parquet   the errors table of a generation (ERRORS_SCHEMA)
+
+A manifest is trusted only inside its folder: every file it lists must be `shards/<name>.parquet` and must not
+lead outside the index through a symlink, or the index is refused before any listed file is opened.
 
 This module owns the names, schemas and sizes of that layout, the typed manifest (`Manifest`, `ShardInfo`,
 `ModelIdentity`) and the read-only view of one committed generation (`IndexReader`). Writing lives in the
@@ -17,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -137,17 +142,56 @@ _REQUIRED = {"format": str, "format_version": int, "generation": int, "model": d
 _REQUIRED_MODEL = {"fingerprint": str, "n_layers": int, "n_heads": int, "n_kv_heads": int, "head_dim": int}
 _REQUIRED_PROFILE = {"tile": int, "prefix_token_ids": list}
 _REQUIRED_SHARD = {"path": str, "rows": int, "bytes": int, "sha256": str}
+# Keys a manifest may omit; when present they must have these types.
+_OPTIONAL = {"created_at": str, "corpus": dict, "backends": list, "documents": int, "tokens": int,
+             "last_build": dict}
+_OPTIONAL_MODEL = {"name": str, "model_type": str, "rope": dict, "max_position_embeddings": int}
+_OPTIONAL_SHARD = {"backend": str}
+_RESTORE = f"restore it from {HISTORY}/gen-N.json (the last good copy) or rebuild the index"
 
 
-def _check_keys(where: str, value: dict, required: dict, prefix: str = "") -> None:
+def _check_type(where: str, key: str, value, kind: type) -> None:
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise SiftError(f"{where}: {key} is {type(value).__name__}, expected {kind.__name__}: the manifest is "
+                        f"corrupt; {_RESTORE}")
+
+
+def _check_keys(where: str, value: dict, required: dict, optional: dict, prefix: str = "") -> None:
     for key, kind in required.items():
         if key not in value:
-            raise SiftError(f"{where} has no {prefix}{key}: the manifest is incomplete; restore it from "
-                            f"manifests/gen-N.json (the last good copy) or rebuild the index")
-        v = value[key]
-        if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
-            raise SiftError(f"{where}: {prefix}{key} is {type(v).__name__}, expected {kind.__name__}: the manifest "
-                            f"is corrupt; restore it from manifests/gen-N.json or rebuild the index")
+            raise SiftError(f"{where} has no {prefix}{key}: the manifest is incomplete; {_RESTORE}")
+        _check_type(where, prefix + key, value[key], kind)
+    for key, kind in optional.items():
+        if value.get(key) is not None:
+            _check_type(where, prefix + key, value[key], kind)
+
+
+def _check_shard_path(where: str, rel: str) -> None:
+    """A listed file must be `shards/<name>.parquet`: never `..`, an absolute path or another folder, so a
+    manifest cannot make a reader open (or reveal the existence of) a file outside the index."""
+    parts = rel.split("/")
+    if (len(parts) != 2 or parts[0] != SHARDS or parts[1].startswith(".") or "\\" in rel
+            or not parts[1].endswith(".parquet")):
+        raise SiftError(f"{where} lists the file {rel!r}, which is not shards/<name>.parquet inside the index: "
+                        f"the manifest is corrupt; {_RESTORE}")
+
+
+def _check_manifest(d: dict, where: str) -> None:
+    _check_keys(where, d, _REQUIRED, _OPTIONAL)
+    _check_keys(where, d["model"], _REQUIRED_MODEL, _OPTIONAL_MODEL, "model.")
+    _check_keys(where, d["profile"], _REQUIRED_PROFILE, {}, "profile.")
+    if d["generation"] < 1:
+        raise SiftError(f"{where}: generation {d['generation']} is not >= 1: the manifest is corrupt; {_RESTORE}")
+    if d.get("errors") is not None and not isinstance(d["errors"], dict):
+        _check_type(where, "errors", d["errors"], dict)
+    for e in list(d["shards"]) + ([d["errors"]] if d.get("errors") else []):
+        if not isinstance(e, dict):
+            raise SiftError(f"{where}: a shard entry is {type(e).__name__}, not an object: the manifest is "
+                            f"corrupt; {_RESTORE}")
+        _check_keys(where, e, _REQUIRED_SHARD, _OPTIONAL_SHARD, "shards[].")
+        _check_shard_path(where, e["path"])
+        if e["rows"] < 0 or e["bytes"] < 0:
+            raise SiftError(f"{where}: shard {e['path']} has a negative size: the manifest is corrupt; {_RESTORE}")
 
 
 @dataclass(frozen=True)
@@ -204,15 +248,7 @@ class Manifest:
         if d.get("format_version") != FORMAT_VERSION:
             raise SiftError(f"{where} has format_version {d.get('format_version')!r}; this version reads "
                             f"{FORMAT_VERSION}: rebuild the index or upgrade sift")
-        _check_keys(where, d, _REQUIRED)
-        _check_keys(where, d["model"], _REQUIRED_MODEL, "model.")
-        _check_keys(where, d["profile"], _REQUIRED_PROFILE, "profile.")
-        entries = list(d["shards"]) + ([d["errors"]] if d.get("errors") else [])
-        for e in entries:
-            if not isinstance(e, dict):
-                raise SiftError(f"{where}: a shard entry is {type(e).__name__}, not an object: the manifest is "
-                                f"corrupt; restore it from manifests/gen-N.json or rebuild the index")
-            _check_keys(where, e, _REQUIRED_SHARD, "shards[].")
+        _check_manifest(d, where)
 
         def shard(e: dict) -> ShardInfo:
             return ShardInfo(path=e["path"], rows=e["rows"], bytes=e["bytes"], sha256=e["sha256"],
@@ -232,30 +268,80 @@ class Manifest:
                    last_build=dict(d.get("last_build") or {}))
 
 
-def read_manifest(index_dir: Path) -> Manifest | None:
-    """The committed manifest, None for an index with no generation yet; SiftError naming a bad one."""
-    path = index_dir / MANIFEST
-    if not path.exists():
-        if not (index_dir / MARKER).exists():
-            raise SiftError(f"{index_dir} is not a SIFT index (no {MANIFEST}): build one with `sift-build`")
-        return None
+def history(index_dir: Path) -> dict[int, Path]:
+    """generation -> manifests/gen-N.json for every history file of the index."""
+    found = {}
+    for f in (index_dir / HISTORY).glob("gen-*.json"):
+        number = f.name[len("gen-"):-len(".json")]
+        if number.isdigit():
+            found[int(number)] = f
+    return found
+
+
+def restore_command(index_dir: Path) -> str:
+    """The shell command that makes the newest history file the live manifest again."""
+    newest = max(history(index_dir), default=None)
+    return f"cp {index_dir}/{HISTORY}/gen-{newest}.json {index_dir}/{MANIFEST}" if newest else "rebuild the index"
+
+
+def load_manifest(path: Path, index_dir: Path) -> Manifest:
+    """Read and validate one manifest file (manifest.json or a history copy); SiftError naming a bad one."""
     try:
         raw = json.loads(path.read_text())
+    except OSError as e:
+        raise SiftError(f"cannot read {path}: {e.strerror}: fix its permissions") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise SiftError(f"{path} is corrupt ({e}): restore it from {index_dir}/{HISTORY}/gen-N.json "
                         f"(the last good copy) or rebuild the index") from None
     return Manifest.from_dict(raw, str(path))
 
 
+def read_manifest(index_dir: Path) -> Manifest | None:
+    """The committed manifest, None for an index with no generation yet; SiftError naming a bad one, and for a
+    missing manifest.json whose history shows generations were committed (it must be restored, not ignored)."""
+    path = index_dir / MANIFEST
+    if not path.exists():
+        if not (index_dir / MARKER).exists():
+            raise SiftError(f"{index_dir} is not a SIFT index (no {MANIFEST}): build one with `sift-build`")
+        if history(index_dir):
+            raise SiftError(f"{path} is missing although {index_dir}/{HISTORY} holds committed generations: "
+                            f"restore the newest with `{restore_command(index_dir)}`")
+        return None
+    return load_manifest(path, index_dir)
+
+
 # ------------------------------------------------------------------------------------------- reading
 
 
+def _inside(root: Path, rel: str) -> Path:
+    """root / rel, refused when a symlink takes it outside `root`; the target itself is never opened."""
+    path = root / rel
+    real_root = os.path.realpath(root)
+    if os.path.commonpath([real_root, os.path.realpath(path)]) != real_root:
+        raise SiftError(f"index {root} is corrupt: {rel} leads outside the index folder (a symlink): rebuild "
+                        f"the index")
+    return path
+
+
+def read_parquet(path: Path, columns: list[str] | None = None) -> pa.Table:
+    """A whole shard; SiftError when the file is not readable Parquet (whatever its checksum says)."""
+    try:
+        return pq.read_table(path, columns=columns)
+    except (OSError, pa.ArrowException) as e:
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise SiftError(f"shard {path} is not a readable Parquet file ({reason}): rebuild the index") from None
+
+
 class IndexReader:
-    """Read-only view of one committed generation, with checksums verified (plain pyarrow underneath)."""
+    """Read-only view of one committed generation, with checksums verified (plain pyarrow underneath).
+
+    Opening refuses a generation whose files lead outside the index folder, before any of them is read."""
 
     def __init__(self, index_dir: Path, manifest: Manifest):
         self.root = index_dir
         self.manifest = manifest
+        for e in manifest.files():
+            _inside(index_dir, e.path)
 
     @classmethod
     def open(cls, path: str | Path, *, verify: bool = True) -> "IndexReader":
@@ -275,9 +361,13 @@ class IndexReader:
     def generation(self) -> int:
         return self.manifest.generation
 
+    def path(self, info: ShardInfo) -> Path:
+        """Where a file of this generation is (checked to be inside the index folder)."""
+        return _inside(self.root, info.path)
+
     def verify(self) -> None:
         for e in self.manifest.files():
-            path = self.root / e.path
+            path = self.path(e)
             if not path.is_file():
                 raise SiftError(f"shard {path} listed in the manifest is missing: rebuild the index")
             if path.stat().st_size != e.bytes or sha256_file(path) != e.sha256:
@@ -286,7 +376,7 @@ class IndexReader:
 
     def table(self, columns: list[str] | None = None) -> pa.Table:
         """All document rows of this generation."""
-        tables = [pq.read_table(self.root / s.path, columns=columns) for s in self.manifest.shards]
+        tables = [read_parquet(self.path(s), columns) for s in self.manifest.shards]
         if not tables:
             schema = DOCS_SCHEMA if columns is None else pa.schema([DOCS_SCHEMA.field(c) for c in columns])
             return schema.empty_table()
@@ -296,4 +386,4 @@ class IndexReader:
         e = self.manifest.errors
         if not e:
             return ERRORS_SCHEMA.empty_table()
-        return pq.read_table(self.root / e.path).replace_schema_metadata(None)
+        return read_parquet(self.path(e)).replace_schema_metadata(None)

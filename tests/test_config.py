@@ -37,6 +37,7 @@ def test_cli_overrides_and_profile_key():
     ("[profile]\nca_normalize = 'rows'\n", "ca_normalize"),
     ("[profile]\ndense_heads = [1, 2]\n", "dense_heads"),
     ("[corpus]\ntoo_long = 'truncate'\n", "too_long"),
+    ("[corpus]\nfollow_symlinks = 'yes'\n", "follow_symlinks"),
     ("[build]\nbackend = 'cuda'\n", "backend"),
     ("[profile\n", "not valid TOML"),
 ])

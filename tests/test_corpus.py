@@ -96,6 +96,38 @@ def test_unreadable_file_is_an_error_row(tmp_path):
     assert doc.doc_id == "gone.txt" and doc.text is None and doc.error.startswith("cannot read file")
 
 
+def test_symlinks_inside_are_read_outside_are_error_rows_unless_followed(tmp_path):
+    corpus_dir, outside = tmp_path / "corpus", tmp_path / "outside"
+    write(corpus_dir / "real.txt", "inside the corpus")
+    write(outside / "secret.txt", "outside the corpus")
+    write(outside / "data.jsonl", jsonl({"id": "r1", "text": "a record outside"}))
+    (corpus_dir / "alias.txt").symlink_to(corpus_dir / "real.txt")
+    (corpus_dir / "escape.txt").symlink_to(outside / "secret.txt")
+    (corpus_dir / "escape.jsonl").symlink_to(outside / "data.jsonl")
+    docs = by_source(read_all(corpus_dir))
+    assert docs["alias.txt"].text == "inside the corpus" and docs["alias.txt"].error is None
+    for name in ("escape.txt", "escape.jsonl"):
+        assert docs[name].text is None and "outside the corpus folder" in docs[name].error
+        assert "corpus.follow_symlinks = true" in docs[name].error
+    followed = by_source(read_all(corpus_dir, follow_symlinks=True))
+    assert followed["escape.txt"].text == "outside the corpus"
+    assert followed["escape.jsonl#1"].doc_id == "r1"
+
+
+def test_dangling_symlinks_and_loops_are_error_rows_with_the_right_hint(tmp_path):
+    write(tmp_path / "ok.txt", "fine")
+    (tmp_path / "dangling.txt").symlink_to(tmp_path / "deleted.txt")
+    (tmp_path / "loop.txt").symlink_to(tmp_path / "loop.txt")
+    (tmp_path / "a.md").symlink_to(tmp_path / "b.md")
+    (tmp_path / "b.md").symlink_to(tmp_path / "a.md")
+    docs = by_source(read_all(tmp_path))
+    assert docs["ok.txt"].error is None
+    assert docs["dangling.txt"].error.startswith("broken symlink") and "deleted.txt" in docs["dangling.txt"].error
+    for name in ("loop.txt", "a.md", "b.md"):
+        assert docs[name].error.startswith("symlink loop"), docs[name].error
+    assert not any("permissions" in d.error for d in docs.values() if d.error)
+
+
 def test_max_chars_turns_long_documents_into_error_rows(tmp_path):
     write(tmp_path / "long.txt", "x" * 11)
     write(tmp_path / "short.txt", "x" * 10)
