@@ -149,7 +149,7 @@ class SiftIndex:
         ids, hashes, n_tok, la_chunks, ca_chunks = [], [], [], [], []
         vectors = self.n_layers * self.n_heads
         for shard in reader.manifest.shards:
-            where = reader.root / shard.path
+            where = reader.path(shard)  # checked to lie inside the index
             try:
                 table = pq.read_table(where, columns=_COLUMNS)
             except (OSError, pa.ArrowException) as e:
