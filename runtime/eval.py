@@ -1,0 +1,368 @@
+"""`sift-eval`: what skipping tiles costs in answers. An index and a QA set in; for every mode, greedy answers
+compared with dense and with the gold answers, aggregated with bootstrap confidence intervals; a report out.
+
+    sift-eval INDEX QA_FILE --modes dense,sift [--model M] [--limit N] [--batch B] [--max-new-tokens T] --out DIR
+
+writes
+    DIR/report.json   settings; `modes.<mode>`: `n` and, for each metric below, {"mean": x, "ci95": [lo, hi]}
+                      (percentile bootstrap of the mean over questions; null when no question ran); `rows`: one
+                      per question with each mode's answer and metrics; `skipped`: {"id", "question", "reason"}
+                      for questions not run (a document missing from the index or stale, a prompt too long)
+    DIR/report.md     the summary table
+    DIR/summary.png   the per-mode means with their intervals
+
+Metrics per question and mode (dense is always run: it is the reference):
+    agreement_first_token   1 if the first greedy token equals dense's
+    agreement_answer        1 if the whole greedy answer (token ids, up to eos or --max-new-tokens) equals dense's
+    em, f1                  SQuAD: answers normalised (lower case, no punctuation, no articles a / an / the,
+                            single spaces), F1 over token bags; the best over the gold answers
+    containment             1 if a normalised gold answer occurs, whole words, in the normalised answer
+    kl_first_token          KL(dense || mode) of the first-token distributions, in nats
+    tile_fraction           (head, query block, key block) triples computed over the dense causal count, all
+                            layers, of the question's batch (1.0 in dense mode)
+    ttft_s                  prefill seconds of the question's batch (each mode is warmed up once first)
+
+With --batch 1 (the default) tile_fraction and ttft_s are the question's own.
+Exit codes: 0 the eval ran (skipped questions included), 2 bad usage or input (one line on stderr).
+"""
+from __future__ import annotations
+
+import json
+import re
+import string
+import sys
+from collections import Counter
+from pathlib import Path
+
+import click
+import numpy as np
+import torch
+
+from sift.errors import SiftError
+from sift.format import content_hash
+
+from .engine import MODES, GenerateResult, SiftEngine
+from .qa import FORMATS, QAItem, load_qa
+
+EXIT_OK, EXIT_ERROR = 0, 2
+REFERENCE = "dense"
+METRICS = ("agreement_first_token", "agreement_answer", "em", "f1", "containment", "kl_first_token",
+           "tile_fraction", "ttft_s")
+CI_LEVEL = 0.95
+
+# ---------------------------------------------------------------------------------------------- metrics
+
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCTUATION = str.maketrans("", "", string.punctuation)
+
+
+def normalize_answer(text: str) -> str:
+    """SQuAD normalisation: lower case, punctuation removed, articles a / an / the removed, single spaces."""
+    text = text.lower().translate(_PUNCTUATION)
+    return " ".join(_ARTICLES.sub(" ", text).split())
+
+
+def exact_match(prediction: str, golds) -> float:
+    """1.0 if the normalised prediction equals a normalised gold answer."""
+    p = normalize_answer(prediction)
+    return float(any(p == normalize_answer(g) for g in golds))
+
+
+def _f1(prediction: str, gold: str) -> float:
+    p, g = normalize_answer(prediction).split(), normalize_answer(gold).split()
+    if not p or not g:
+        return float(p == g)
+    same = sum((Counter(p) & Counter(g)).values())
+    if same == 0:
+        return 0.0
+    precision, recall = same / len(p), same / len(g)
+    return 2 * precision * recall / (precision + recall)
+
+
+def f1_score(prediction: str, golds) -> float:
+    """SQuAD token F1 (bags of normalised tokens), the best over the gold answers."""
+    return max(_f1(prediction, g) for g in golds)
+
+
+def containment(prediction: str, golds) -> float:
+    """1.0 if a normalised gold answer occurs in the normalised prediction as whole words."""
+    p = f" {normalize_answer(prediction)} "
+    return float(any(normalize_answer(g) and f" {normalize_answer(g)} " in p for g in golds))
+
+
+def kl_first_token(reference_logits: torch.Tensor, logits: torch.Tensor) -> float:
+    """KL(reference || other) in nats of the distributions the logits [vocab] define (fp64)."""
+    p, q = torch.log_softmax(reference_logits.double(), -1), torch.log_softmax(logits.double(), -1)
+    return max(0.0, float((p.exp() * (p - q)).sum()))
+
+
+def bootstrap_ci(values, *, resamples: int = 2000, level: float = CI_LEVEL, seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap interval of the mean of `values` (non-empty): resample with replacement."""
+    x = np.asarray(values, dtype=np.float64)
+    rng = np.random.default_rng(seed)
+    means = x[rng.integers(0, len(x), size=(resamples, len(x)))].mean(axis=1)
+    lo, hi = np.quantile(means, [(1 - level) / 2, (1 + level) / 2])
+    return float(lo), float(hi)
+
+
+def summarise(values, *, resamples: int = 2000, seed: int = 0) -> dict:
+    """-> {"mean": x, "ci95": [lo, hi]}; both None without values."""
+    if not values:
+        return {"mean": None, "ci95": None}
+    return {"mean": float(np.mean(values)), "ci95": list(bootstrap_ci(values, resamples=resamples, seed=seed))}
+
+
+# ------------------------------------------------------------------------------------------------- running
+
+
+def skip_reason(engine: SiftEngine, item: QAItem) -> str | None:
+    """Why a question cannot be evaluated against the engine's index (None: it can)."""
+    request = item.request()
+    try:
+        segments = engine.tokenize(request)
+    except SiftError as e:
+        return str(e)
+    index = engine.index
+    doc_tokens = [ids for kind, ids in segments if kind == "doc"]
+    for (doc_id, _), ids in zip(request.docs, doc_tokens):
+        if doc_id not in index:
+            return f"document {doc_id!r} is not in the index: add it to the corpus and rebuild with `sift-build`"
+        entry = index.entry(doc_id)
+        if content_hash(ids) != entry.content_hash:
+            return (f"document {doc_id!r} is stale: it tokenises to {len(ids)} tokens here, {entry.n_tokens} in the "
+                    f"index, with another content_hash; rebuild the index with `sift-build`")
+    return None
+
+
+def _generate(engine: SiftEngine, items: list[QAItem], modes, max_new_tokens: int) -> dict[str, GenerateResult]:
+    requests = [item.request() for item in items]
+    return {mode: engine.generate(requests, max_new_tokens, mode=mode) for mode in modes}
+
+
+def _score(item: QAItem, results: dict[str, GenerateResult], i: int) -> dict:
+    """One question's row: each mode's answer and metrics (i: its position in the batch)."""
+    ref = results[REFERENCE]
+    ref_ids, ref_logits = ref.token_ids[i], ref.prefill.logits[i]
+    modes = {}
+    for mode, r in results.items():
+        ids, answer = r.token_ids[i], r.texts[i].strip()
+        modes[mode] = dict(
+            answer=answer, agreement_first_token=float(ids[:1] == ref_ids[:1]),
+            agreement_answer=float(ids == ref_ids), em=exact_match(answer, item.answers),
+            f1=f1_score(answer, item.answers), containment=containment(answer, item.answers),
+            kl_first_token=kl_first_token(ref_logits, r.prefill.logits[i]),
+            tile_fraction=r.prefill.tile_fraction, ttft_s=r.prefill.ttft_s[i])
+    return dict(id=item.id, question=item.question, answers=list(item.answers),
+                n_tokens=ref.prefill.n_tokens[i], modes=modes)
+
+
+def _skipped(item: QAItem, reason: str) -> dict:
+    return dict(id=item.id, question=item.question, reason=reason)
+
+
+def _run_batch(engine, chunk: list[QAItem], modes, max_new_tokens: int) -> tuple[list[dict], list[dict]]:
+    """-> (rows, skipped). A batch the engine refuses is rerun one question at a time, so that only the
+    questions it refuses are skipped (with the engine's message)."""
+    try:
+        results = _generate(engine, chunk, modes, max_new_tokens)
+    except SiftError as e:
+        if len(chunk) == 1:
+            return [], [_skipped(chunk[0], str(e))]
+        rows, skipped = [], []
+        for item in chunk:
+            r, s = _run_batch(engine, [item], modes, max_new_tokens)
+            rows += r
+            skipped += s
+        return rows, skipped
+    return [_score(item, results, i) for i, item in enumerate(chunk)], []
+
+
+def evaluate(engine: SiftEngine, items: list[QAItem], modes, *, batch: int = 1, max_new_tokens: int = 24,
+             echo=lambda msg: None) -> tuple[list[dict], list[dict]]:
+    """Run every mode on every question the index can serve -> (rows, skipped), in the QA set's order."""
+    modes = [REFERENCE, *(m for m in modes if m != REFERENCE)]
+    runnable, skipped = [], []
+    for item in items:
+        reason = skip_reason(engine, item)
+        if reason:
+            skipped.append(_skipped(item, reason))
+        else:
+            runnable.append(item)
+    if runnable:  # first calls pay one-off costs (allocator, kernel compilation): keep them out of TTFT
+        for mode in modes:
+            try:
+                engine.prefill([runnable[0].request()], mode=mode)
+            except SiftError:
+                pass  # the question is refused again, and reported, below
+    rows = []
+    for start in range(0, len(runnable), batch):
+        r, s = _run_batch(engine, runnable[start:start + batch], modes, max_new_tokens)
+        rows += r
+        skipped += s
+        echo(f"{min(start + batch, len(runnable))}/{len(runnable)} questions")
+    order = {item.id: k for k, item in enumerate(items)}
+    return rows, sorted(skipped, key=lambda s: order.get(s["id"], 0))
+
+
+def aggregate(rows: list[dict], modes, *, resamples: int = 2000, seed: int = 0) -> dict:
+    """-> {mode: {"n": questions, metric: {"mean", "ci95"}}}."""
+    out = {}
+    for mode in modes:
+        out[mode] = {"n": len(rows)}
+        for metric in METRICS:
+            out[mode][metric] = summarise([r["modes"][mode][metric] for r in rows], resamples=resamples, seed=seed)
+    return out
+
+
+# -------------------------------------------------------------------------------------------------- report
+
+_COLUMNS = (("tile_fraction", "tiles computed", "{:.1%}"), ("agreement_first_token", "first token = dense", "{:.0%}"),
+            ("agreement_answer", "answer = dense", "{:.0%}"), ("em", "EM", "{:.0%}"), ("f1", "F1", "{:.2f}"),
+            ("containment", "gold contained", "{:.0%}"), ("kl_first_token", "KL first token", "{:.3g}"),
+            ("ttft_s", "TTFT s", "{:.3f}"))
+
+
+def _cell(stat: dict, fmt: str) -> str:
+    if stat["mean"] is None:
+        return "-"
+    lo, hi = stat["ci95"]
+    return f"{fmt.format(stat['mean'])} [{fmt.format(lo)}, {fmt.format(hi)}]"
+
+
+def markdown(report: dict) -> str:
+    """The summary table (mean [95% bootstrap interval]) and the skipped questions."""
+    s = report["settings"]
+    lines = [f"# sift-eval: {Path(s['qa_file']).name}", "",
+             f"{report['evaluated']} of {report['questions']} questions ({s['format']} format), index {s['index']} "
+             f"(tile {s['tile']}), model {s['model']}, backend {s['backend']} (block {s['block']}), greedy, "
+             f"{s['max_new_tokens']} new tokens at most, batch {s['batch']}. Each cell: mean [95% bootstrap "
+             f"interval]; agreement is with dense.", "",
+             "| mode | n | " + " | ".join(title for _, title, _ in _COLUMNS) + " |",
+             "|---|---:|" + "---:|" * len(_COLUMNS)]
+    for mode, stats in report["modes"].items():
+        cells = [_cell(stats[key], fmt) for key, _, fmt in _COLUMNS]
+        lines.append(f"| {mode} | {stats['n']} | " + " | ".join(cells) + " |")
+    if report["skipped"]:
+        lines += ["", f"Skipped ({len(report['skipped'])}):", ""]
+        lines += [f"- `{s['id']}`: {s['reason']}" for s in report["skipped"]]
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path: Path) -> None:
+    """Per-mode means with their 95% intervals: the rates on the left, TTFT on the right."""
+    from matplotlib.figure import Figure  # no pyplot: no global backend state, renders with Agg
+
+    modes = list(report["modes"])
+    rates = [key for key, _, _ in _COLUMNS if key not in ("kl_first_token", "ttft_s")]
+    fig = Figure(figsize=(11, 4), layout="constrained")
+    left, right = fig.subplots(1, 2, width_ratios=[4, 1])
+    width = 0.8 / len(modes)
+    for k, mode in enumerate(modes):
+        for ax, keys in ((left, rates), (right, ["ttft_s"])):
+            stats = [report["modes"][mode][key] for key in keys]
+            mean = [s["mean"] or 0.0 for s in stats]
+            err = [[m - (s["ci95"] or [m, m])[0] for m, s in zip(mean, stats)],
+                   [(s["ci95"] or [m, m])[1] - m for m, s in zip(mean, stats)]]
+            ax.bar(np.arange(len(keys)) + k * width, mean, width, yerr=err, capsize=3, label=mode)
+    labels = {key: title for key, title, _ in _COLUMNS}
+    for ax, keys in ((left, rates), (right, ["ttft_s"])):
+        ax.set_xticks(np.arange(len(keys)) + width * (len(modes) - 1) / 2, [labels[k] for k in keys], fontsize=8)
+    left.set_ylim(0, 1.05)
+    left.set_ylabel("mean over questions")
+    right.set_ylabel("seconds")
+    left.legend()
+    fig.suptitle(f"{report['evaluated']} questions, mean and 95% bootstrap interval")
+    fig.savefig(path, dpi=100)
+
+
+def write_report(report: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
+    (out / "report.md").write_text(markdown(report))
+    plot(report, out / "summary.png")
+
+
+# ------------------------------------------------------------------------------------------------------ CLI
+
+
+def _parse_modes(text: str) -> list[str]:
+    modes = list(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))
+    bad = [m for m in modes if m not in MODES]
+    if not modes or bad:
+        raise SiftError(f"--modes {text!r}: each mode must be one of {', '.join(MODES)} (comma-separated)")
+    return [REFERENCE, *(m for m in modes if m != REFERENCE)]
+
+
+def _engine(index_path: Path, model: str | None, device: str, backend: str) -> SiftEngine:
+    from sift.model import load_model
+
+    from .store import SiftIndex
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if not (index_path / "manifest.json").is_file():
+        raise SiftError(f"{index_path} is not a SIFT index (no manifest.json): build one with `sift-build`")
+    index = SiftIndex.open(index_path, device=device)
+    hf, tokenizer, _ = load_model(model or index.model_name, device=device)
+    return SiftEngine(hf, tokenizer, index, backend=backend)
+
+
+def run(index_path: Path, qa_file: Path, *, modes: list[str], model: str | None = None, fmt: str = "auto",
+        limit: int | None = None, batch: int = 1, max_new_tokens: int = 24, device: str = "auto",
+        backend: str = "auto", resamples: int = 2000, seed: int = 0, echo=lambda msg: None) -> dict:
+    """The whole eval -> the report (as report.json holds it)."""
+    items, fmt = load_qa(qa_file, fmt, limit)
+    engine = _engine(index_path, model, device, backend)
+    echo(f"{len(items)} questions ({fmt}); index {index_path}: {len(engine.index)} documents, tile "
+         f"{engine.index.tile}; backend {engine.backend}, block {engine.block}; modes {', '.join(modes)}")
+    rows, skipped = evaluate(engine, items, modes, batch=batch, max_new_tokens=max_new_tokens, echo=echo)
+    settings = dict(index=str(index_path), qa_file=str(qa_file), format=fmt, model=model or engine.index.model_name,
+                    backend=engine.backend, block=engine.block, tile=engine.index.tile, modes=modes,
+                    max_new_tokens=max_new_tokens, batch=batch, limit=limit,
+                    ci=dict(method="percentile bootstrap of the mean", level=CI_LEVEL, resamples=resamples,
+                            seed=seed))
+    return dict(settings=settings, questions=len(items), evaluated=len(rows),
+                modes=aggregate(rows, modes, resamples=resamples, seed=seed), rows=rows, skipped=skipped)
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("index_path", metavar="INDEX", type=click.Path(path_type=Path))
+@click.argument("qa_file", type=click.Path(path_type=Path))
+@click.option("--modes", default="dense,sift", show_default=True,
+              help=f"Comma-separated modes to compare ({', '.join(MODES)}); dense is always run, as the reference.")
+@click.option("--model", default=None, help="The served model (default: the index's model).")
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default="auto", show_default=True,
+              help="QA set format (auto: from the first row's fields).")
+@click.option("--limit", type=click.IntRange(1), default=None, help="Evaluate the first N questions only.")
+@click.option("--batch", type=click.IntRange(1, 64), default=1, show_default=True, help="Questions per engine call.")
+@click.option("--max-new-tokens", type=click.IntRange(1, 512), default=24, show_default=True)
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--backend", type=click.Choice(["auto", "triton", "torch", "reference"]), default="auto",
+              show_default=True)
+@click.option("--resamples", type=click.IntRange(100), default=2000, show_default=True,
+              help="Bootstrap resamples of each interval.")
+@click.option("--out", type=click.Path(path_type=Path), required=True,
+              help="Folder for report.json, report.md and summary.png.")
+def main(index_path, qa_file, modes, model, fmt, limit, batch, max_new_tokens, device, backend, resamples, out):
+    """Evaluate the answers of each mode against dense and the gold answers of a QA set over INDEX.
+
+    QA_FILE: JSONL of {"id", "question", "answers": [...], "docs": [{"id", "text"}], "prefix"?}, or the
+    HotpotQA, MuSiQue or 2WikiMultihopQA format (.json / .jsonl, optionally .gz). Exit codes: 0 ran, 2 bad
+    usage or input."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    log = lambda msg: click.echo(msg, err=True)  # noqa: E731
+    try:
+        report = run(index_path, qa_file, modes=_parse_modes(modes), model=model, fmt=fmt, limit=limit, batch=batch,
+                     max_new_tokens=max_new_tokens, device=device, backend=backend, resamples=resamples, echo=log)
+        write_report(report, out)
+    except SiftError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(EXIT_ERROR)
+    click.echo(markdown(report), nl=False)
+    sys.exit(EXIT_OK)
+
+
+if __name__ == "__main__":
+    main()

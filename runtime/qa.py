@@ -1,0 +1,197 @@
+"""QA sets for `sift-eval`: questions with their gold answers and the documents to retrieve, read through
+`datasets` from one of four formats, and turned into engine requests.
+
+    jsonl      one object a line: {"id", "question", "answers": [str, ...], "docs": [{"id", "text"}, ...],
+               "prefix"?}; doc ids are the index's doc_ids
+    hotpotqa   HotpotQA: "answer" and either "context" = [[title, [sentences]]] (the official JSON, or the hub's
+               {"title": [...], "sentences": [[...]]}) or "paragraphs" = [[title, text]] (runtime/data);
+               doc_id = title, text = "".join(sentences) (HotpotQA sentences carry their leading spaces)
+    musique    MuSiQue: "paragraphs" = [{"title", "paragraph_text"}], "answer" and "answer_aliases";
+               doc_id = title
+    2wiki      2WikiMultihopQA: "answer", "context" = [[title, [sentences]]], "evidences";
+               doc_id = title, text = " ".join(sentences)
+
+`--format auto` picks the format from the first row's fields. A title that occurs twice in one question with
+two texts gets "#2", "#3", ... appended, in order, so every document of a question has its own doc_id.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from sift.errors import SiftError
+
+from .demo import QUERY, SYSTEM
+from .engine import Request
+
+FORMATS = ("auto", "jsonl", "hotpotqa", "musique", "2wiki")
+
+
+@dataclass(frozen=True)
+class QAItem:
+    """One question: gold answers (any of them counts) and its documents as (doc_id, text), in prompt order.
+    prefix: the text before the documents (None: the demo's chat system prompt)."""
+
+    id: str
+    question: str
+    answers: tuple[str, ...]
+    docs: tuple[tuple[str, str], ...]
+    prefix: str | None = None
+
+    def request(self) -> Request:
+        """The prompt: prefix (default the demo's system prompt, which opens the chat's user turn), the
+        documents, then the question in the demo's QUERY template (which closes the turn)."""
+        prefix = SYSTEM if self.prefix is None else self.prefix
+        return Request(prefix, self.docs, QUERY.format(question=self.question))
+
+
+# ---------------------------------------------------------------------------------------------- readers
+
+
+def _fail(row: int, problem: str, fmt: str) -> SiftError:
+    return SiftError(f"QA row {row} ({fmt} format): {problem}; fix the row or pick the right --format")
+
+
+def _string(value, row: int, field: str, fmt: str) -> str:
+    if not isinstance(value, str):
+        raise _fail(row, f"{field!r} must be a string, got {value!r:.60}", fmt)
+    return value
+
+
+def _unique_ids(pairs: list[tuple[str, str]]) -> tuple[tuple[str, str], ...]:
+    """Titles repeated with another text inside one question become "title#2", ...; exact repeats are dropped."""
+    out: dict[str, str] = {}
+    for title, text in pairs:
+        doc_id, k = title, 1
+        while doc_id in out and out[doc_id] != text:
+            k += 1
+            doc_id = f"{title}#{k}"
+        out.setdefault(doc_id, text)
+    return tuple(out.items())
+
+
+def _answers(value, row: int, fmt: str) -> tuple[str, ...]:
+    golds = [value] if isinstance(value, str) else value
+    if not isinstance(golds, list) or not golds or not all(isinstance(a, str) for a in golds):
+        raise _fail(row, f"the gold answers must be a non-empty list of strings, got {value!r:.60}", fmt)
+    return tuple(golds)
+
+
+def _from_jsonl(r: dict, row: int) -> QAItem:
+    docs = r.get("docs")
+    if not isinstance(docs, list):
+        raise _fail(row, "'docs' must be a list of {\"id\", \"text\"}", "jsonl")
+    pairs = []
+    for d in docs:
+        if not isinstance(d, dict) or d.get("id") is None:
+            raise _fail(row, f"a document must be {{\"id\", \"text\"}}, got {d!r:.60}", "jsonl")
+        pairs.append((str(d.get("id")), _string(d.get("text"), row, "docs[].text", "jsonl")))
+    prefix = r.get("prefix")
+    return QAItem(id=str(r.get("id", row)), question=_string(r.get("question"), row, "question", "jsonl"),
+                  answers=_answers(r.get("answers"), row, "jsonl"), docs=tuple(pairs),
+                  prefix=None if prefix is None else _string(prefix, row, "prefix", "jsonl"))
+
+
+def _context_pairs(context, row: int, fmt: str, sep: str) -> list[tuple[str, str]]:
+    """HotpotQA / 2Wiki context -> [(title, text)]: [[title, [sentences]]] or {"title": [...], "sentences": [...]}."""
+    if isinstance(context, dict):
+        context = list(zip(context.get("title", []), context.get("sentences", [])))
+    pairs = []
+    for entry in context or []:
+        if not (isinstance(entry, (list, tuple)) and len(entry) == 2 and isinstance(entry[0], str)):
+            raise _fail(row, f"a context entry must be [title, sentences], got {entry!r:.60}", fmt)
+        title, body = entry
+        pairs.append((title, body if isinstance(body, str) else sep.join(body)))
+    return pairs
+
+
+def _from_hotpotqa(r: dict, row: int, fmt: str = "hotpotqa", sep: str = "") -> QAItem:
+    if r.get("context") is not None:
+        pairs = _context_pairs(r["context"], row, fmt, sep)
+    elif r.get("paragraphs") is not None:
+        pairs = _context_pairs(r["paragraphs"], row, fmt, sep)
+    else:
+        raise _fail(row, "no 'context' (or 'paragraphs') field", fmt)
+    return QAItem(id=str(r.get("_id") or r.get("id") or row), question=_string(r.get("question"), row, "question", fmt),
+                  answers=_answers(r.get("answer"), row, fmt), docs=_unique_ids(pairs))
+
+
+def _from_2wiki(r: dict, row: int) -> QAItem:
+    return _from_hotpotqa(r, row, fmt="2wiki", sep=" ")
+
+
+def _from_musique(r: dict, row: int) -> QAItem:
+    paragraphs = r.get("paragraphs")
+    if not isinstance(paragraphs, list) or not all(isinstance(p, dict) for p in paragraphs):
+        raise _fail(row, "'paragraphs' must be a list of {\"title\", \"paragraph_text\"}", "musique")
+    pairs = [(_string(p.get("title"), row, "title", "musique"),
+              _string(p.get("paragraph_text"), row, "paragraph_text", "musique")) for p in paragraphs]
+    aliases = r.get("answer_aliases") or []
+    return QAItem(id=str(r.get("id", row)), question=_string(r.get("question"), row, "question", "musique"),
+                  answers=_answers([r.get("answer"), *aliases], row, "musique"), docs=_unique_ids(pairs))
+
+
+_READERS = {"jsonl": _from_jsonl, "hotpotqa": _from_hotpotqa, "musique": _from_musique, "2wiki": _from_2wiki}
+
+
+def sniff_format(row: dict) -> str:
+    """The format of a QA set from the fields of its first row."""
+    if "docs" in row and "answers" in row:
+        return "jsonl"
+    paragraphs = row.get("paragraphs")
+    if isinstance(paragraphs, list) and paragraphs and isinstance(paragraphs[0], dict):
+        return "musique"
+    if "context" in row and "evidences" in row:
+        return "2wiki"
+    if "context" in row or "paragraphs" in row:
+        return "hotpotqa"
+    raise SiftError(f"cannot tell the QA format from the fields {sorted(row)}: expected {FORMATS[1:]} "
+                    f"(see `sift-eval --help`); pass --format")
+
+
+def _rows(path: Path) -> list[dict]:
+    import datasets
+
+    try:
+        table = datasets.load_dataset("json", data_files=str(path), split="train")
+    except Exception as e:  # datasets raises many types for a malformed file
+        raise SiftError(f"{path} cannot be read as JSON / JSONL ({type(e).__name__}: {str(e)[:200]}): "
+                        f"give a JSONL file or a JSON array of questions") from None
+    return table.to_list()
+
+
+def load_qa(path: str | Path, fmt: str = "auto", limit: int | None = None) -> tuple[list[QAItem], str]:
+    """Read a QA set (.json / .jsonl, optionally .gz) -> (the first `limit` questions, the format read)."""
+    if fmt not in FORMATS:
+        raise SiftError(f"format {fmt!r} must be one of {', '.join(FORMATS)}")
+    path = Path(path)
+    if not path.is_file():
+        raise SiftError(f"QA file {path} does not exist: give a .jsonl / .json file")
+    rows = _rows(path)
+    if not rows:
+        raise SiftError(f"QA file {path} holds no questions")
+    rows = rows if limit is None else rows[:limit]
+    if fmt == "auto":
+        fmt = sniff_format(rows[0])
+    reader = _READERS[fmt]
+    return [reader(r, i) for i, r in enumerate(rows, 1)], fmt
+
+
+def write_corpus(items: list[QAItem], path: str | Path) -> list[str]:
+    """Write the questions' documents as a `sift-build` corpus (one JSONL of {"id", "text"}). A doc_id that two
+    questions give different texts keeps its first text (the later questions are then reported stale by the
+    eval); -> those doc_ids."""
+    seen: dict[str, str] = {}
+    conflicts: list[str] = []
+    for item in items:
+        for doc_id, text in item.docs:
+            if seen.setdefault(doc_id, text) != text and doc_id not in conflicts:
+                conflicts.append(doc_id)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for doc_id, text in seen.items():
+            f.write(json.dumps({"id": doc_id, "text": text}, ensure_ascii=False) + "\n")
+    return conflicts
+
