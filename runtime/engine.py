@@ -414,5 +414,5 @@ class SiftEngine:
                 hidden = self.model.base_model(input_ids=token[None], position_ids=positions, use_cache=False,
                                                sift_state=dec).last_hidden_state
                 token = self.model.get_output_embeddings()(hidden[0]).float().argmax(dim=-1)
-        texts = [self.tokenizer.decode(ids, skip_special_tokens=True) for ids in out]
+        texts = [self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False) for ids in out]
         return GenerateResult(texts=texts, token_ids=out, prefill=prefill, decode_s=time.perf_counter() - t0)
