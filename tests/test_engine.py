@@ -28,7 +28,7 @@ from sift.runtime import Request, SiftEngine, SiftIndex
 from sift.runtime.demo import QUERY, SYSTEM
 from sift.kernels.sparse_attention import sparse_attention_torch
 
-from .helpers import smollm2
+from .helpers import run_in_threads, smollm2
 
 DATA = Path(__file__).resolve().parent.parent / "runtime" / "data" / "hotpotqa_train_100.jsonl.gz"
 # fp32 on CPU: the engine rotates keys at segment-local positions and adds the offset's rotation in fp64,
@@ -394,8 +394,6 @@ def test_empty_request_and_context_length_are_refused(tokenizer, tmp_path):
 def test_concurrent_calls_equal_serial_calls(tokenizer, tmp_path):
     """Serving code calls one engine from many threads: every call returns what it returns alone, and the
     model's own attention implementation is restored afterwards."""
-    import threading
-
     model = _tiny("llama", tmp_path)
     (a,), (b,) = _tiny_requests()
     index = write_index(tmp_path / "index", model, fingerprint(tmp_path / "model"), doc_ids(tokenizer, [a, b]),
@@ -403,22 +401,14 @@ def test_concurrent_calls_equal_serial_calls(tokenizer, tmp_path):
     engine = SiftEngine(model, tokenizer, index)
     reqs = [a, b]
     serial = {(i, mode): engine.prefill([reqs[i]], mode=mode).logits for i in range(2) for mode in ("sift", "dense")}
-    results, errors = [], []
+    results = []
 
     def worker(k: int) -> None:
-        try:
-            for j in range(3):
-                i, mode = (k + j) % 2, ("sift", "dense")[(k * 3 + j) % 2]
-                results.append(((i, mode), engine.prefill([reqs[i]], mode=mode).logits))
-        except Exception as e:  # noqa: BLE001 - reported by the assertion below
-            errors.append(e)
+        for j in range(3):
+            i, mode = (k + j) % 2, ("sift", "dense")[(k * 3 + j) % 2]
+            results.append(((i, mode), engine.prefill([reqs[i]], mode=mode).logits))
 
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    run_in_threads(worker, 4)
     assert len(results) == 12
     for key, logits in results:
         assert torch.equal(logits, serial[key]), key

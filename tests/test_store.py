@@ -19,6 +19,8 @@ from sift.model import fingerprint
 from sift.format import content_hash
 from sift.runtime.store import DocEntry, SiftIndex
 
+from .helpers import run_in_threads
+
 TILE, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 16, 3, 4, 2, 8
 FP = "ab" * 32
 LENGTHS = {"a": 37, "b": 100, "c": 16, "d": 1, "e": 250, "f": 63}
@@ -187,30 +189,20 @@ def test_budget_never_exceeded(built):
 def test_fetch_from_many_threads(built):
     """Serving code fetches from many threads: every batch gets its own documents' bits, the budget holds, and
     the counters add up to the lookups made."""
-    import threading
-
     root, rows = built
     budget = doc_size(250) + doc_size(100) // 2
     index = SiftIndex.open(root, device="cpu", hbm_budget_bytes=budget)
-    ids, errors, lookups = list(rows), [], []
+    ids, lookups = list(rows), []
 
     def worker(seed: int) -> None:
         rng = random.Random(seed)
-        try:
-            for _ in range(25):
-                docs = [(d, rows[d]["n_tokens"]) for d in rng.choices(ids, k=rng.randint(1, 4))]
-                check_bits(index.fetch(docs), docs, rows)
-                lookups.append(len({d for d, _ in docs}))
-                assert index.stats()["resident_bytes"] <= budget
-        except Exception as e:  # noqa: BLE001 - reported by the assertion below
-            errors.append(e)
+        for _ in range(25):
+            docs = [(d, rows[d]["n_tokens"]) for d in rng.choices(ids, k=rng.randint(1, 4))]
+            check_bits(index.fetch(docs), docs, rows)
+            lookups.append(len({d for d, _ in docs}))
+            assert index.stats()["resident_bytes"] <= budget
 
-    threads = [threading.Thread(target=worker, args=(k,)) for k in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors
+    run_in_threads(worker, 6)
     s = index.stats()
     assert s["hits"] + s["misses"] == sum(lookups) and s["evictions"] > 0 and s["resident_bytes"] <= budget
 
