@@ -200,6 +200,26 @@ def _load_q(Q, q_ptrs, h, row0, row_ok, d_ok,
 
 
 @triton.jit
+def _stats_rows(acc, Q, q_ptrs, k_op, q_lse, tmax_ptr, m_lo, m_from, m_to, h, n0, offs_n, rm, d_ok,
+                n_prefix, stride_ql, stride_ti, n_doc, n_pages, qk_mul, cap_mul, log2_beta, lse_mul,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TILE: tl.constexpr,
+                KEY_ROWS: tl.constexpr, CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                COUNT: tl.constexpr, TMA: tl.constexpr):
+    """The query blocks [m_from, m_to) against the program's key block -> acc. q_ptrs point at query block
+    m_lo (unused with TMA, where Q is the descriptor)."""
+    for m0 in range(m_from, m_to, BLOCK_M):
+        if TMA:
+            ptrs = q_ptrs
+        else:
+            ptrs = q_ptrs + (m0 - m_lo).to(tl.int64) * stride_ql
+        q_op = _load_q(Q, ptrs, h, n_prefix + m0, m0 + rm < n_doc, d_ok, BLOCK_M, BLOCK_D, KEY_ROWS, TMA)
+        acc = _stats_block(acc, q_op, k_op, q_lse, tmax_ptr, m0, n0, offs_n, rm,
+                           stride_ti, n_doc, n_pages, qk_mul, cap_mul, log2_beta, lse_mul,
+                           BLOCK_M, BLOCK_N, TILE, KEY_ROWS, CAUSAL, SOFTCAP, DOT_PRECISION, COUNT)
+    return acc
+
+
+@triton.jit
 def _stats_kernel(
     Q, K, LSE, TMAX, COUNTS,
     stride_qh, stride_ql, stride_qd, stride_kh, stride_kl, stride_kd, stride_lh, stride_th, stride_ti, stride_ch,
@@ -248,22 +268,15 @@ def _stats_kernel(
     q_lse = LSE + h.to(tl.int64) * stride_lh + lse_first
     tmax_ptr = TMAX + hc.to(tl.int64) * stride_th
 
-    # Query blocks from m_full on lie wholly at or below the key block: no causal mask.
+    # Query blocks from m_full on lie wholly at or below the key block: no causal mask. Two loops (the mask is
+    # a compile-time flag of the block step) so the unmasked majority carries no mask arithmetic.
     m_full = tl.minimum(tl.cdiv(n0 + BLOCK_N - 1, BLOCK_M) * BLOCK_M, n_doc)
-    for m0 in range(m_lo, m_full, BLOCK_M):
-        q_op = _load_q(Q, q_ptrs, h, n_prefix + m0, m0 + rm < n_doc, d_ok, BLOCK_M, BLOCK_D, KEY_ROWS, TMA)
-        acc = _stats_block(acc, q_op, k_op, q_lse, tmax_ptr, m0, n0, offs_n, rm,
-                           stride_ti, n_doc, n_pages, qk_mul, cap_mul, log2_beta, lse_mul,
-                           BLOCK_M, BLOCK_N, TILE, KEY_ROWS, True, SOFTCAP, DOT_PRECISION, COUNT)
-        if not TMA:
-            q_ptrs += BLOCK_M * stride_ql
-    for m0 in range(m_full, n_doc, BLOCK_M):
-        q_op = _load_q(Q, q_ptrs, h, n_prefix + m0, m0 + rm < n_doc, d_ok, BLOCK_M, BLOCK_D, KEY_ROWS, TMA)
-        acc = _stats_block(acc, q_op, k_op, q_lse, tmax_ptr, m0, n0, offs_n, rm,
-                           stride_ti, n_doc, n_pages, qk_mul, cap_mul, log2_beta, lse_mul,
-                           BLOCK_M, BLOCK_N, TILE, KEY_ROWS, False, SOFTCAP, DOT_PRECISION, COUNT)
-        if not TMA:
-            q_ptrs += BLOCK_M * stride_ql
+    acc = _stats_rows(acc, Q, q_ptrs, k_op, q_lse, tmax_ptr, m_lo, m_lo, m_full, h, n0, offs_n, rm, d_ok,
+                      n_prefix, stride_ql, stride_ti, n_doc, n_pages, qk_mul, cap_mul, log2_beta, lse_mul,
+                      BLOCK_M, BLOCK_N, BLOCK_D, TILE, KEY_ROWS, True, SOFTCAP, DOT_PRECISION, COUNT, TMA)
+    acc = _stats_rows(acc, Q, q_ptrs, k_op, q_lse, tmax_ptr, m_lo, m_full, n_doc, h, n0, offs_n, rm, d_ok,
+                      n_prefix, stride_ql, stride_ti, n_doc, n_pages, qk_mul, cap_mul, log2_beta, lse_mul,
+                      BLOCK_M, BLOCK_N, BLOCK_D, TILE, KEY_ROWS, False, SOFTCAP, DOT_PRECISION, COUNT, TMA)
     if COUNT:
         # acc sums -1 per visited cell below beta; every key of the block met the same query rows.
         if KEY_ROWS:
