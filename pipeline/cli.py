@@ -4,7 +4,8 @@ Exit codes (both commands):
   0  success: every document indexed (sift-inspect: the index is readable)
   1  committed, but some documents are in the errors table (sift-build only)
   2  nothing committed: bad usage, bad config, unreadable corpus, not an index, corrupt index, a folder that
-     cannot be written, a full disk, or any other failure (sift-inspect: the index cannot be read)
+     cannot be written, a full disk, or any other failure (sift-inspect: the index cannot be read, or the
+     --plot folder cannot be written)
 
 Every failure is one line on stderr; SIFT_DEBUG=1 adds the traceback of a failure that is not a SiftError.
 """
@@ -15,12 +16,15 @@ import logging
 import os
 import sys
 import traceback
+from pathlib import Path
 
 import click
 import numpy as np
+import pyarrow as pa
 
 from sift.errors import SiftError, one_line
-from sift.format import TILES
+from sift.format import TILES, IndexReader
+from sift.plots import IndexDensity, index_density, index_figures
 
 EXIT_OK, EXIT_DOC_ERRORS, EXIT_NOTHING = 0, 1, 2
 
@@ -49,16 +53,20 @@ def _fail_unexpected(e: Exception, consequence: str) -> None:
 @click.option("--gamma", type=float, default=None, help="CA concentration threshold.")
 @click.option("--ray-address", default=None, help="Existing Ray cluster (default: $RAY_ADDRESS, else a local Ray).")
 @click.option("-q", "--quiet", is_flag=True, help="Only the summary line.")
-def build_main(corpus, out, config_path, model, tile, alpha, beta, gamma, ray_address, quiet):
-    """Profile every document of CORPUS and write (or update) the SIFT index at --out."""
+@click.option("-v", "--verbose", is_flag=True, help="Ray's own logs, progress and worker output too.")
+def build_main(corpus, out, config_path, model, tile, alpha, beta, gamma, ray_address, quiet, verbose):
+    """Profile every document of CORPUS and write (or update) the SIFT index at --out.
+
+    Progress goes to stderr: one bar in a terminal, else one line per shard written."""
     from .config import load_config
-    from .job import run_build
+    from .job import ProgressLines, run_build
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     echo = (lambda *_: None) if quiet else (lambda msg: click.echo(msg, err=True))
+    progress = _ProgressBar() if sys.stderr.isatty() and not quiet else ProgressLines(echo)
     try:
         cfg = load_config(config_path, model=model, tile=tile, alpha=alpha, beta=beta, gamma=gamma)
-        stats = run_build(corpus, out, cfg, ray_address=ray_address, echo=echo)
+        stats = run_build(corpus, out, cfg, ray_address=ray_address, echo=echo, progress=progress, verbose=verbose)
     except SiftError as e:
         _fail(str(e))
     except Exception as e:  # noqa: BLE001 - exit code 1 means "committed", which this is not
@@ -71,13 +79,41 @@ def build_main(corpus, out, config_path, model, tile, alpha, beta, gamma, ray_ad
     sys.exit(EXIT_DOC_ERRORS if stats.errors else EXIT_OK)
 
 
-def summarize(path: str) -> dict:
-    """What `sift-inspect --json` prints."""
-    from sift.format import IndexReader
-
+def read_index(path: str) -> tuple[IndexReader, pa.Table, IndexDensity]:
+    """The committed generation at `path`, its rows (all but `source`) and the densities of its bits."""
     reader = IndexReader.open(path)
     m = reader.manifest
-    t = reader.table(["n_tokens", "la_bits", "ca_bits", "la_density", "ca_density"])
+    t = reader.table(["doc_id", "n_tokens", "la_bits", "ca_bits", "la_density", "ca_density"])
+    return reader, t, index_density(t, tile=m.tile, n_layers=m.model.n_layers, n_heads=m.model.n_heads)
+
+
+class _ProgressBar:
+    """Profiling progress as one bar on a terminal: tokens (the work) with their rate and the ETA, and
+    documents with theirs. The same three calls as `ProgressLines`."""
+
+    FORMAT = "{desc} {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} tokens [{elapsed}<{remaining}, {rate_fmt}{postfix}]"
+
+    def start(self, documents: int, tokens: int) -> None:
+        from tqdm import tqdm
+
+        self.documents, self.done = documents, 0
+        self.bar = tqdm(total=tokens, desc=f"profiled 0/{documents} documents", unit=" tokens", unit_scale=True,
+                        bar_format=self.FORMAT, file=sys.stderr, dynamic_ncols=True)
+
+    def shard(self, documents: int, tokens: int) -> None:
+        self.done += documents
+        rate = self.done / max(self.bar.format_dict["elapsed"], 1e-9)
+        self.bar.set_description_str(f"profiled {self.done}/{self.documents} documents", refresh=False)
+        self.bar.set_postfix_str(f"{rate:.2f} docs/s", refresh=False)
+        self.bar.update(tokens)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def summarize(reader: IndexReader, t: pa.Table, d: IndexDensity) -> dict:
+    """What `sift-inspect --json` prints, from what `read_index` returns."""
+    m = reader.manifest
     tokens = int(np.asarray(t["n_tokens"]).sum()) if t.num_rows else 0
     la_bytes = sum(len(b) for b in t["la_bits"].to_pylist())
     ca_bytes = sum(len(b) for b in t["ca_bits"].to_pylist())
@@ -87,7 +123,7 @@ def summarize(path: str) -> dict:
     ca_density = np.asarray(t["ca_density"].to_pylist(), dtype=np.float64) if t.num_rows else np.zeros((0, 0))
     errors = reader.errors()
     return {
-        "path": os.path.abspath(path),
+        "path": os.path.abspath(reader.root),
         "generation": m.generation,
         "created_at": m.created_at,
         "model": {k: getattr(m.model, k) for k in ("name", "fingerprint", "n_layers", "n_heads", "n_kv_heads",
@@ -104,6 +140,10 @@ def summarize(path: str) -> dict:
         "kv_over_bits": (kv_bytes / (la_bytes + ca_bytes)) if la_bytes + ca_bytes else None,
         "la_density_per_layer": la_density.mean(axis=0).round(4).tolist() if la_density.size else [],
         "ca_density_per_layer": ca_density.mean(axis=0).round(4).tolist() if ca_density.size else [],
+        "tile_fraction": round(d.tile_fraction, 4),
+        "page_fraction": round(d.page_fraction, 4),
+        "la_density_per_head": d.la_heads.round(4).tolist(),
+        "ca_density_per_head": d.ca_heads.round(4).tolist(),
         "errors": errors.num_rows,
         "error_rows": errors.slice(0, 20).to_pylist(),
         "last_build": _last_build(m.last_build),
@@ -125,20 +165,50 @@ def _human(n: float) -> str:
         n /= 1024
 
 
+def _plot_dir(path: str) -> Path:
+    """The folder --plot names, created if missing; SiftError when it cannot be."""
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise SiftError(f"--plot {out} is a file, not a folder: give a folder for the PNGs (created if missing)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise SiftError(f"--plot {out} cannot be created ({e.strerror or e}): give a folder you can write") from None
+    return out
+
+
+def _figures(reader: IndexReader, d: IndexDensity, out: Path) -> list[str]:
+    m = reader.manifest
+    title = f"{reader.root.name}: generation {m.generation}, {m.model.name or 'model'}, tile {m.tile}"
+    try:
+        return [str(p) for p in index_figures(d, out, title)]
+    except OSError as e:
+        raise SiftError(f"cannot write the plots into {out} ({e.strerror or e}): give a folder you can write") from None
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("index", type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def inspect_main(index, as_json):
+@click.option("--plot", "plot_dir", type=click.Path(), default=None,
+              help="Folder (created if missing) for PNGs: LA / CA density per (layer, head), per-document "
+                   "fractions, density against length.")
+def inspect_main(index, as_json, plot_dir):
     """Describe the SIFT index at INDEX."""
     try:
-        s = summarize(index)
+        out = _plot_dir(plot_dir) if plot_dir is not None else None
+        reader, table, density = read_index(index)
+        s = summarize(reader, table, density)
+        if out is not None:
+            s["plots"] = _figures(reader, density, out)
     except SiftError as e:
         _fail(str(e))
     except Exception as e:  # noqa: BLE001 - whatever it is, the index could not be read
         _fail_unexpected(e, "the index could not be read")
-    if as_json:
-        click.echo(json.dumps(s))
-        return
+    click.echo(json.dumps(s) if as_json else _describe(s))
+
+
+def _describe(s: dict) -> str:
+    """The text `sift-inspect` prints."""
     lb = s["last_build"]
     lines = [
         f"index       {s['path']}",
@@ -153,6 +223,8 @@ def inspect_main(index, as_json):
         f"bits        {_human(s['bits_bytes'])} (LA {_human(s['la_bytes'])}, CA {_human(s['ca_bytes'])})  vs  "
         f"KV cache (bf16) {_human(s['kv_bytes_bf16'])}"
         + (f"  = {s['kv_over_bits']:.0f}x smaller" if s["kv_over_bits"] else ""),
+        f"kept        {s['tile_fraction']:.1%} of LA tiles (the tile fraction prefill computes), "
+        f"{s['page_fraction']:.1%} of CA pages",
         f"errors      {s['errors']}",
         f"last build  profiled {lb['profiled']}, reused {lb['reused']}, deleted {lb['deleted']}, "
         f"{lb['seconds']} s",
@@ -162,4 +234,6 @@ def inspect_main(index, as_json):
         lines.append(f"{i:5d}   {la:10.3f}   {ca:10.3f}")
     for row in s["error_rows"]:
         lines.append(f"error: {row['doc_id']} ({row['source']}): {row['reason']}")
-    click.echo("\n".join(lines))
+    if "plots" in s:
+        lines.append(f"plots       {', '.join(s['plots'])}")
+    return "\n".join(lines)

@@ -12,6 +12,7 @@ lists exactly one row per live doc_id, and every corpus record that is not index
 """
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -166,7 +167,34 @@ class Profiled:
     actor_seconds: float = 0.0          # summed time the actors spent profiling documents
 
 
-def profile(build: BuildPlan, index_dir: Path, cfg: BuildConfig, echo) -> Profiled:
+class ProgressLines:
+    """Profiling progress as one line per shard written, through `echo`: what a log file shows (the CLI draws one
+    bar instead when stderr is a terminal). `start` once, `shard` per shard, `close` at the end."""
+
+    def __init__(self, echo):
+        self.echo = echo
+
+    def start(self, documents: int, tokens: int) -> None:
+        self.total, self.done, self.t0 = (documents, tokens), [0, 0], time.perf_counter()
+
+    def shard(self, documents: int, tokens: int) -> None:
+        self.done = [self.done[0] + documents, self.done[1] + tokens]
+        seconds = max(time.perf_counter() - self.t0, 1e-9)
+        (docs, toks), (n_docs, n_toks) = self.done, self.total
+        eta = _clock((n_toks - toks) * seconds / toks) if toks else "-"
+        self.echo(f"sift-build: profiled {docs}/{n_docs} documents, {toks}/{n_toks} tokens "
+                  f"({docs / seconds:.2f} docs/s, {toks / seconds:.0f} tokens/s, ETA {eta})")
+
+    def close(self) -> None:
+        pass
+
+
+def _clock(seconds: float) -> str:
+    s = int(round(seconds))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def profile(build: BuildPlan, index_dir: Path, cfg: BuildConfig, echo, progress) -> Profiled:
     """Profile the plan's `todo` documents, `cfg.build.shard_rows` per shard, on a pool of actors."""
     if not build.todo:
         return Profiled()
@@ -183,28 +211,29 @@ def profile(build: BuildPlan, index_dir: Path, cfg: BuildConfig, echo) -> Profil
         fn_constructor_kwargs=dict(model=build.target.model.name, cfg_dict=cfg.to_dict(), index_dir=str(index_dir),
                                    profile_key=build.target.profile_key, threads=pool.threads),
         compute=ray.data.ActorPoolStrategy(size=pool.size), **pool.resources)
+    progress.start(len(build.todo), build.todo_tokens)
     try:
-        return _collect(results, len(build.todo), echo)
+        return _collect(results, progress)
     except Exception as e:  # an actor's error arrives wrapped in Ray's; the user gets the one line behind it
         if isinstance(root_cause(e), SiftError):
             raise SiftError(one_line(e)) from e
         raise SiftError(f"profiling stopped: {one_line(e)} (nothing was committed; the next sift-build reuses "
                         f"the shards already written)") from e
+    finally:
+        progress.close()
 
 
-def _collect(results, n_todo: int, echo) -> Profiled:
+def _collect(results, progress) -> Profiled:
     """Run the lazy `results` dataset to the end, reporting progress per shard."""
     t0 = time.perf_counter()
-    shards, errors, tokens, actor_seconds, done = [], [], 0, 0.0, 0
+    shards, errors, tokens, actor_seconds = [], [], 0, 0.0
     for row in results.iter_rows():
         if row["shard"] is not None:
             shards.append(ShardInfo(**row["shard"]))
             tokens += int(row["tokens"])
         actor_seconds += float(row["seconds"])
         errors += zip(row["err_ids"], row["err_sources"], row["err_reasons"])
-        done += len(row["doc_ids"]) + len(row["err_ids"])
-        rate = done / max(time.perf_counter() - t0, 1e-9)
-        echo(f"sift-build: profiled {done}/{n_todo} documents ({rate:.2f} docs/s)")
+        progress.shard(len(row["doc_ids"]) + len(row["err_ids"]), int(row["tokens"]))
     return Profiled(shards=tuple(shards), errors=tuple(errors), tokens=tokens,
                     seconds=time.perf_counter() - t0, actor_seconds=actor_seconds)
 
@@ -295,25 +324,38 @@ def commit(build: BuildPlan, profiled: Profiled, index_dir: Path, cfg: BuildConf
 # The driver
 
 
-def _start_ray(address: str | None) -> None:
-    """Join the Ray cluster at `address` (or $RAY_ADDRESS), else start a local one; keep corpus order."""
+def _start_ray(address: str | None, verbose: bool) -> None:
+    """Join the Ray cluster at `address` (or $RAY_ADDRESS), else start a local one; keep corpus order.
+
+    Unless `verbose`, Ray prints only its errors: its INFO logs, its progress blocks and the workers' output go
+    to Ray's log files alone, and the build reports its own progress (`ProgressLines`, or the CLI's bar)."""
     import ray
     import ray.data
 
     if not ray.is_initialized():
         address = address or os.environ.get("RAY_ADDRESS")
+        chatter = dict(log_to_driver=verbose, logging_level=logging.INFO if verbose else logging.ERROR)
         if address:
-            ray.init(address=address, log_to_driver=True)
+            ray.init(address=address, **chatter)
         else:
-            ray.init(include_dashboard=False, log_to_driver=True, configure_logging=False)
+            ray.init(include_dashboard=False, **chatter)
+    if not verbose:
+        # Ray Data logs to its file and to a handler named "console" (its default logging config): quiet the
+        # console only, so the file keeps everything.
+        for handler in logging.getLogger("ray.data").handlers:
+            if handler.name == "console":
+                handler.setLevel(logging.ERROR)
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True
-    ctx.enable_progress_bars = True
+    ctx.enable_progress_bars = verbose
 
 
 def run_build(corpus: str | Path, out: str | Path, cfg: BuildConfig, *, ray_address: str | None = None,
-              echo=print) -> BuildStats:
-    """Build or incrementally update the index at `out` from `corpus`. Returns what the build did."""
+              echo=print, progress=None, verbose: bool = False) -> BuildStats:
+    """Build or incrementally update the index at `out` from `corpus`. Returns what the build did.
+
+    echo: where the stage lines go; progress: what reports profiling (default `ProgressLines(echo)`);
+    verbose: Ray's own logs, progress blocks and worker output too."""
     t_start = time.perf_counter()
     index_dir = Path(out).expanduser().absolute()  # actors write shards here from their own working directory
     sources = list_sources(corpus)
@@ -321,8 +363,8 @@ def run_build(corpus: str | Path, out: str | Path, cfg: BuildConfig, *, ray_addr
     idx.prepare_dir(index_dir)
     with idx.build_lock(index_dir):
         target = resolve_target(cfg, model_dir, index_dir)
-        _start_ray(ray_address)
+        _start_ray(ray_address, verbose)
         echo(f"sift-build: {len(sources)} source(s) in {corpus}, model {target.model.name}, tile {cfg.profile.tile}")
         build = plan(corpus, sources, model_dir, index_dir, cfg, target, echo)
-        profiled = profile(build, index_dir, cfg, echo)
+        profiled = profile(build, index_dir, cfg, echo, progress or ProgressLines(echo))
         return commit(build, profiled, index_dir, cfg, t_start)

@@ -56,6 +56,7 @@ class BuildPlan:
     corpus: str                     # the corpus path, resolved (recorded in the manifest)
     docs: Any                       # materialised ray.data.Dataset: LISTING_COLUMNS + token_ids, one row per record
     todo: frozenset[str]            # listing keys of the documents to profile
+    todo_tokens: int                # their tokens (the total of the build's progress bar)
     reuse: Mapping[Pair, str]       # reused row -> the shard (relative path) that holds it
     errors: tuple[ErrorRow, ...]    # records that are not indexed, in corpus order
     reused: int                     # live documents found in the previous generation
@@ -277,7 +278,8 @@ def plan(corpus: str | Path, sources: list[Source], model_dir: Path, index_dir: 
          target: BuildTarget, echo) -> BuildPlan:
     """Tokenise the corpus and decide, per record, whether it is an error row, a reused row or to be profiled."""
     docs = _tokenise(sources, model_dir, cfg, target.max_tokens)
-    live, errors = _live_and_errors(_listing(docs))
+    listing = _listing(docs)
+    live, errors = _live_and_errors(listing)
     prev_rows = _previous_rows(index_dir, target.previous, target.profile_key)
     orphan_rows = _orphan_rows(index_dir, target.previous, target.profile_key)
     reuse: dict[Pair, str] = {}
@@ -291,10 +293,12 @@ def plan(corpus: str | Path, sources: list[Source], model_dir: Path, index_dir: 
             recovered += 1
         else:
             todo.add(key)
+    n_tokens = dict(zip(listing["key"].to_pylist(), listing["n_tokens"].to_pylist()))
     changed = target.previous is not None and target.previous.profile_key != target.profile_key
     echo(f"sift-build: {len(live)} documents ({reused} unchanged, {recovered} recovered "
          f"from an interrupted build, {len(todo)} to profile), {len(errors)} error rows")
     return BuildPlan(target=target, corpus=str(Path(corpus).resolve()), docs=docs, todo=frozenset(todo),
-                     reuse=reuse, errors=tuple(errors), reused=reused, recovered=recovered,
+                     todo_tokens=sum(n_tokens[key] for key in todo), reuse=reuse, errors=tuple(errors),
+                     reused=reused, recovered=recovered,
                      deleted=_deleted(index_dir, target.previous, {d for d, _ in live.values()}),
                      note="profile or model changed: every document is re-profiled" if changed else "")

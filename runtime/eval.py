@@ -40,6 +40,7 @@ import torch
 
 from sift.errors import SiftError
 from sift.format import content_hash
+from sift.plots import mode_summary
 
 from .engine import MODES, GenerateResult, SiftEngine
 from .qa import FORMATS, QAItem, load_qa
@@ -250,29 +251,10 @@ def markdown(report: dict) -> str:
 
 def plot(report: dict, path: Path) -> None:
     """Per-mode means with their 95% intervals: the rates on the left, TTFT on the right."""
-    from matplotlib.figure import Figure  # no pyplot: no global backend state, renders with Agg
-
-    modes = list(report["modes"])
-    rates = [key for key, _, _ in _COLUMNS if key not in ("kl_first_token", "ttft_s")]
-    fig = Figure(figsize=(11, 4), layout="constrained")
-    left, right = fig.subplots(1, 2, width_ratios=[4, 1])
-    width = 0.8 / len(modes)
-    for k, mode in enumerate(modes):
-        for ax, keys in ((left, rates), (right, ["ttft_s"])):
-            stats = [report["modes"][mode][key] for key in keys]
-            mean = [s["mean"] or 0.0 for s in stats]
-            err = [[m - (s["ci95"] or [m, m])[0] for m, s in zip(mean, stats)],
-                   [(s["ci95"] or [m, m])[1] - m for m, s in zip(mean, stats)]]
-            ax.bar(np.arange(len(keys)) + k * width, mean, width, yerr=err, capsize=3, label=mode)
     labels = {key: title for key, title, _ in _COLUMNS}
-    for ax, keys in ((left, rates), (right, ["ttft_s"])):
-        ax.set_xticks(np.arange(len(keys)) + width * (len(modes) - 1) / 2, [labels[k] for k in keys], fontsize=8)
-    left.set_ylim(0, 1.05)
-    left.set_ylabel("mean over questions")
-    right.set_ylabel("seconds")
-    left.legend()
-    fig.suptitle(f"{report['evaluated']} questions, mean and 95% bootstrap interval")
-    fig.savefig(path, dpi=100)
+    rates = [(key, labels[key]) for key, _, _ in _COLUMNS if key not in ("kl_first_token", "ttft_s")]
+    mode_summary(path, report["modes"], rates, [("ttft_s", labels["ttft_s"])],
+                 f"{report['evaluated']} questions, mean and 95% bootstrap interval")
 
 
 def write_report(report: dict, out: Path) -> None:

