@@ -1,8 +1,9 @@
 """Compile the attention kernels for sm_90 without a GPU and print registers, spills and shared memory.
 
     python bench/aot_sm90.py          # the tl kernel: default configs at block 128 ("pre") and 64 ("k"), with
-                                      # RoPE and with pre-rotated keys
-    python bench/aot_sm90.py gluon    # the Gluon Hopper kernel (kernels/sparse_attention_sm90.py)
+                                      # RoPE, with pre-rotated keys, and computing only listed query blocks
+    python bench/aot_sm90.py gluon    # the Gluon Hopper kernel (kernels/sparse_attention_sm90.py), with and
+                                      # without the q_blocks variant
 
 Uses Triton's own ptxas (shipped in the wheel) on the PTX the JIT would build for an H100/H200 (bf16, head_dim
 128, GQA 4, unit last strides, 16-divisible pointers and strides). A spill in the steady loop or a shared-memory
@@ -27,13 +28,15 @@ from sift.kernels import sparse_attention_sm90 as sm90  # noqa: E402
 from sift.kernels import sparse_attention_tl as tlk  # noqa: E402
 
 POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16", "Indptr": "*i32", "RowEnd": "*i32",
-            "Indices": "*i32", "BlockValid": "*i32", "BlockOffset": "*i32", "QTokStart": "*i32", "InvFreq": "*fp32"}
+            "Indices": "*i32", "BlockValid": "*i32", "BlockOffset": "*i32", "QBlocks": "*i32", "QTokStart": "*i32",
+            "InvFreq": "*fp32"}
 ROPE = {None: tlk.ROPE_NONE.value, "k": tlk.ROPE_ON_K.value, "pre": tlk.ROPE_PRE.value}
 
 
 def compile_tl(cfg: tlk.AttentionConfig, rope_on: str | None, *, block: int, head_dim: int = 128, group: int = 4,
-               q_tokens: bool = False):
-    """The tl kernel `_sparse_attn_fwd` compiled for sm_90 with launch parameters cfg (rope_on None: pre-rotated)."""
+               q_tokens: bool = False, q_blocks: bool = False):
+    """The tl kernel `_sparse_attn_fwd` compiled for sm_90 with launch parameters cfg (rope_on None: pre-rotated;
+    q_tokens, q_blocks: the Q_TOKENS / Q_BLOCKS variants)."""
     fn = tlk._sparse_attn_fwd
     sig, attrs, const = {}, {}, {}
     for i, name in enumerate(fn.arg_names):
@@ -43,12 +46,12 @@ def compile_tl(cfg: tlk.AttentionConfig, rope_on: str | None, *, block: int, hea
             sig[name], const[name] = "constexpr", 1
         elif name.startswith("stride_"):
             sig[name], attrs[(i,)] = "i32", [["tt.divisibility", 16]]
-        elif name == "NB":
+        elif name == "NQ":
             sig[name] = "i32"
         elif name == "qk_scale":
             sig[name] = "fp32"
     const.update(GROUP=group, BLOCK=block, HEAD_DIM=head_dim, ROPE=ROPE[rope_on], Q_TOKENS=q_tokens,
-                 DOT_PRECISION="tf32", FAST_TRIG=True)
+                 Q_BLOCKS=q_blocks, DOT_PRECISION="tf32", FAST_TRIG=True)
     missing = set(fn.arg_names) - set(sig) - set(const)
     if missing:
         raise SystemExit(f"aot_sm90.py does not know the kernel arguments {sorted(missing)}: update POINTERS")
@@ -78,17 +81,17 @@ def main() -> None:
     ap.add_argument("kernel", nargs="?", choices=("tl", "gluon"), default="tl", help="which kernel to compile")
     args = ap.parse_args()
     if args.kernel == "gluon":
-        for rope, q_tokens in ((True, True), (False, False)):
-            kernel = sm90.compile_for_sm90(rope=rope, q_tokens=q_tokens)
-            print(f"gluon rope={rope} q_tokens={q_tokens}: shared memory {kernel.metadata.shared} B, "
-                  f"{ptxas_report(kernel.asm['ptx'])}", flush=True)
+        for rope, q_tokens, q_blocks in ((True, True, False), (False, False, False), (True, True, True)):
+            kernel = sm90.compile_for_sm90(rope=rope, q_tokens=q_tokens, q_blocks=q_blocks)
+            print(f"gluon rope={rope} q_tokens={q_tokens} q_blocks={q_blocks}: shared memory "
+                  f"{kernel.metadata.shared} B, {ptxas_report(kernel.asm['ptx'])}", flush=True)
         return
     for block in (128, 64):
         cfg = tlk.default_config(block)
-        for rope_on in (cfg.rope_on, None):
-            kernel = compile_tl(cfg, rope_on, block=block)
-            print(f"tl block={block} {cfg} rope={rope_on}: shared memory {kernel.metadata.shared} B, "
-                  f"{ptxas_report(kernel.asm['ptx'])}", flush=True)
+        for rope_on, q_blocks in ((cfg.rope_on, False), (None, False), (cfg.rope_on, True)):
+            kernel = compile_tl(cfg, rope_on, block=block, q_blocks=q_blocks)
+            print(f"tl block={block} {cfg} rope={rope_on} q_blocks={q_blocks}: shared memory "
+                  f"{kernel.metadata.shared} B, {ptxas_report(kernel.asm['ptx'])}", flush=True)
 
 
 if __name__ == "__main__":

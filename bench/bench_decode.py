@@ -201,8 +201,9 @@ def bench_decode_attention(context: int, dev: torch.device, gen: torch.Generator
     kv_indptr, kv_indices = layout_kv_table(layout)
     q_offset = torch.tensor([q_pos], dtype=torch.int32, device=dev)  # q passed un-rotated
     scale = 1.0 / math.sqrt(HEAD_DIM)
-    args = (q_raw.to(dtype), k_cache, v_cache, q_offset, kv_indptr, kv_indices, layout.block_valid,
-            layout.block_offset, inv_freq)
+    kv_offset = layout.block_offset[kv_indices.long()]  # each entry's segment offset
+    args = (q_raw.to(dtype), k_cache, v_cache, q_offset, kv_indptr, kv_indices, layout.block_valid, kv_offset,
+            inv_freq)
     splits = default_num_splits(1, HKV, kv_indices.numel(), dev)
 
     # SDPA over keys pre-rotated at logical positions (contiguous, no padding): the dense baseline.

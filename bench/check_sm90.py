@@ -7,6 +7,7 @@ bench/results/check-sm90.json (mask b: check-sm90-mask-b.json).
 Needs an sm_90 GPU; run it under `timeout` (a barrier bug hangs rather than fails). Checks: the padded layout
 (many short segments, NaN in padding, offsets past 65,535, an empty row, GQA 4) with and without RoPE; K / V as
 the first slots of longer per-head buffers (the engine's cache); q and out in token order (the engine's call);
+a subset of query blocks (q_blocks, a reuse prefill's call), padded and in token order, other rows untouched;
 mask (a) at 16K against the tl kernel. Timings per length: both kernels with RoPE (sparse_rope), pre-rotated
 (sparse_none) and dense causal (dense_rope); the Gluon kernel's RoPE overhead as PAIRS pairs timed A B B A as CUDA
 graph replays (GPU time; a drift of the clocks over a pair cancels), the median of the per-pair ratios kept; the
@@ -50,10 +51,10 @@ def check(name, out, ref, tol=1.5e-2):
     return ok
 
 
-def gluon(q, k, v, ptr, idx, block_valid, block_offset, inv_freq, out, q_block_start=None):
+def gluon(q, k, v, ptr, idx, block_valid, block_offset, inv_freq, out, q_block_start=None, q_blocks=None):
     torch.cuda.synchronize()
     sm90.launch(q, k, v, ptr, idx, block_valid, block_offset, inv_freq, scale=SCALE, out=out,
-                q_block_start=q_block_start)
+                q_block_start=q_block_start, q_blocks=q_blocks)
     torch.cuda.synchronize()
     return out
 
@@ -95,6 +96,7 @@ def correctness() -> bool:
     out_tok = torch.full((q_tok.shape[0], hq, D), float("nan"), device="cuda", dtype=torch.bfloat16)
     gluon(q_tok.transpose(0, 1), k, v, *args, inv_freq, out_tok.transpose(0, 1), q_block_start=tok_start)
     ok &= check("token_order/rope", out_tok.transpose(0, 1), refs[True][:, real])
+    ok &= check_q_blocks(lay, q, k, v, mask, offset, real, refs[True], inv_freq)
     # 3. Bigger: mask (a) at 16K, GQA 4, against the tl kernel (bf16 both).
     lay = mask_a_layout(16384)
     sp = csr(mask_a(lay, gen, hq=32))
@@ -105,6 +107,30 @@ def correctness() -> bool:
     ok &= check("mask_a16k/gluon_vs_tl", o_g, o_t)
     print("ALL OK" if ok else "SOME FAILED", flush=True)
     return ok
+
+
+def check_q_blocks(lay, q, k, v, mask, offset, real, ref, inv_freq) -> bool:
+    """Every third query block and the last (q_blocks), CSR rows of those only: the computed rows equal the full
+    CSR's reference `ref`, the others keep the NaN written before; padded, then q / out in token order (the
+    computed blocks' tokens only, q_block_start of the other blocks garbage)."""
+    nb = lay.n_blocks
+    q_blocks = torch.cat([torch.arange(0, nb - 1, 3, device="cuda"), torch.tensor([nb - 1], device="cuda")])
+    q_blocks = q_blocks.to(torch.int32)
+    computed = torch.zeros(nb, dtype=torch.bool, device="cuda")
+    computed[q_blocks.long()] = True
+    rows = computed.repeat_interleave(BLOCK)
+    args = (*csr(mask[:, q_blocks.long()]), lay.block_valid, offset, inv_freq)
+    out = gluon(q, k, v, *args, torch.full_like(q, float("nan")), q_blocks=q_blocks)
+    ok = check("q_blocks/padded", out[:, rows], ref[:, rows])
+    untouched = bool(out[:, ~rows].isnan().all())
+    print(f"check q_blocks/padded other rows untouched: {untouched}", flush=True)
+    sel = real & rows
+    counts = torch.where(computed, lay.block_valid, 0)
+    tok_start = torch.where(computed, counts.cumsum(0) - counts, 1 << 30).to(torch.int32)
+    q_tok = q[:, sel].transpose(0, 1).contiguous()
+    out_tok = torch.full_like(q_tok, float("nan"))
+    gluon(q_tok.transpose(0, 1), k, v, *args, out_tok.transpose(0, 1), q_block_start=tok_start, q_blocks=q_blocks)
+    return ok & untouched & check("q_blocks/token_order", out_tok.transpose(0, 1), ref[:, sel])
 
 
 def layer(kind, L, gen):

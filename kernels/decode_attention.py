@@ -1,14 +1,17 @@
 """Decode-phase attention over the position-free KV cache (SPEC section 5), flash-decoding style.
 
 One new token per request attends to that request's KV blocks. Keys are stored rotated at segment-local
-positions, `block_offset[b]` being the logical position of the first token of block b's segment (the layout of
-`kernels/layout.py`; generated tokens are further blocks: a new segment whose offset is the logical position of
-its first token, or the query segment's trailing padding slots, whose offset already fits). With q rotated at
-its own segment-local position and `q_offset` its segment's offset,
+positions. Each entry j of the block table (`kv_indices[j]`, a physical block) carries `kv_offset[j]`, the
+logical position, in that request, of the first token of the block's segment: the offset belongs to the entry,
+not to the block, so one physical block (a cached document's page) can serve several requests, or one request
+twice, at different offsets. (For a batch of `kernels/layout.py`, kv_offset = block_offset[kv_indices];
+generated tokens are further blocks: a new segment whose offset is the logical position of its first token, or
+the query segment's trailing padding slots, whose offset already fits.) With q rotated at its own
+segment-local position and `q_offset` its segment's offset,
 
-    score(q, key in block b) = (R(-delta) q) . k_stored,   delta = block_offset[b] - q_offset,
+    score(q, key of entry j) = (R(-delta) q) . k_stored,   delta = kv_offset[j] - q_offset,
 
-so the kernel rotates q once per change of segment along the request's block list (LazyAttention's decode
+so the kernel rotates q once per change of offset along the request's block list (LazyAttention's decode
 rule), never a key. (A raw, un-rotated q works too: pass its logical position as q_offset.)
 
 GQA: one program serves all query heads of a kv head, so K/V are read once and never copied. The request's
@@ -21,8 +24,8 @@ Shapes:
     q_offset:     int32 [B]
     kv_indptr:    int32 [B + 1]    request b's blocks are kv_indices[kv_indptr[b]:kv_indptr[b + 1]]
     kv_indices:   int32 [nnz]      physical block ids (logical order keeps rotations to one per segment)
-    block_valid:  int32 [NB]       real slots of each block
-    block_offset: int32 [NB]
+    block_valid:  int32 [NB]       real slots of each physical block (a property of the block's KV)
+    kv_offset:    int32 [nnz]      logical position of the first token of entry j's segment, in its request
     inv_freq:     float [D/2] (RoPE, rotate_half convention), or None when keys are stored at logical positions
     out:          [B, Hq, D] in q's dtype
 """
@@ -52,7 +55,7 @@ def _decode_split_kernel(
     Q, K, V,  # q [B, Hq, D]; k, v [Hkv, N, D]
     Out,  # [B, Hq, D] when DIRECT, else unused
     PartO, PartLse,  # fp32 [B, Hq, S, D], fp32 [B, Hq, S] (log2 domain) when not DIRECT
-    QOffset, KvIndptr, KvIndices, BlockValid, BlockOffset,
+    QOffset, KvIndptr, KvIndices, BlockValid, KvOffset,
     InvFreq,  # [D/2] float: the RoPE inverse frequencies (unused without ROPE)
     stride_qb, stride_qh, stride_qd,
     stride_kh, stride_kn, stride_kd,
@@ -107,7 +110,7 @@ def _decode_split_kernel(
         k_first = (j % SUB) * BLOCK_N  # first slot of this step inside block kb
         k_valid = tl.load(BlockValid + kb) - k_first
         if ROPE:
-            off = tl.load(BlockOffset + kb)
+            off = tl.load(KvOffset + j // SUB)
             if off != cur_off:
                 # q' = R(-delta) q: q1' = q1 c + q2 s, q2' = q2 c - q1 s (angles as every kernel forms them,
                 # `rope._cos_sin`; accurate sin / cos: q is rotated once per segment, not per key block).
@@ -182,7 +185,7 @@ def _decode_merge_kernel(
     tl.store(Out + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d * stride_od, out.to(Out.dtype.element_ty))
 
 
-def _validate(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block_valid, block_offset, inv_freq, scale,
+def _validate(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block_valid, kv_offset, inv_freq, scale,
               block, out) -> None:
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise ValueError(f"q must be [B, Hq, D]; got {getattr(q, 'shape', type(q))}")
@@ -202,19 +205,22 @@ def _validate(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block_valid,
     nb = check_heads_and_blocks(hq, hkv, n, block)
     check_scale(scale)
     for name, x, shape in (("q_offset", q_offset, (bsz,)), ("kv_indptr", kv_indptr, (bsz + 1,)),
-                           ("block_valid", block_valid, (nb,)), ("block_offset", block_offset, (nb,))):
+                           ("block_valid", block_valid, (nb,))):
         if not isinstance(x, torch.Tensor) or x.dtype != torch.int32 or tuple(x.shape) != shape:
             raise ValueError(f"{name} must be int32 {list(shape)} (B={bsz}, NB={nb}); got "
                              f"{getattr(x, 'dtype', type(x))} {tuple(getattr(x, 'shape', ()))}")
     if not isinstance(kv_indices, torch.Tensor) or kv_indices.dtype != torch.int32 or kv_indices.dim() != 1:
         raise ValueError(f"kv_indices must be a 1-D int32 tensor; got {getattr(kv_indices, 'dtype', type(kv_indices))}")
+    if not isinstance(kv_offset, torch.Tensor) or kv_offset.dtype != torch.int32 or kv_offset.shape != kv_indices.shape:
+        raise ValueError(f"kv_offset must be int32 [nnz={kv_indices.numel()}], one offset per kv_indices entry; got "
+                         f"{getattr(kv_offset, 'dtype', type(kv_offset))} {tuple(getattr(kv_offset, 'shape', ()))}")
     if inv_freq is not None and (not isinstance(inv_freq, torch.Tensor) or tuple(inv_freq.shape) != (half,)
                                  or not inv_freq.is_floating_point()):
         raise ValueError(f"inv_freq must be None or a float tensor [D/2]={half}; got "
                          f"{tuple(getattr(inv_freq, 'shape', ()))}")
     if out is not None and (tuple(out.shape) != (bsz, hq, d) or out.dtype != q.dtype):
         raise ValueError(f"out must be {q.dtype} [{bsz}, {hq}, {d}]; got {out.dtype} {tuple(out.shape)}")
-    tensors = [q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block_valid, block_offset]
+    tensors = [q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block_valid, kv_offset]
     devices = {x.device for x in tensors + ([out] if out is not None else [])}
     if len(devices) != 1:
         raise ValueError(f"all tensors must be on one device; got {sorted(map(str, devices))}")
@@ -238,12 +244,12 @@ def default_num_splits(batch: int, kv_heads: int, nnz_blocks: int, device: torch
     return max(1, min(splits, nnz_blocks // max(batch, 1), 256))
 
 
-def decode_attention(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block_valid, block_offset, inv_freq,
+def decode_attention(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block_valid, kv_offset, inv_freq,
                      *, scale, block, num_splits=None, out=None):
     """Attention of one new token per request over its KV blocks, with q rotated per segment in the kernel.
     Shapes in the module docstring. num_splits: programs per (request, kv head) along the block list (default
     `default_num_splits`). Returns out [B, Hq, D] in q's dtype. Block ids are not range-checked (no sync)."""
-    _validate(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block_valid, block_offset, inv_freq, scale,
+    _validate(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block_valid, kv_offset, inv_freq, scale,
               block, out)
     if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"decode_attention runs on CUDA tensors (got {q.device}); use decode_attention_ref on CPU")
@@ -266,7 +272,7 @@ def decode_attention(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block
         part_lse = torch.empty((bsz, hq, splits), dtype=torch.float32, device=q.device)
     _decode_split_kernel[(bsz, hkv, splits)](
         q, k_cache, v_cache, out, part_o, part_lse,
-        q_offset, kv_indptr, kv_indices, block_valid, block_offset, freq,
+        q_offset, kv_indptr, kv_indices, block_valid, kv_offset, freq,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
         hq, splits, float(scale) * LOG2E,
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), BLOCK=block, BLOCK_N=min(block, BLOCK_N),
@@ -282,24 +288,24 @@ def decode_attention(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block
     return out
 
 
-def decode_attention_ref(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block_valid, block_offset, inv_freq,
+def decode_attention_ref(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block_valid, kv_offset, inv_freq,
                          *, scale, block, num_splits=None, out=None):
     """Torch twin of `decode_attention` (same signature and result; num_splits is accepted and ignored).
     fp32 softmax, fp64 RoPE angles; one rotation of q per distinct segment offset of the request."""
-    _validate(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block_valid, block_offset, inv_freq, scale,
+    _validate(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block_valid, kv_offset, inv_freq, scale,
               block, out)
     bsz, hq, d = q.shape
     group = hq // k_cache.shape[0]
     ptr, idx = kv_indptr.tolist(), kv_indices.tolist()
-    valid, offset, q_off = block_valid.tolist(), block_offset.tolist(), q_offset.tolist()
+    valid, offset, q_off = block_valid.tolist(), kv_offset.tolist(), q_offset.tolist()
     result = torch.zeros((bsz, hq, d), dtype=torch.float32, device=q.device)
     for b in range(bsz):
-        blocks = idx[ptr[b] : ptr[b + 1]]
-        slots = torch.tensor([kb * block + s for kb in blocks for s in range(valid[kb])], dtype=torch.long,
+        entries = range(ptr[b], ptr[b + 1])
+        slots = torch.tensor([idx[j] * block + s for j in entries for s in range(valid[idx[j]])], dtype=torch.long,
                              device=q.device)
         if slots.numel() == 0:
             continue
-        key_off = torch.tensor([offset[kb] for kb in blocks for _ in range(valid[kb])], device=q.device)
+        key_off = torch.tensor([offset[j] for j in entries for _ in range(valid[idx[j]])], device=q.device)
         k = k_cache[:, slots].float().repeat_interleave(group, dim=0)  # [Hq, n, D]
         v = v_cache[:, slots].float().repeat_interleave(group, dim=0)
         scores = torch.empty((hq, slots.numel()), dtype=torch.float32, device=q.device)
@@ -321,7 +327,8 @@ def decode_attention_ref(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, b
 
 def layout_kv_table(layout: BatchLayout) -> tuple[torch.Tensor, torch.Tensor]:
     """KV block table of a prefilled batch: request b's blocks in prompt order. -> kv_indptr int32 [B + 1],
-    kv_indices int32 [NB] (the runtime appends generated tokens' blocks to each request's list)."""
+    kv_indices int32 [NB] (the runtime appends generated tokens' blocks to each request's list). The entries'
+    offsets (`decode_attention`'s kv_offset) are then layout.block_offset[kv_indices]."""
     indptr = torch.zeros(layout.n_requests + 1, dtype=torch.int32, device=layout.device)
     torch.cumsum(layout.req_n_blocks, 0, dtype=torch.int32, out=indptr[1:])
     return indptr, torch.arange(layout.n_blocks, dtype=torch.int32, device=layout.device)

@@ -12,6 +12,11 @@ Sparsity is CSR over (head, query block): row `h * NB + qb` lists the key blocks
 that query block qb of head h attends to. The diagonal block is masked causally by slot; key slots at or beyond
 `block_valid[kb]` are never attended; query rows at or beyond `block_valid[qb]` are written as 0.
 
+Only some query blocks may be computed (`q_blocks`: a prefill whose documents' KV comes from a cache runs only
+the prefix and query tokens through the model, and their queries attend to every block): the CSR then has one
+row per (head, computed block), row `h * NQ + i` for query block `q_blocks[i]`, and the rows of other blocks
+are not written. Key block ids, the causal diagonal (kb == q_blocks[i]) and the per-block tables stay as above.
+
 `sparse_attention` validates the arguments and picks the backend (`attention_backend`), in one place:
   "gluon": the warp-specialised Hopper kernel (`sparse_attention_sm90`; sm_90, block 128, head_dim 128, 16-bit);
   "tl":    the kernel in Triton's tile language (`sparse_attention_tl`; any CUDA GPU, or the Triton interpreter);
@@ -40,8 +45,34 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 BACKENDS = ("gluon", "tl", "torch")
 
 
+def _describe(x) -> str:
+    return f"{getattr(x, 'dtype', type(x))} {tuple(getattr(x, 'shape', ()))}"
+
+
+def _check_int32(name: str, x, shape: tuple, what: str) -> None:
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.int32 or tuple(x.shape) != shape:
+        raise ValueError(f"{name} must be int32 {list(shape)} ({what}); got {_describe(x)}")
+
+
+def check_rows(hq: int, nb: int, indptr, row_end=None, q_blocks=None) -> int:
+    """Shapes of the CSR's row tables and of q_blocks (int32 [NQ], 1 <= NQ <= NB) -> NQ, the query blocks
+    computed (NB without q_blocks): indptr int32 [Hq * NQ + 1], row_end None or int32 [Hq * NQ]."""
+    nq = nb
+    if q_blocks is not None:
+        if not isinstance(q_blocks, torch.Tensor) or q_blocks.dtype != torch.int32 or q_blocks.dim() != 1 \
+                or not 1 <= q_blocks.numel() <= nb:
+            raise ValueError(f"q_blocks must be None or int32 [NQ] with 1 <= NQ <= NB={nb} (the query blocks to "
+                             f"compute); got {_describe(q_blocks)}")
+        nq = q_blocks.numel()
+    what = f"Hq={hq}, NB={nb}" if q_blocks is None else f"Hq={hq}, NQ={nq} query blocks of NB={nb}"
+    _check_int32("indptr", indptr, (hq * nq + 1,), what)
+    if row_end is not None:
+        _check_int32("row_end", row_end, (hq * nq,), f"None or rows Hq * NQ, {what}")
+    return nq
+
+
 def _validate(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, scale, block, out,
-              q_block_start=None, row_end=None) -> None:
+              q_block_start=None, row_end=None, q_blocks=None) -> None:
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor) or x.dim() != 3:
             raise ValueError(f"{name} must be a 3-D tensor [H, N, D]; got {getattr(x, 'shape', type(x))}")
@@ -60,41 +91,29 @@ def _validate(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, sca
         raise ValueError(f"head_dim={d} is unsupported; use one of {HEAD_DIMS}")
     nb = check_heads_and_blocks(hq, hkv, n, block)
     check_scale(scale)
-    for name, x, shape in (
-        ("indptr", indptr, (hq * nb + 1,)),
-        ("block_valid", block_valid, (nb,)),
-        ("block_offset", block_offset, (nb,)),
-    ):
-        if not isinstance(x, torch.Tensor) or x.dtype != torch.int32 or tuple(x.shape) != shape:
-            raise ValueError(f"{name} must be int32 {list(shape)} (Hq={hq}, NB={nb}); got "
-                             f"{getattr(x, 'dtype', type(x))} {tuple(getattr(x, 'shape', ()))}")
+    check_rows(hq, nb, indptr, row_end, q_blocks)
+    _check_int32("block_valid", block_valid, (nb,), f"NB={nb}")
+    _check_int32("block_offset", block_offset, (nb,), f"NB={nb}")
     if not isinstance(indices, torch.Tensor) or indices.dtype != torch.int32 or indices.dim() != 1:
-        raise ValueError(f"indices must be a 1-D int32 tensor; got {getattr(indices, 'dtype', type(indices))} "
-                         f"{tuple(getattr(indices, 'shape', ()))}")
+        raise ValueError(f"indices must be a 1-D int32 tensor; got {_describe(indices)}")
     if inv_freq is not None and (not isinstance(inv_freq, torch.Tensor) or tuple(inv_freq.shape) != (d // 2,)
                                  or not inv_freq.is_floating_point()):
         raise ValueError(f"inv_freq must be None or a float tensor [D/2]={d // 2}; got "
                          f"{tuple(getattr(inv_freq, 'shape', ()))}")
-    if row_end is not None and (not isinstance(row_end, torch.Tensor) or row_end.dtype != torch.int32
-                                or tuple(row_end.shape) != (hq * nb,)):
-        raise ValueError(f"row_end must be None or int32 [Hq * NB={hq * nb}]; got "
-                         f"{getattr(row_end, 'dtype', type(row_end))} {tuple(getattr(row_end, 'shape', ()))}")
-    if q_block_start is not None and (not isinstance(q_block_start, torch.Tensor) or q_block_start.dtype != torch.int32
-                                      or tuple(q_block_start.shape) != (nb,)):
-        raise ValueError(f"q_block_start must be None or int32 [NB={nb}]; got "
-                         f"{getattr(q_block_start, 'dtype', type(q_block_start))} "
-                         f"{tuple(getattr(q_block_start, 'shape', ()))}")
+    if q_block_start is not None:
+        _check_int32("q_block_start", q_block_start, (nb,), f"None or NB={nb}")
     if out is not None and (tuple(out.shape) != (hq, n_q, d) or out.dtype != q.dtype):
         raise ValueError(f"out must be {q.dtype} [{hq}, {n_q}, {d}]; got {out.dtype} {tuple(out.shape)}")
-    tensors = [q, k, v, indptr, indices, block_valid, block_offset] + ([out] if out is not None else []) \
-        + ([q_block_start] if q_block_start is not None else []) + ([row_end] if row_end is not None else [])
+    tensors = [q, k, v, indptr, indices, block_valid, block_offset] + [
+        x for x in (out, q_block_start, row_end, q_blocks) if x is not None]
     devices = {x.device for x in tensors}
     if len(devices) != 1:
         raise ValueError(f"all tensors must be on one device; got {sorted(map(str, devices))}")
 
 
-def check_layout(indptr, indices, block_valid, block_offset, *, block: int) -> None:
-    """Value checks of the CSR and layout (reads them on the host; call it where a sync is affordable)."""
+def check_layout(indptr, indices, block_valid, block_offset, *, block: int, q_blocks=None) -> None:
+    """Value checks of the CSR and layout, and of q_blocks (distinct block ids) when given (reads them on the
+    host; call it where a sync is affordable)."""
     nb = block_valid.numel()
     ptr = indptr.cpu().long()
     idx = indices.cpu().long()
@@ -108,6 +127,10 @@ def check_layout(indptr, indices, block_valid, block_offset, *, block: int) -> N
     bv = block_valid.cpu()
     if bool(((bv < 0) | (bv > block)).any()):
         raise ValueError(f"block_valid values must lie in [0, block={block}]")
+    if q_blocks is not None:
+        qb = q_blocks.cpu().long()
+        if int(qb.min()) < 0 or int(qb.max()) >= nb or torch.unique(qb).numel() != qb.numel():
+            raise ValueError(f"q_blocks must be distinct block ids in [0, NB={nb}); got {qb.tolist()[:16]}")
 
 
 def attention_backend(q, k, v, block: int, out=None) -> str:
@@ -121,7 +144,7 @@ def attention_backend(q, k, v, block: int, out=None) -> str:
 
 
 def sparse_attention(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, *, scale, block, out=None,
-                     q_block_start=None, row_end=None):
+                     q_block_start=None, row_end=None, q_blocks=None):
     """Block-sparse causal attention with RoPE by block offsets (forward), on the backend `attention_backend`
     picks.
 
@@ -136,133 +159,172 @@ def sparse_attention(q, k, v, indptr, indices, block_valid, block_offset, inv_fr
     out rows of padding do not exist. k, v stay in the padded layout (the position-free cache).
     row_end: optional int32 [Hq * NB]: row r lists indices[indptr[r]:row_end[r]] (rows with spare capacity,
     as `block_indices(..., padded=True)` writes them in one pass); default indptr[1:] (compact CSR).
+    q_blocks: optional int32 [NQ], distinct block ids: only these query blocks are computed. The CSR then has
+    Hq * NQ rows (indptr [Hq * NQ + 1], row_end [Hq * NQ]), row h * NQ + i for block q_blocks[i]; out rows of
+    other blocks are not written (a new out holds whatever torch.empty left there). With q_block_start, q / out
+    hold the tokens of the computed blocks only and q_block_start is read at those blocks only.
 
     Layout values are not checked here (that needs a device sync); see `check_layout`.
     """
     _validate(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, scale, block, out, q_block_start,
-              row_end)
+              row_end, q_blocks)
     backend = attention_backend(q, k, v, block, out)
     args = (q, k, v, indptr, indices, block_valid, block_offset, inv_freq)
+    rows = dict(q_block_start=q_block_start, row_end=row_end, q_blocks=q_blocks)
     if backend == "torch":
-        return sparse_attention_ref(*args, scale=scale, block=block, out=out, q_block_start=q_block_start,
-                                    row_end=row_end)
+        return sparse_attention_ref(*args, scale=scale, block=block, out=out, **rows)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if backend == "gluon":
-        return sm90.launch(*args, scale=scale, out=out, q_block_start=q_block_start, row_end=row_end)
-    return tl_kernel.launch(*args, scale=scale, block=block, out=out, q_block_start=q_block_start, row_end=row_end)
+        return sm90.launch(*args, scale=scale, out=out, **rows)
+    return tl_kernel.launch(*args, scale=scale, block=block, out=out, **rows)
 
 
 def sparse_attention_ref(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, *, scale, block, out=None,
-                         q_block_start=None, row_end=None):
-    """Torch twin of `sparse_attention` (same signature and result); fp32 softmax, fp64 RoPE angles.
+                         q_block_start=None, row_end=None, q_blocks=None):
+    """Torch twin of `sparse_attention` (same signature and result; out=None: rows not computed are 0); fp32
+    softmax, fp64 RoPE angles.
 
     Loops over (head, query block): meant for tests, debugging and small CPU prefill, not for speed.
     """
     _validate(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, scale, block, out, q_block_start,
-              row_end)
-    if row_end is not None:  # rows with spare capacity -> compact CSR
-        starts, ends = indptr[:-1].long().cpu(), row_end.long().cpu()
-        if bool((ends < starts).any()) or (ends.numel() and int(ends.max()) > indices.numel()):
-            raise ValueError("row_end must satisfy indptr[r] <= row_end[r] <= len(indices)")
-        idx = indices.cpu()
-        indices = torch.cat([idx[a:b] for a, b in zip(starts.tolist(), ends.tolist())] or [idx[:0]]).to(q.device)
-        indptr = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(ends - starts, 0)]).to(
-            device=q.device, dtype=torch.int32)
-    check_layout(indptr, indices, block_valid, block_offset, block=block)
-    if q_block_start is not None:  # real-token rows -> padded slots, then back
-        n_slots = k.shape[1]
-        slot = torch.arange(n_slots, device=q.device)
-        b, c = slot // block, slot % block
-        real = c < block_valid.long()[b]
-        rows = (q_block_start.long()[b] + c)[real]
-        q_pad = q.new_zeros(q.shape[0], n_slots, q.shape[2])
-        q_pad[:, real] = q[:, rows]
-        o_pad = sparse_attention_ref(q_pad, k, v, indptr, indices, block_valid, block_offset, inv_freq,
-                                     scale=scale, block=block)
-        result = q.new_zeros(q.shape)
-        result[:, rows] = o_pad[:, real]
-        if out is None:
-            return result
-        out.copy_(result)
-        return out
-    hq, n, d = q.shape
-    nb = n // block
+              row_end, q_blocks)
+    indptr, indices = _compact_csr(indptr, indices, row_end)
+    check_layout(indptr, indices, block_valid, block_offset, block=block, q_blocks=q_blocks)
+    nb = k.shape[1] // block
+    blocks = list(range(nb)) if q_blocks is None else q_blocks.tolist()
+    target = q.new_zeros(q.shape) if out is None else out
+    if q_block_start is None:
+        _ref_rows(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, scale, block, blocks, target)
+        return target
+    # Real-token rows of the computed blocks -> padded slots, then back.
+    slot = torch.arange(k.shape[1], device=q.device)
+    b, c = slot // block, slot % block
+    computed = torch.zeros(nb, dtype=torch.bool, device=q.device)
+    computed[blocks] = True
+    real = (c < block_valid.long()[b]) & computed[b]
+    rows = (q_block_start.long()[b] + c)[real]
+    q_pad = q.new_zeros(q.shape[0], k.shape[1], q.shape[2])
+    q_pad[:, real] = q[:, rows]
+    _ref_rows(q_pad, k, v, indptr, indices, block_valid, block_offset, inv_freq, scale, block, blocks, q_pad)
+    target[:, rows] = q_pad[:, real]
+    return target
+
+
+def _compact_csr(indptr, indices, row_end):
+    """Rows with spare capacity (row r = indices[indptr[r]:row_end[r]]) -> the compact CSR (indptr, indices)."""
+    if row_end is None:
+        return indptr, indices
+    starts, ends = indptr[:-1].long().cpu(), row_end.long().cpu()
+    if bool((ends < starts).any()) or (ends.numel() and int(ends.max()) > indices.numel()):
+        raise ValueError("row_end must satisfy indptr[r] <= row_end[r] <= len(indices)")
+    idx = indices.cpu()
+    indices = torch.cat([idx[a:b] for a, b in zip(starts.tolist(), ends.tolist())] or [idx[:0]]).to(indptr.device)
+    indptr = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(ends - starts, 0)]).to(
+        device=indptr.device, dtype=torch.int32)
+    return indptr, indices
+
+
+def _ref_rows(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, scale, block, blocks, out):
+    """out[h, rows of block blocks[i]] = attention of CSR row h * NQ + i (q, out padded [Hq, N, D]; out may be q:
+    each tile's q is read before its rows are written)."""
+    hq, nq = q.shape[0], len(blocks)
     group = hq // k.shape[0]
-    ptr = indptr.tolist()
-    idx = indices.tolist()
-    valid = block_valid.tolist()
-    offset = block_offset.tolist()
-    result = torch.zeros((hq, n, d), dtype=torch.float32, device=q.device)
-    slot = torch.arange(block, device=q.device)
+    ptr, idx = indptr.tolist(), indices.tolist()
+    tables = (block_valid.tolist(), block_offset.tolist())
     for h in range(hq):
-        kk, vv = k[h // group], v[h // group]
-        for qb in range(nb):
-            kbs = idx[ptr[h * nb + qb]:ptr[h * nb + qb + 1]]
-            if not kbs or valid[qb] == 0:
-                continue
-            keys, vals, allowed = [], [], []
-            for kb in kbs:
-                kt = kk[kb * block:(kb + 1) * block]                               # [block, D]
-                if inv_freq is not None:
-                    delta = torch.full((block,), offset[kb] - offset[qb], device=q.device)
-                    kt = apply_rope_ref(kt[None].float(), delta, inv_freq.float())[0]
-                keys.append(kt.float())
-                vals.append(vv[kb * block:(kb + 1) * block].float())
-                ok = (slot < valid[kb])[None, :].expand(block, block)
-                if kb == qb:
-                    ok = ok & (slot[None, :] <= slot[:, None])
-                allowed.append(ok)
-            qt = q[h, qb * block:(qb + 1) * block].float()                          # [block, D]
-            s = qt @ torch.cat(keys).T * scale                                      # [block, nk * block]
-            s = s.masked_fill(~torch.cat(allowed, dim=1), float("-inf"))
-            p = torch.softmax(s, dim=-1).nan_to_num(0.0)                            # rows with no key -> 0
-            vcat = torch.cat(vals).nan_to_num(0.0) * torch.cat(allowed, dim=1).any(0)[:, None]
-            o = p @ vcat
-            o[valid[qb]:] = 0
-            result[h, qb * block:(qb + 1) * block] = o
-    result = result.to(q.dtype)
-    if out is None:
-        return result
-    out.copy_(result)
-    return out
+        for i, qb in enumerate(blocks):
+            rows = slice(qb * block, (qb + 1) * block)
+            o = _ref_tile(q[h, rows], k[h // group], v[h // group], idx[ptr[h * nq + i]:ptr[h * nq + i + 1]], qb,
+                          *tables, inv_freq, scale, block)
+            out[h, rows] = o.to(out.dtype)
 
 
-def sparse_attention_torch(q, k, v, indptr, indices, layout: BatchLayout, inv_freq, *, scale, causal=False):
+def _ref_tile(qt, kk, vv, kbs, qb, valid, offset, inv_freq, scale, block):
+    """One query block qb (qt: [block, D]) against key blocks kbs of one kv head (kk, vv: [N, D]) -> fp32
+    [block, D]; rows beyond valid[qb], and rows that see no key, are 0."""
+    o = torch.zeros(block, qt.shape[1], dtype=torch.float32, device=qt.device)
+    if not kbs or valid[qb] == 0:
+        return o
+    slot = torch.arange(block, device=qt.device)
+    keys, vals, allowed = [], [], []
+    for kb in kbs:
+        kt = kk[kb * block:(kb + 1) * block]                                   # [block, D]
+        if inv_freq is not None:
+            delta = torch.full((block,), offset[kb] - offset[qb], device=qt.device)
+            kt = apply_rope_ref(kt[None].float(), delta, inv_freq.float())[0]
+        keys.append(kt.float())
+        vals.append(vv[kb * block:(kb + 1) * block].float())
+        ok = (slot < valid[kb])[None, :].expand(block, block)
+        if kb == qb:
+            ok = ok & (slot[None, :] <= slot[:, None])
+        allowed.append(ok)
+    allowed = torch.cat(allowed, dim=1)                                          # [block, nk * block]
+    s = qt.float() @ torch.cat(keys).T * scale
+    p = torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1).nan_to_num(0.0)  # rows with no key -> 0
+    o = p @ (torch.cat(vals).nan_to_num(0.0) * allowed.any(0)[:, None])
+    o[valid[qb]:] = 0
+    return o
+
+
+def _block_mask(indptr, indices, row_end, q_blocks, hq: int, nb: int) -> torch.Tensor:
+    """The CSR (compact, or rows with spare capacity; one row per (head, computed block)) as bool [Hq, NB, NB]:
+    [h, qb, kb] is set iff key block kb is listed for query block qb of head h."""
+    starts = indptr[:-1].long()
+    counts = (indptr[1:].long() if row_end is None else row_end.long()) - starts
+    nq = counts.numel() // hq
+    rows = torch.repeat_interleave(torch.arange(counts.numel(), device=indptr.device), counts)
+    first = torch.cumsum(counts, 0) - counts                                     # each row's first entry, packed
+    pos = starts[rows] + torch.arange(rows.numel(), device=indptr.device) - first[rows]
+    qb = torch.arange(nq, device=indptr.device) if q_blocks is None else q_blocks.long()
+    keep = torch.zeros(hq, nb, nb, dtype=torch.bool, device=indptr.device)
+    keep[rows // nq, qb[rows % nq], indices[pos].long()] = True
+    return keep
+
+
+def sparse_attention_torch(q, k, v, indptr, indices, layout: BatchLayout, inv_freq, *, scale, causal=False,
+                           row_end=None, q_blocks=None):
     """Torch equivalent of `sparse_attention_ref` for one layer (same result), fast enough for whole models on
     CPU. q: [Hq, N, D], k / v: [Hkv, N, D] in `layout` (segment-local RoPE); -> [Hq, N, D], padding rows 0.
+    row_end, q_blocks: as in `sparse_attention`; rows of blocks not in q_blocks are not computed and are 0.
 
     Per request, on its real tokens only: rotating q and k by their segment's offset puts both at logical
     positions, so scores equal the kernel's `q . R(delta) k`; the CSR becomes a token mask (block kept and
     causal) for torch's SDPA. causal=True: the CSR is known to be dense causal (mode "dense"), so no mask is
     built."""
     hq, nb, blk = q.shape[0], layout.n_blocks, layout.block
+    check_rows(hq, nb, indptr, row_end, q_blocks)
     out = torch.zeros_like(q)
-    keep = None
-    if not causal:
-        counts = (indptr[1:] - indptr[:-1]).long()
-        rows = torch.repeat_interleave(torch.arange(hq * nb, device=q.device), counts)
-        keep = torch.zeros(hq * nb, nb, dtype=torch.bool, device=q.device)
-        keep[rows, indices[: int(indptr[-1])].long()] = True
-        keep = keep.view(hq, nb, nb)
+    keep = None if causal else _block_mask(indptr, indices, row_end, q_blocks, hq, nb)
+    computed = None
+    if q_blocks is not None:
+        computed = torch.zeros(nb, dtype=torch.bool, device=q.device)
+        computed[q_blocks.long()] = True
     offset = layout.token_logical_pos - layout.token_local_pos  # [n_tokens] segment offset of each token
     for (b0, nbr), first, n in zip(layout.request_blocks, layout.req_first_token.tolist(),
                                    layout.req_n_tokens.tolist()):
         phys = layout.token_phys[first : first + n]
-        # A request whose every causal block is kept (all-ones bits, tiny documents) needs no mask.
-        full = causal or int(keep[:, b0 : b0 + nbr, b0 : b0 + nbr].tril().sum()) == hq * nbr * (nbr + 1) // 2
-        qr, kr, vr = q[:, phys], k[:, phys], v[:, phys]
+        tb = phys // blk
+        # The request's query tokens that are computed (all without q_blocks), as indices into its tokens.
+        sel = torch.arange(n, device=q.device) if computed is None else computed[tb].nonzero()[:, 0]
+        if sel.numel() == 0:
+            continue
+        qr, kr, vr = q[:, phys[sel]], k[:, phys], v[:, phys]
         if inv_freq is not None:
-            qr = apply_rope_ref(qr, offset[first : first + n], inv_freq)
+            qr = apply_rope_ref(qr, offset[first : first + n][sel], inv_freq)
             kr = apply_rope_ref(kr, offset[first : first + n], inv_freq)
         args = dict(scale=scale, enable_gqa=True)
+        # A request whose every causal block is kept (all-ones bits, tiny documents) needs no mask.
+        full = sel.numel() == n and (
+            causal or int(keep[:, b0 : b0 + nbr, b0 : b0 + nbr].tril().sum()) == hq * nbr * (nbr + 1) // 2)
         if full:
             args["is_causal"] = True
         else:
-            tb = phys // blk
-            mask = keep.index_select(1, tb).index_select(2, tb)  # [Hq, n, n]
-            args["attn_mask"] = (mask & torch.ones(n, n, dtype=torch.bool, device=q.device).tril())[None]
+            mask = sel[:, None] >= torch.arange(n, device=q.device)[None, :]      # [n_sel, n] causal
+            if keep is not None:
+                mask = keep.index_select(1, tb[sel]).index_select(2, tb) & mask   # [Hq, n_sel, n]
+            args["attn_mask"] = mask[None] if mask.dim() == 3 else mask
         o = torch.nn.functional.scaled_dot_product_attention(qr[None].float(), kr[None].float(), vr[None].float(),
                                                              **args)[0]
-        out[:, phys] = o.nan_to_num(0.0).to(out.dtype)  # a row with no key (empty CSR row) is 0, as in the kernel
+        out[:, phys[sel]] = o.nan_to_num(0.0).to(out.dtype)  # a row with no key (empty CSR row) is 0, as in the kernel
     return out

@@ -18,7 +18,8 @@ throughput on Hopper (docs/design.md):
     from a global counter and hands its number to the consumers through shared memory, so a CTA that drew long
     rows takes fewer tiles, and it prefetches the next tile's Q and K while the consumers finish the current one.
     Tiles go KV head by KV head (the CTAs running at once share one KV head's K / V in L2), late query blocks (the
-    longest rows) first (`_tile_coords`).
+    longest rows) first (`_tile_coords`). With `q_blocks` only the listed query blocks are tiles (the Q_BLOCKS
+    variant); the cos | sin table of the key pass stays indexed by block id.
 
 Keys come from the pass, not rotated in this kernel: rotating the query tile by -delta on each change of segment,
 or each key block in shared memory, costs a 128 x 128 rotation on the CUDA cores per (tile, block), a large share
@@ -119,21 +120,27 @@ def _softmax_step(s, m_i, l_i, kb, qb, k_valid, offs_m, offs_n, qk_scale):
 
 
 @gluon.jit
-def _tile_coords(t, NB, GROUP: gl.constexpr):
-    """Tile t -> (query head, query block): KV head by KV head (the CTAs running at once share one KV head's K / V
-    in L2), inside one the query blocks from the last (longest rows first: a long row started late is a tail),
-    the GROUP query heads of the KV head fastest."""
-    per_kv = NB * GROUP
+def _tile_coords(t, NQ, GROUP: gl.constexpr):
+    """Tile t -> (query head, computed query block i in [0, NQ)): KV head by KV head (the CTAs running at once
+    share one KV head's K / V in L2), inside one the query blocks from the last (longest rows first: a long row
+    started late is a tail), the GROUP query heads of the KV head fastest."""
+    per_kv = NQ * GROUP
     kvh = t // per_kv
     r = t - kvh * per_kv
-    return kvh * GROUP + r % GROUP, NB - 1 - r // GROUP
+    return kvh * GROUP + r % GROUP, NQ - 1 - r // GROUP
 
 
 @gluon.jit
-def _tile_row(t, Indptr, RowEnd, QTokStart, n_heads, NB, GROUP: gl.constexpr, Q_TOKENS: gl.constexpr):
-    """Tile t -> (head, query block, its CSR row's [start, end), the q / out row of the block's first slot)."""
-    h, qb = _tile_coords(t, NB, GROUP)
-    row = h * NB + qb
+def _tile_row(t, Indptr, RowEnd, QBlocks, QTokStart, n_heads, NQ, GROUP: gl.constexpr, Q_TOKENS: gl.constexpr,
+              Q_BLOCKS: gl.constexpr):
+    """Tile t -> (head, query block id, its CSR row's [start, end), the q / out row of the block's first slot).
+    Q_BLOCKS: the tile's block is QBlocks[i] (only those blocks are computed); otherwise i itself."""
+    h, i = _tile_coords(t, NQ, GROUP)
+    row = h * NQ + i
+    if Q_BLOCKS:
+        qb = gl.load(QBlocks + i)
+    else:
+        qb = i
     if Q_TOKENS:
         q_row0 = gl.load(QTokStart + qb)
     else:
@@ -142,17 +149,17 @@ def _tile_row(t, Indptr, RowEnd, QTokStart, n_heads, NB, GROUP: gl.constexpr, Q_
 
 
 @gluon.jit
-def _next_tile(tcount, q_raws, q_rots, sched, cs_smem, q_ready, q_empty, Indptr, RowEnd, QTokStart,
-               n_heads, NB, GROUP: gl.constexpr, ROPE: gl.constexpr, Q_TOKENS: gl.constexpr,
-               WG: gl.constexpr, HEAD_DIM: gl.constexpr):
+def _next_tile(tcount, q_raws, q_rots, sched, cs_smem, q_ready, q_empty, Indptr, RowEnd, QBlocks, QTokStart,
+               n_heads, NQ, GROUP: gl.constexpr, ROPE: gl.constexpr, Q_TOKENS: gl.constexpr,
+               Q_BLOCKS: gl.constexpr, WG: gl.constexpr, HEAD_DIM: gl.constexpr):
     """Take the next tile from the producer (its Q is usually in `q_raws` already: the producer runs ahead) and
     move this warpgroup's Q half to logical positions in `q_rots` (free: every S of the previous tile is done;
     called while the previous tile's last P V runs), then release `q_raws` for the tile after."""
     mbarrier.wait(q_ready, tcount & 1)
     t, _ = _block_info(sched, tcount & 1)   # tile number (>= n_tiles: done)
-    h, qb, start, end, q_row0 = _tile_row(gl.minimum(t, n_heads * NB - 1), Indptr, RowEnd, QTokStart, n_heads, NB,
-                                          GROUP, Q_TOKENS)
-    if t < n_heads * NB:
+    h, qb, start, end, q_row0 = _tile_row(gl.minimum(t, n_heads * NQ - 1), Indptr, RowEnd, QBlocks, QTokStart,
+                                          n_heads, NQ, GROUP, Q_TOKENS, Q_BLOCKS)
+    if t < n_heads * NQ:
         _rotate_q(q_raws.index(WG), q_rots.index(WG), cs_smem, ROPE, HEAD_DIM)
         fence_async_shared()
         gl.thread_barrier()   # every warp's rows are in q_rots (for the wgmma) and q_raws is read
@@ -161,10 +168,10 @@ def _next_tile(tcount, q_raws, q_rots, sched, cs_smem, q_ready, q_empty, Indptr,
 
 
 @gluon.jit
-def _consumer(q_desc, k_desc, v_desc, bufs, bars, Out, Indptr, RowEnd, Indices, BlockValid, BlockOffset, QTokStart,
-              CosSin, Counter, n_heads, NB, n_q, n_k, stride_oh, stride_on, qk_scale,
-              GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, ROPE: gl.constexpr, Q_TOKENS: gl.constexpr, QHR: gl.constexpr, KHR: gl.constexpr,
-              WG: gl.constexpr):
+def _consumer(q_desc, k_desc, v_desc, bufs, bars, Out, Indptr, RowEnd, Indices, BlockValid, BlockOffset, QBlocks,
+              QTokStart, CosSin, Counter, n_heads, NQ, n_q, n_k, stride_oh, stride_on, qk_scale,
+              GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, ROPE: gl.constexpr, Q_TOKENS: gl.constexpr,
+              Q_BLOCKS: gl.constexpr, QHR: gl.constexpr, KHR: gl.constexpr, WG: gl.constexpr):
     q_raws, q_rots, k_bufs, v_bufs, kinfo, sched, cs_smem = bufs
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
     dtype: gl.constexpr = q_desc.dtype
@@ -183,9 +190,9 @@ def _consumer(q_desc, k_desc, v_desc, bufs, bars, Out, Indptr, RowEnd, Indices, 
     it = 0           # key blocks used so far (all tiles of this CTA, in the producer's order)
     tcount = 0
     t, h, qb, start, end, q_row0 = _next_tile(tcount, q_raws, q_rots, sched, cs_smem, q_ready, q_empty, Indptr,
-                                              RowEnd, QTokStart, n_heads, NB, GROUP, ROPE,
-                                              Q_TOKENS, WG, HEAD_DIM)
-    while t < n_heads * NB:
+                                              RowEnd, QBlocks, QTokStart, n_heads, NQ, GROUP, ROPE,
+                                              Q_TOKENS, Q_BLOCKS, WG, HEAD_DIM)
+    while t < n_heads * NQ:
         q_valid = gl.load(BlockValid + qb)
         tcount += 1
         m_i = gl.full([ROWS], -1.0e30, gl.float32, gl.SliceLayout(1, s_layout))
@@ -230,15 +237,15 @@ def _consumer(q_desc, k_desc, v_desc, bufs, bars, Out, Indptr, RowEnd, Indices, 
             acc = warpgroup_mma(p_op, v_bufs.index(prev), acc, is_async=True)
             # While the last P V runs: the next tile's Q to logical positions (every S of this one is done).
             t_n, h_n, qb_n, start_n, end_n, q_row0_n = _next_tile(
-                tcount, q_raws, q_rots, sched, cs_smem, q_ready, q_empty, Indptr, RowEnd, QTokStart,
-                n_heads, NB, GROUP, ROPE, Q_TOKENS, WG, HEAD_DIM)
+                tcount, q_raws, q_rots, sched, cs_smem, q_ready, q_empty, Indptr, RowEnd, QBlocks, QTokStart,
+                n_heads, NQ, GROUP, ROPE, Q_TOKENS, Q_BLOCKS, WG, HEAD_DIM)
             acc, p_op = warpgroup_mma_wait(0, deps=[acc, p_op])
             mbarrier.arrive(v_empty.index(prev), count=1)
             it += n
         else:
             t_n, h_n, qb_n, start_n, end_n, q_row0_n = _next_tile(
-                tcount, q_raws, q_rots, sched, cs_smem, q_ready, q_empty, Indptr, RowEnd, QTokStart,
-                n_heads, NB, GROUP, ROPE, Q_TOKENS, WG, HEAD_DIM)
+                tcount, q_raws, q_rots, sched, cs_smem, q_ready, q_empty, Indptr, RowEnd, QBlocks, QTokStart,
+                n_heads, NQ, GROUP, ROPE, Q_TOKENS, Q_BLOCKS, WG, HEAD_DIM)
 
         l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
         l_o = gl.where(l_o == 0.0, 1.0, l_o)     # rows that saw no key (empty CSR row) stay 0
@@ -262,21 +269,22 @@ def _load_v(v_desc, v_bufs, v_ready, v_empty, pos, row, col):
 
 
 @gluon.jit
-def _producer(q_desc, k_desc, v_desc, bufs, bars, Out, Indptr, RowEnd, Indices, BlockValid, BlockOffset, QTokStart,
-              CosSin, Counter, n_heads, NB, n_q, n_k, stride_oh, stride_on, qk_scale,
-              GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, ROPE: gl.constexpr, Q_TOKENS: gl.constexpr, QHR: gl.constexpr, KHR: gl.constexpr,
-              WG: gl.constexpr):
+def _producer(q_desc, k_desc, v_desc, bufs, bars, Out, Indptr, RowEnd, Indices, BlockValid, BlockOffset, QBlocks,
+              QTokStart, CosSin, Counter, n_heads, NQ, n_q, n_k, stride_oh, stride_on, qk_scale,
+              GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, ROPE: gl.constexpr, Q_TOKENS: gl.constexpr,
+              Q_BLOCKS: gl.constexpr, QHR: gl.constexpr, KHR: gl.constexpr, WG: gl.constexpr):
     q_raws, q_rots, k_bufs, v_bufs, kinfo, sched, cs_smem = bufs
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
     cs_layout: gl.constexpr = gl.BlockedLayout([HEAD_DIM // 32], [32], [1], [0])
     r2 = gl.arange(0, 2, layout=layout)
-    n_tiles = n_heads * NB
+    n_tiles = n_heads * NQ
     it = 0
     tcount = 0
     t = gl.program_id(0)
     while t < n_tiles:
-        h, qb, start, end, q_row0 = _tile_row(t, Indptr, RowEnd, QTokStart, n_heads, NB, GROUP, Q_TOKENS)
+        h, qb, start, end, q_row0 = _tile_row(t, Indptr, RowEnd, QBlocks, QTokStart, n_heads, NQ, GROUP, Q_TOKENS,
+                                              Q_BLOCKS)
         kvh = h // GROUP
         # Heads along rows (one [.., D] view, n_q / n_k rows per head) or along columns ([N, H * D] view).
         if QHR:
@@ -325,9 +333,10 @@ def _producer(q_desc, k_desc, v_desc, bufs, bars, Out, Indptr, RowEnd, Indices, 
 
 
 @gluon.jit
-def _sparse_attn_fwd_sm90(q_desc, k_desc, v_desc, Out, Indptr, RowEnd, Indices, BlockValid, BlockOffset, QTokStart,
-                          CosSin, Counter, n_heads, NB, n_q, n_k, stride_oh, stride_on, qk_scale,
-                          GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, ROPE: gl.constexpr, Q_TOKENS: gl.constexpr, QHR: gl.constexpr, KHR: gl.constexpr):
+def _sparse_attn_fwd_sm90(q_desc, k_desc, v_desc, Out, Indptr, RowEnd, Indices, BlockValid, BlockOffset, QBlocks,
+                          QTokStart, CosSin, Counter, n_heads, NQ, n_q, n_k, stride_oh, stride_on, qk_scale,
+                          GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, ROPE: gl.constexpr, Q_TOKENS: gl.constexpr,
+                          Q_BLOCKS: gl.constexpr, QHR: gl.constexpr, KHR: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
     q_raws = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], q_desc.layout)   # as loaded, per half
     q_rots = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], q_desc.layout)   # at logical positions
@@ -356,14 +365,14 @@ def _sparse_attn_fwd_sm90(q_desc, k_desc, v_desc, Out, Indptr, RowEnd, Indices, 
     bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty)
     gl.warp_specialize([
         (_consumer, (q_desc, k_desc, v_desc, bufs, bars, Out, Indptr, RowEnd, Indices, BlockValid, BlockOffset,
-                     QTokStart, CosSin, Counter, n_heads, NB, n_q, n_k, stride_oh, stride_on, qk_scale,
-                     GROUP, HEAD_DIM, ROPE, Q_TOKENS, QHR, KHR, 0)),
+                     QBlocks, QTokStart, CosSin, Counter, n_heads, NQ, n_q, n_k, stride_oh, stride_on, qk_scale,
+                     GROUP, HEAD_DIM, ROPE, Q_TOKENS, Q_BLOCKS, QHR, KHR, 0)),
         (_consumer, (q_desc, k_desc, v_desc, bufs, bars, Out, Indptr, RowEnd, Indices, BlockValid, BlockOffset,
-                     QTokStart, CosSin, Counter, n_heads, NB, n_q, n_k, stride_oh, stride_on, qk_scale,
-                     GROUP, HEAD_DIM, ROPE, Q_TOKENS, QHR, KHR, 1)),
+                     QBlocks, QTokStart, CosSin, Counter, n_heads, NQ, n_q, n_k, stride_oh, stride_on, qk_scale,
+                     GROUP, HEAD_DIM, ROPE, Q_TOKENS, Q_BLOCKS, QHR, KHR, 1)),
         (_producer, (q_desc, k_desc, v_desc, bufs, bars, Out, Indptr, RowEnd, Indices, BlockValid, BlockOffset,
-                     QTokStart, CosSin, Counter, n_heads, NB, n_q, n_k, stride_oh, stride_on, qk_scale,
-                     GROUP, HEAD_DIM, ROPE, Q_TOKENS, QHR, KHR, 0)),
+                     QBlocks, QTokStart, CosSin, Counter, n_heads, NQ, n_q, n_k, stride_oh, stride_on, qk_scale,
+                     GROUP, HEAD_DIM, ROPE, Q_TOKENS, Q_BLOCKS, QHR, KHR, 0)),
     ], [4, 1], [240, 24])
 
 
@@ -418,13 +427,14 @@ def _descriptors(q, k, v):
 
 
 def launch(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, *, scale, out, q_block_start=None,
-           row_end=None):
+           row_end=None, q_blocks=None):
     """Run the kernel: the arguments of `sparse_attention.sparse_attention` (validated there, `supports` true),
     out allocated. With inv_freq, one pass over K (`rope.rotate_key_blocks`) moves the keys to logical positions
     into a buffer laid out as v, and writes each block's cos | sin, with which the kernel rotates the query tiles
     (no other launch: the pass forms the fp64 angles from inv_freq itself). Returns out."""
     hq, _, d = q.shape
     nb = k.shape[1] // BLOCK.value
+    nq = nb if q_blocks is None else q_blocks.numel()
     dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
     if inv_freq is not None:
         cos_sin = torch.empty((nb, d), dtype=torch.float32, device=q.device)
@@ -437,21 +447,23 @@ def launch(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, *, sca
     q_desc, k_desc, v_desc, q_rows, q_pitch, k_rows, k_pitch = _descriptors(q, k, v)
     if dev not in _SM_COUNT:
         _SM_COUNT[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
-    _sparse_attn_fwd_sm90[(min(_SM_COUNT[dev], hq * nb),)](
+    _sparse_attn_fwd_sm90[(min(_SM_COUNT[dev], hq * nq),)](
         q_desc, k_desc, v_desc, out, indptr, indptr[1:] if row_end is None else row_end, indices, block_valid,
-        block_offset, block_valid if q_block_start is None else q_block_start, cos_sin,
+        block_offset, block_valid if q_blocks is None else q_blocks,   # QBlocks: not read without Q_BLOCKS
+        block_valid if q_block_start is None else q_block_start, cos_sin,
         torch.zeros(1, dtype=torch.int32, device=q.device),   # the tile counter
-        hq, nb, q_pitch, k_pitch, out.stride(0), out.stride(1), float(scale) * LOG2E,
+        hq, nq, q_pitch, k_pitch, out.stride(0), out.stride(1), float(scale) * LOG2E,
         GROUP=hq // k.shape[0], HEAD_DIM=d, ROPE=inv_freq is not None, Q_TOKENS=q_block_start is not None,
-        QHR=q_rows, KHR=k_rows, num_warps=NUM_WARPS, maxnreg=MAXNREG)
+        Q_BLOCKS=q_blocks is not None, QHR=q_rows, KHR=k_rows, num_warps=NUM_WARPS, maxnreg=MAXNREG)
     return out
 
 
 def compile_for_sm90(*, rope: bool = True, q_tokens: bool = True, q_rows: bool = False, k_rows: bool = True,
-                     group: int = 4, dtype: torch.dtype = torch.bfloat16):
+                     q_blocks: bool = False, group: int = 4, dtype: torch.dtype = torch.bfloat16):
     """Compile the kernel for sm_90 on any machine (no GPU needed: Triton's bundled ptxas) and return the
     CompiledKernel (`.metadata.shared` bytes, `.asm["ptx"]`, `.asm["cubin"]`). Used by CI to keep the kernel
-    compiling and within shared memory, and by bench/aot_sm90.py for register / spill reports."""
+    compiling and within shared memory, and by bench/aot_sm90.py for register / spill reports. q_blocks: the
+    variant that computes only the query blocks the caller lists (`launch(..., q_blocks=...)`)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -462,11 +474,12 @@ def compile_for_sm90(*, rope: bool = True, q_tokens: bool = True, q_rows: bool =
     sig = {"q_desc": f"tensordesc<{name}[{ROWS.value}, 128],{ql!r}>",
            "k_desc": f"tensordesc<{name}[{BLOCK.value}, 128],{kl!r}>",
            "v_desc": f"tensordesc<{name}[{BLOCK.value}, 128],{kl!r}>", "Out": f"*{name}"}
-    sig.update({p: "*i32" for p in ("Indptr", "RowEnd", "Indices", "BlockValid", "BlockOffset", "QTokStart",
-                                    "Counter")})
+    sig.update({p: "*i32" for p in ("Indptr", "RowEnd", "Indices", "BlockValid", "BlockOffset", "QBlocks",
+                                    "QTokStart", "Counter")})
     sig.update(CosSin="*fp32", qk_scale="fp32")
-    sig.update({p: "i32" for p in ("n_heads", "NB", "n_q", "n_k", "stride_oh", "stride_on")})
-    const = dict(GROUP=group, HEAD_DIM=128, ROPE=rope, Q_TOKENS=q_tokens, QHR=q_rows, KHR=k_rows)
+    sig.update({p: "i32" for p in ("n_heads", "NQ", "n_q", "n_k", "stride_oh", "stride_on")})
+    const = dict(GROUP=group, HEAD_DIM=128, ROPE=rope, Q_TOKENS=q_tokens, Q_BLOCKS=q_blocks, QHR=q_rows,
+                 KHR=k_rows)
     sig.update({p: "constexpr" for p in const})
     missing = set(_sparse_attn_fwd_sm90.arg_names) - set(sig)
     if missing:

@@ -123,20 +123,22 @@ def _tile(j, q, q1, q2, q_off, qb, last_delta, cos, sin, m_i, l_i, acc, Indices,
 @triton.jit
 def _sparse_attn_fwd(
     Q, K, V, Out,                      # q [Hq, N, D]; k, v [Hkv, N, D]; out [Hq, N, D]
-    Indptr, RowEnd, Indices,           # int32 [Hq * NB + 1], int32 [Hq * NB] (row r ends there), int32 [nnz]
+    Indptr, RowEnd, Indices,           # int32 [Hq * NQ + 1], int32 [Hq * NQ] (row r ends there), int32 [nnz]
     BlockValid, BlockOffset,           # int32 [NB], int32 [NB]
+    QBlocks,                           # int32 [NQ]: Q_BLOCKS: the block id of computed query block i
     QTokStart,                         # int32 [NB]: Q_TOKENS: row of q / out holding block b's first slot
     InvFreq,                           # float [D/2]: RoPE inverse frequencies (unused with ROPE_NONE)
     stride_qh, stride_qn, stride_qd,
     stride_kh, stride_kn, stride_kd,
     stride_vh, stride_vn, stride_vd,
     stride_oh, stride_on, stride_od,
-    NB, qk_scale,                      # qk_scale = scale * log2(e): scores go straight into exp2
+    NQ, qk_scale,                      # query blocks computed (NB without Q_BLOCKS); qk_scale = scale * log2(e)
     GROUP: tl.constexpr,               # Hq // Hkv
     BLOCK: tl.constexpr,               # layout block = query rows per program = key rows per step
     HEAD_DIM: tl.constexpr,
     ROPE: tl.constexpr,                # ROPE_NONE / ROPE_ON_K / ROPE_PRE
     Q_TOKENS: tl.constexpr,            # q / out hold real tokens only (no padding rows), block b from QTokStart[b]
+    Q_BLOCKS: tl.constexpr,            # only the query blocks QBlocks[0 .. NQ - 1]; CSR row h * NQ + i
     DOT_PRECISION: tl.constexpr,       # "ieee" for fp32 inputs, "tf32" otherwise (ignored for 16-bit)
     FAST_TRIG: tl.constexpr,           # MUFU sin/cos (GPU); False in the interpreter
 ):
@@ -144,10 +146,14 @@ def _sparse_attn_fwd(
     # Heads vary fastest, so programs of one kv group run together (K/V reuse in L2), and late query blocks,
     # which list the most key blocks (causality), are launched first to shorten the tail.
     h = tl.program_id(0)
-    qb = NB - 1 - tl.program_id(1)
+    qi = NQ - 1 - tl.program_id(1)
+    if Q_BLOCKS:
+        qb = tl.load(QBlocks + qi)
+    else:
+        qb = qi
     kvh = h // GROUP
 
-    row = h * NB + qb
+    row = h * NQ + qi
     start = tl.load(Indptr + row)
     end = tl.load(RowEnd + row)
     q_valid = tl.load(BlockValid + qb)
@@ -228,14 +234,14 @@ def _sparse_attn_fwd(
 
 
 def launch(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, *, scale, block, out, q_block_start=None,
-           row_end=None, config: AttentionConfig | None = None):
+           row_end=None, q_blocks=None, config: AttentionConfig | None = None):
     """Run the kernel: the arguments of `sparse_attention.sparse_attention` (validated there), out allocated.
     config: launch parameters and RoPE mode (default `default_config(block)`). Returns out."""
     cfg = config or default_config(block)
     if cfg.rope_on not in ROPE_MODES:
         raise ValueError(f"rope_on={cfg.rope_on!r} is unknown; use one of {ROPE_MODES}")
     hq, d = q.shape[0], q.shape[2]
-    nb = k.shape[1] // block
+    nq = k.shape[1] // block if q_blocks is None else q_blocks.numel()
     if inv_freq is None:
         rope, freq = ROPE_NONE.value, block_offset   # any pointer: not read
     else:
@@ -243,12 +249,14 @@ def launch(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, *, sca
         freq = inv_freq.to(q.device)
         if cfg.rope_on == "pre":  # one pass over K: keys to logical positions, in a transient buffer
             k = rotate_key_blocks(k, block_offset, freq, block=block)
-    _sparse_attn_fwd[(hq, nb)](
+    _sparse_attn_fwd[(hq, nq)](
         q, k, v, out, indptr, indptr[1:] if row_end is None else row_end, indices, block_valid, block_offset,
+        block_valid if q_blocks is None else q_blocks,                   # QBlocks: not read without Q_BLOCKS
         block_valid if q_block_start is None else q_block_start, freq,   # QTokStart: not read without Q_TOKENS
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-        nb, float(scale) * LOG2E,
+        nq, float(scale) * LOG2E,
         GROUP=hq // k.shape[0], BLOCK=block, HEAD_DIM=d, ROPE=rope, Q_TOKENS=q_block_start is not None,
+        Q_BLOCKS=q_blocks is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FAST_TRIG=q.device.type == "cuda",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -28,7 +28,7 @@ def case(requests, block, hq, hkv, d, dtype, gen, pos_shift=None, n_generated=0)
     pos_shift: per request, extra logical distance added before each segment (gaps that push offsets past 65,535
     without the tokens, so the query is far from the keys)."""
     layout = build_layout(requests, block)
-    nb, n_slots = layout.n_blocks, layout.n_slots
+    nb = layout.n_blocks
     n_tok = layout.n_tokens
     inv_freq = inv_freq_of(d)
     # Logical positions and segment offsets, optionally with gaps between segments.
@@ -57,7 +57,7 @@ def case(requests, block, hq, hkv, d, dtype, gen, pos_shift=None, n_generated=0)
     n_req_tok = layout.req_n_tokens.tolist()
     for b in range(bsz):
         sl = slice(tok0[b], tok0[b] + n_req_tok[b])
-        keys_log, vals, positions = [apply_rope_ref(k_raw[:, sl], tok_logical[sl], inv_freq)], [v_raw[:, sl]], []
+        keys_log, vals = [apply_rope_ref(k_raw[:, sl], tok_logical[sl], inv_freq)], [v_raw[:, sl]]
         end = int(tok_logical[sl][-1]) + 1 + (pos_shift[b] if pos_shift else 0)
         if n_generated:
             # Generated tokens: a new segment starting at `end`, in a fresh block holding its local positions.
@@ -91,15 +91,16 @@ def case(requests, block, hq, hkv, d, dtype, gen, pos_shift=None, n_generated=0)
         p = torch.softmax((k @ q_log[:, :, None])[..., 0] * scale, dim=-1)
         want.append((p[:, None, :] @ v)[:, 0])
     kv_indptr = torch.tensor([0] + [len(x) for x in per_req]).cumsum(0).to(torch.int32)
+    kv_indices = torch.tensor(sum(per_req, []), dtype=torch.int32)
     inputs = dict(
         q=torch.stack(q_in).to(dtype),
         k_cache=k_cache.to(dtype),
         v_cache=v_cache.to(dtype),
         q_offset=torch.tensor(q_offset, dtype=torch.int32),
         kv_indptr=kv_indptr,
-        kv_indices=torch.tensor(sum(per_req, []), dtype=torch.int32),
+        kv_indices=kv_indices,
         block_valid=block_valid.to(torch.int32),
-        block_offset=block_offset.to(torch.int32),
+        kv_offset=block_offset.to(torch.int32)[kv_indices.long()],
         inv_freq=inv_freq,
     )
     return inputs, torch.stack(want), scale
@@ -172,8 +173,8 @@ def test_strided_cache_and_no_rope():
     v = torch.randn(layout.n_slots, hkv, d, generator=gen).transpose(0, 1)
     q = torch.randn(2, hq, d, generator=gen)
     kv_indptr, kv_indices = layout_kv_table(layout)
-    args = (q, k, v, layout.seg_offset[:2].clone(), kv_indptr, kv_indices, layout.block_valid, layout.block_offset,
-            None)
+    args = (q, k, v, layout.seg_offset[:2].clone(), kv_indptr, kv_indices, layout.block_valid,
+            layout.block_offset[kv_indices.long()], None)
     want = []
     for b in range(2):
         phys = layout.token_phys[layout.req_first_token[b] : layout.req_first_token[b] + layout.req_n_tokens[b]]
@@ -193,7 +194,7 @@ def test_rejects_bad_inputs():
     k = torch.zeros(2, 32, 64)
     ok = dict(q_offset=torch.zeros(1, dtype=torch.int32), kv_indptr=torch.tensor([0, 2], dtype=torch.int32),
               kv_indices=torch.arange(2, dtype=torch.int32), block_valid=torch.full((2,), 16, dtype=torch.int32),
-              block_offset=torch.zeros(2, dtype=torch.int32), inv_freq=inv_freq_of(64))
+              kv_offset=torch.zeros(2, dtype=torch.int32), inv_freq=inv_freq_of(64))
     with pytest.raises(ValueError, match="multiple of kv heads"):
         decode_attention(q, torch.zeros(3, 32, 64), torch.zeros(3, 32, 64), **ok, scale=0.1, block=16)
     with pytest.raises(ValueError, match="head_dim=48"):
@@ -203,3 +204,59 @@ def test_rejects_bad_inputs():
         decode_attention(q, k, k, **{**ok, "q_offset": torch.zeros(1, dtype=torch.int64)}, scale=0.1, block=16)
     with pytest.raises(ValueError, match="whole number of blocks"):
         decode_attention(q, k, k, **ok, scale=0.1, block=64)
+    with pytest.raises(ValueError, match="kv_offset must be int32"):   # one offset per block, not per entry
+        decode_attention(q, k, k, **{**ok, "kv_offset": torch.zeros(3, dtype=torch.int32)}, scale=0.1, block=16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_shared_blocks_at_different_offsets(dtype, num_splits):
+    """A pool of physical blocks: two documents' keys stored once at their local positions, and each request's
+    own prefix and query blocks. Request 0 lists A then B, request 1 B then A after a longer prefix, request 2 A
+    twice (the document repeated) with a gap past 65,535: every shared block appears at several offsets, which
+    only kv_offset (per entry) can express. Reference: per request, the raw keys rotated at their logical
+    positions, one after another, and plain softmax attention in float64."""
+    gen = torch.Generator().manual_seed(23)
+    block, hq, hkv, d = 16, 4, 2, 64
+    inv_freq = inv_freq_of(d)
+    lengths = {"A": 37, "B": 16, "p0": 5, "p1": 21, "p2": 3, "q0": 4, "q1": 9, "q2": 16}
+    k_raw = {name: torch.randn(hkv, n, d, generator=gen, dtype=torch.float64) for name, n in lengths.items()}
+    v_raw = {name: torch.randn(hkv, n, d, generator=gen, dtype=torch.float64) for name, n in lengths.items()}
+    # The pool: each segment's blocks, keys rotated at segment-local positions, NaN in padding.
+    first_block, k_pool, v_pool, valid = {}, [], [], []
+    for name, n in lengths.items():
+        first_block[name] = len(valid)
+        n_blocks = -(-n // block)
+        pad = torch.full((hkv, n_blocks * block - n, d), float("nan"), dtype=torch.float64)
+        k_pool.append(torch.cat([apply_rope_ref(k_raw[name], torch.arange(n), inv_freq), pad], 1))
+        v_pool.append(torch.cat([v_raw[name], pad], 1))
+        valid += [min(block, n - i * block) for i in range(n_blocks)]
+    requests = [[("p0", 0), ("A", 0), ("B", 0), ("q0", 0)],
+                [("p1", 0), ("B", 0), ("A", 0), ("q1", 0)],
+                [("p2", 0), ("A", 0), ("A", 70_000), ("q2", 0)]]   # (segment, gap before it)
+    q_raw = torch.randn(len(requests), hq, d, generator=gen, dtype=torch.float64)
+    indices, offsets, indptr, q_pos, want = [], [], [0], [], []
+    for b, segments in enumerate(requests):
+        pos, keys, vals = 0, [], []
+        for name, gap in segments:
+            pos += gap
+            n = lengths[name]
+            indices += [first_block[name] + i for i in range(-(-n // block))]
+            offsets += [pos] * -(-n // block)
+            keys.append(apply_rope_ref(k_raw[name], pos + torch.arange(n), inv_freq))
+            vals.append(v_raw[name])
+            pos += n
+        indptr.append(len(indices))
+        q_pos.append(pos)   # the token right after the prompt, passed un-rotated
+        q_log = apply_rope_ref(q_raw[b][:, None], torch.tensor([pos]), inv_freq)[:, 0]        # [Hq, D]
+        k = torch.cat(keys, 1).repeat_interleave(hq // hkv, 0)                                # [Hq, n, D]
+        v = torch.cat(vals, 1).repeat_interleave(hq // hkv, 0)
+        p = torch.softmax((k @ q_log[:, :, None])[..., 0] / math.sqrt(d), dim=-1)
+        want.append((p[:, None, :] @ v)[:, 0])
+    assert len(set(indices)) < len(indices)   # shared blocks really are listed more than once
+    i32 = dict(dtype=torch.int32)
+    inputs = dict(q=q_raw.to(dtype), k_cache=torch.cat(k_pool, 1).to(dtype), v_cache=torch.cat(v_pool, 1).to(dtype),
+                  q_offset=torch.tensor(q_pos, **i32), kv_indptr=torch.tensor(indptr, **i32),
+                  kv_indices=torch.tensor(indices, **i32), block_valid=torch.tensor(valid, **i32),
+                  kv_offset=torch.tensor(offsets, **i32), inv_freq=inv_freq)
+    check(inputs, torch.stack(want), 1.0 / math.sqrt(d), block, dtype, num_splits)

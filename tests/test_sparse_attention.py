@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from sift.kernels import sparse_attention_tl
+from sift.kernels.layout import DOC, build_layout
 from sift.kernels.rope import RopeSpec, apply_rope_ref, rope_inv_freq
-from sift.kernels.sparse_attention import sparse_attention, sparse_attention_ref
+from sift.kernels.sparse_attention import sparse_attention, sparse_attention_ref, sparse_attention_torch
 from sift.kernels.sparse_attention_tl import AttentionConfig
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -59,6 +60,16 @@ def make_layout(requests: list[list[int]], block: int, starts: list[list[int]] |
                   req_of_block, torch.tensor(pos), torch.tensor(local))
 
 
+def layout_of(lay) -> Layout:
+    """The test's per-slot view of a `BatchLayout` (the runtime's layout, which `sparse_attention_torch` takes)."""
+    pos = torch.full((lay.n_slots,), -1, dtype=torch.long)
+    local = pos.clone()
+    pos[lay.token_phys] = lay.token_logical_pos
+    local[lay.token_phys] = lay.token_local_pos
+    return Layout(lay.block, lay.block_valid.clone(), lay.block_offset.clone(), lay.block_request.tolist(), pos,
+                  local)
+
+
 def make_csr(layout: Layout, hq: int, pattern: str, gen: torch.Generator):
     """Block lists per (head, query block) over causal blocks of the same request -> indptr, indices, bool [Hq, NB, NB]."""
     nb = len(layout.block_request)
@@ -83,6 +94,19 @@ def make_csr(layout: Layout, hq: int, pattern: str, gen: torch.Generator):
     indptr = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]).to(torch.int32)
     indices = mask.flatten(0, 1).nonzero()[:, 1].to(torch.int32)  # row-major: ascending within each row
     return indptr, indices, mask
+
+
+def spare_capacity(indptr, indices, gen):
+    """The CSR with 0-2 spare entries after each row (out-of-range garbage there), as the one-pass decode writes
+    it -> (row starts int32 [R + 1], indices, row_end int32 [R])."""
+    counts = (indptr[1:] - indptr[:-1]).long()
+    cap = counts + torch.randint(0, 3, counts.shape, generator=gen)
+    starts = torch.zeros(counts.numel() + 1, dtype=torch.int32)
+    starts[1:] = torch.cumsum(cap, 0)
+    padded = torch.full((int(starts[-1]),), 10_000, dtype=torch.int32)
+    for r in range(counts.numel()):
+        padded[starts[r]:starts[r] + counts[r]] = indices[indptr[r]:indptr[r + 1]]
+    return starts, padded, (starts[:-1] + counts).to(torch.int32)
 
 
 def dense_reference(q_log, k_log, v, layout: Layout, block_mask, scale):
@@ -404,14 +428,7 @@ def test_rows_with_spare_capacity_row_end():
     block, d, dtype = 16, 64, torch.float32
     layout, inv_freq, q, k, v, q_log, k_log, indptr, indices, mask, gen = random_case(
         41, block, [[20, 45, 70]], [[0, 20, 100_000]])
-    counts = (indptr[1:] - indptr[:-1]).long()
-    cap = counts + torch.randint(0, 3, counts.shape, generator=gen)
-    starts = torch.zeros(counts.numel() + 1, dtype=torch.int32)
-    starts[1:] = torch.cumsum(cap, 0)
-    padded = torch.full((int(starts[-1]),), 10_000, dtype=torch.int32)  # out-of-range garbage in the gaps
-    for r in range(counts.numel()):
-        padded[starts[r]:starts[r] + counts[r]] = indices[indptr[r]:indptr[r + 1]]
-    row_end = (starts[:-1] + counts).to(torch.int32)
+    starts, padded, row_end = spare_capacity(indptr, indices, gen)
     ref = dense_reference(q_log, k_log, v.double(), layout, mask, d ** -0.5)
     out = sparse_attention(q, k, v, starts, padded, layout.block_valid, layout.block_offset, inv_freq,
                            scale=d ** -0.5, block=block, row_end=row_end)
@@ -493,6 +510,107 @@ def test_launcher_rejects_bad_inputs():
         call(inv_freq=torch.ones(d, device=DEVICE))
     with pytest.raises(ValueError, match="scale"):
         call(scale=-1.0)
+
+
+# ---- Only some query blocks computed (q_blocks) -------------------------------------------------------------
+
+Q_BLOCK_REQUESTS = [[("prefix", 5), ("doc", 37), ("doc", 20), ("doc", 33), ("query", 9)],
+                    [("prefix", 17), ("doc", 40), ("query", 3)],
+                    [("doc", 24), ("doc", 50), ("query", 20)]]
+
+
+def q_block_case(seed: int, block: int, dtype):
+    """Three requests, several documents each; every prefix / query block and a few document blocks computed
+    (the reuse prefill's pattern). 4 query / 2 kv heads, head_dim 64, NaN in padding, a random block mask.
+    -> (layout, BatchLayout, inv_freq, q, k, v, dense reference output of every row, q_blocks, CSR rows of
+    q_blocks only with spare capacity: (starts, indices, row_end))."""
+    gen = torch.Generator().manual_seed(seed)
+    lay = build_layout(Q_BLOCK_REQUESTS, block)
+    layout = layout_of(lay)
+    inv_freq = default_inv_freq(64)
+    q, k, v, q_log, k_log = make_qkv(layout, 4, 2, 64, dtype, inv_freq, gen, nan_padding=True)
+    _, _, mask = make_csr(layout, 4, "random", gen)
+    want = dense_reference(q_log, k_log, v.double(), layout, mask, 64 ** -0.5)   # every row, full CSR
+    doc_blocks = (lay.block_kind == DOC).nonzero()[:, 0]
+    some_docs = doc_blocks[torch.randperm(doc_blocks.numel(), generator=gen)[:3]]
+    q_blocks = torch.cat([(lay.block_kind != DOC).nonzero()[:, 0], some_docs]).sort().values.to(torch.int32)
+    sub = mask[:, q_blocks.long()]                                                # [Hq, NQ, NB]: rows h * NQ + i
+    counts = sub.flatten(0, 1).sum(1)
+    indptr = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]).to(torch.int32)
+    indices = sub.flatten(0, 1).nonzero()[:, 1].to(torch.int32)
+    return layout, lay, inv_freq, q, k, v, want, q_blocks, spare_capacity(indptr, indices, gen)
+
+
+def on_device(*xs):
+    return [x.to(DEVICE) for x in xs]
+
+
+def computed_slots(layout: Layout, q_blocks):
+    """bool [N]: the slots of the computed blocks."""
+    computed = torch.zeros(len(layout.block_request), dtype=torch.bool)
+    computed[q_blocks.long()] = True
+    return computed.repeat_interleave(layout.block)
+
+
+@pytest.mark.parametrize("dtype, block, rope_on", [
+    (torch.float32, 16, "k"), (torch.float16, 32, "k"), (torch.float32, 32, "pre"), (torch.float16, 16, "pre")])
+def test_q_blocks_padded_layout(dtype, block, rope_on):
+    """q_blocks with q / out padded: the computed blocks' rows (padding rows 0) equal the dense reference over
+    the full CSR; the other rows of a pre-filled out are untouched. The tl kernel, the twin and the SDPA twin."""
+    layout, lay, inv_freq, q, k, v, want, q_blocks, (starts, indices, row_end) = q_block_case(47, block, dtype)
+    rows = computed_slots(layout, q_blocks)
+    args = (q, k, v, starts, indices, layout.block_valid, layout.block_offset, inv_freq)
+    cfg = AttentionConfig(num_warps=4, num_stages=2, rope_on=rope_on)
+    kernel = sparse_attention_tl.launch(*on_device(*args), scale=64 ** -0.5, block=block,
+                                        out=torch.full_like(q, 7.0, device=DEVICE), row_end=row_end.to(DEVICE),
+                                        q_blocks=q_blocks.to(DEVICE), config=cfg).cpu()
+    twin = sparse_attention_ref(*args, scale=64 ** -0.5, block=block, out=torch.full_like(q, 7.0), row_end=row_end,
+                                q_blocks=q_blocks)
+    for name, out in (("tl", kernel), ("twin", twin)):
+        check_close(out[:, rows], want[:, rows], dtype, f"q_blocks padded {name} block={block} rope_on={rope_on}")
+        assert torch.equal(out[:, ~rows], torch.full_like(out[:, ~rows], 7.0)), f"{name} wrote other blocks' rows"
+    sdpa = sparse_attention_torch(q, k, v, starts, indices, lay, inv_freq, scale=64 ** -0.5, row_end=row_end,
+                                  q_blocks=q_blocks)
+    check_close(sdpa[:, rows], want[:, rows], dtype, "q_blocks sparse_attention_torch")
+    assert torch.equal(sdpa[:, ~rows], torch.zeros_like(sdpa[:, ~rows]))
+
+
+@pytest.mark.parametrize("dtype, block", [(torch.float32, 32), (torch.float16, 16)])
+def test_q_blocks_token_order(dtype, block):
+    """q_blocks with q_block_start: q / out hold only the computed blocks' real tokens ([n, Hq, D] buffers seen
+    as [Hq, n, D]); q_block_start of the other blocks holds garbage, never read. Through `sparse_attention`
+    (the tl kernel here) and the twin, against the dense reference over the full CSR."""
+    layout, lay, inv_freq, q, k, v, want, q_blocks, (starts, indices, row_end) = q_block_case(53, block, dtype)
+    real = ((layout.pos >= 0) & computed_slots(layout, q_blocks)).nonzero()[:, 0]   # ascending physical slots
+    q_start = torch.full((len(layout.block_request),), -1_000_000, dtype=torch.int32)
+    q_start[q_blocks.long()] = torch.searchsorted(real, q_blocks.long() * block).to(torch.int32)
+    q_tok = q[:, real].transpose(0, 1).contiguous().transpose(0, 1)
+    args = (q_tok, k, v, starts, indices, layout.block_valid, layout.block_offset, inv_freq)
+    rows = dict(q_block_start=q_start, row_end=row_end, q_blocks=q_blocks)
+    buf = torch.full((real.numel(), 4, 64), float("nan"), dtype=dtype, device=DEVICE)
+    out = sparse_attention(*on_device(*args), scale=64 ** -0.5, block=block, out=buf.transpose(0, 1),
+                           **{name: x.to(DEVICE) for name, x in rows.items()})
+    check_close(out.cpu(), want[:, real], dtype, f"q_blocks token order kernel block={block}")
+    twin = sparse_attention_ref(*args, scale=64 ** -0.5, block=block, **rows)
+    check_close(twin, want[:, real], dtype, "q_blocks token order twin")
+
+
+def test_q_blocks_rejected_when_malformed():
+    layout, lay, inv_freq, q, k, v, want, q_blocks, (starts, indices, row_end) = q_block_case(59, 16, torch.float32)
+    args = (q, k, v, starts, indices, layout.block_valid, layout.block_offset, inv_freq)
+    nb = len(layout.block_request)
+    with pytest.raises(ValueError, match="q_blocks must be None or int32"):
+        sparse_attention(*args, scale=0.125, block=16, row_end=row_end, q_blocks=q_blocks.long())
+    with pytest.raises(ValueError, match="q_blocks must be None or int32"):
+        sparse_attention(*args, scale=0.125, block=16, q_blocks=torch.arange(nb + 1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="indptr must be int32"):   # rows counted against NB, not NQ
+        sparse_attention(*args, scale=0.125, block=16, row_end=row_end)
+    with pytest.raises(ValueError, match="row_end must be"):
+        sparse_attention(*args, scale=0.125, block=16, row_end=row_end[:-1], q_blocks=q_blocks)
+    repeated = q_blocks.clone()
+    repeated[1] = repeated[0]
+    with pytest.raises(ValueError, match="distinct block ids"):
+        sparse_attention_ref(*args, scale=0.125, block=16, row_end=row_end, q_blocks=repeated)
 
 
 # ---- RoPE parameters --------------------------------------------------------------------------------------

@@ -26,8 +26,9 @@ SMEM_LIMIT = 227 * 1024  # bytes of shared memory one CTA may use on sm_90
 _COMPILE = """
 import json, sys, torch
 from sift.kernels import sparse_attention_sm90 as sm90
-rope, q_tokens, q_rows, dtype = json.loads(sys.argv[1])
-kernel = sm90.compile_for_sm90(rope=rope, q_tokens=q_tokens, q_rows=q_rows, dtype=getattr(torch, dtype))
+rope, q_tokens, q_rows, q_blocks, dtype = json.loads(sys.argv[1])
+kernel = sm90.compile_for_sm90(rope=rope, q_tokens=q_tokens, q_rows=q_rows, q_blocks=q_blocks,
+                               dtype=getattr(torch, dtype))
 ptx = kernel.asm["ptx"]
 print(json.dumps(dict(shared=kernel.metadata.shared, cubin=len(kernel.asm["cubin"]),
                       has={s: s in ptx for s in ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg",
@@ -35,14 +36,15 @@ print(json.dumps(dict(shared=kernel.metadata.shared, cubin=len(kernel.asm["cubin
 """
 
 
-@pytest.mark.parametrize("rope, q_tokens, q_rows, dtype", [
-    (True, True, False, "bfloat16"),    # the engine's call: q / out in token order, heads along columns
-    (False, False, True, "float16"),    # padded layout, pre-rotated keys
+@pytest.mark.parametrize("rope, q_tokens, q_rows, q_blocks, dtype", [
+    (True, True, False, False, "bfloat16"),   # the engine's call: q / out in token order, heads along columns
+    (False, False, True, False, "float16"),   # padded layout, pre-rotated keys
+    (True, True, False, True, "bfloat16"),    # a reuse prefill: only the listed query blocks (prefix, query)
 ])
-def test_compiles_for_sm90(rope, q_tokens, q_rows, dtype):
+def test_compiles_for_sm90(rope, q_tokens, q_rows, q_blocks, dtype):
     # A fresh interpreter without TRITON_INTERPRET (set for the whole suite), which would wrap the Gluon functions.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps([rope, q_tokens, q_rows, dtype])], env=env,
+    r = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps([rope, q_tokens, q_rows, q_blocks, dtype])], env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     info = json.loads(r.stdout.strip().splitlines()[-1])
