@@ -97,5 +97,5 @@ class IdTokenizer:
         ids = [int(t) for t in text.split()]
         return SimpleNamespace(input_ids=([self.bos_token_id] if add_special_tokens else []) + ids)
 
-    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+    def decode(self, ids, skip_special_tokens: bool = True, **kwargs) -> str:
         return " ".join(map(str, ids))

@@ -47,28 +47,32 @@ class TorchBackend:
                 for layer in range(bits.n_layers)]
 
     def prefill(self, meta: PrefillMetadata, csr: LayerCsr, query, k, v, inv_freq, scale: float) -> torch.Tensor:
-        """query [1, Hq, n_real, D] in token order, k / v [Hkv, NB * block, D] physical -> [1, n_real, Hq, D]."""
+        """query [1, Hq, n, D], the forward's tokens in token order; k / v [Hkv, NB * block, D] in the layout
+        -> [1, n, Hq, D]."""
         lay = meta.layout
-        q = lay.scatter(query[0], dim=1)
-        out = self._attend(q, k, v, csr, lay, inv_freq, scale, causal=not meta.sparse)
-        return lay.gather(out, dim=1).transpose(0, 1).unsqueeze(0)
+        q = query.new_zeros(query.shape[1], lay.n_slots, query.shape[3])
+        q[:, meta.token_phys] = query[0]
+        out = self._attend(q, k, v, csr, meta, inv_freq, scale)
+        return out[:, meta.token_phys].transpose(0, 1).unsqueeze(0)
 
-    def _attend(self, q, k, v, csr: LayerCsr, lay: BatchLayout, inv_freq, scale: float, causal: bool):
-        return sparse_attention_torch(q, k, v, csr.indptr, csr.indices, lay, inv_freq, scale=scale, causal=causal)
+    def _attend(self, q, k, v, csr: LayerCsr, meta: PrefillMetadata, inv_freq, scale: float):
+        return sparse_attention_torch(q, k, v, csr.indptr, csr.indices, meta.layout, inv_freq, scale=scale,
+                                      causal=not meta.sparse, row_end=csr.row_end, q_blocks=meta.q_blocks)
 
     def decode(self, meta: DecodeMetadata, cache: BatchKVCache, layer: int, q, inv_freq, scale: float):
         """q [B, Hq, D], one token per request -> [B, Hq, D]."""
         kc, vc = cache.layer_kv(layer)
         return decode_attention_ref(q, kc, vc, meta.q_offset, meta.kv_indptr, meta.kv_indices, cache.block_valid,
-                                    cache.block_offset, inv_freq, scale=scale, block=meta.block)
+                                    meta.kv_offset, inv_freq, scale=scale, block=meta.block)
 
 
 class ReferenceBackend(TorchBackend):
     name = "reference"
 
-    def _attend(self, q, k, v, csr: LayerCsr, lay: BatchLayout, inv_freq, scale: float, causal: bool):
+    def _attend(self, q, k, v, csr: LayerCsr, meta: PrefillMetadata, inv_freq, scale: float):
+        lay = meta.layout
         return sparse_attention_ref(q, k, v, csr.indptr, csr.indices, lay.block_valid, lay.block_offset, inv_freq,
-                                    scale=scale, block=lay.block)
+                                    scale=scale, block=lay.block, row_end=csr.row_end, q_blocks=meta.q_blocks)
 
 
 class TritonBackend:
@@ -95,13 +99,13 @@ class TritonBackend:
         buf = torch.empty(n, hq, d, dtype=query.dtype, device=query.device)  # o_proj's layout
         sparse_attention(query[0], k, v, csr.indptr, csr.indices, lay.block_valid, lay.block_offset, inv_freq,
                          scale=scale, block=lay.block, out=buf.transpose(0, 1), q_block_start=meta.q_block_start,
-                         row_end=csr.row_end)
+                         row_end=csr.row_end, q_blocks=meta.q_blocks)
         return buf.unsqueeze(0)
 
     def decode(self, meta: DecodeMetadata, cache: BatchKVCache, layer: int, q, inv_freq, scale: float):
         kc, vc = cache.layer_kv(layer)
         return decode_attention(q, kc, vc, meta.q_offset, meta.kv_indptr, meta.kv_indices, cache.block_valid,
-                                cache.block_offset, inv_freq, scale=scale, block=meta.block)
+                                meta.kv_offset, inv_freq, scale=scale, block=meta.block)
 
 
 def select_backend(name: str, device: torch.device):

@@ -30,27 +30,30 @@ import contextlib
 import threading
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from sift.errors import SiftError
 from sift.format import TILES, content_hash
 
-from ..kernels.layout import build_layout
+from ..kernels.layout import DOC, build_layout
 from ..kernels.rope import rope_inv_freq
 from ..kernels.sparse_attention import HEAD_DIMS
+from . import reuse
 from .backends import dense_layers, select_backend
-from .kv_cache import BatchKVCache
+from .kv_cache import BatchKVCache, PagedKVCache
+from .kv_store import Geometry, KVStore, entry_key
 from .metadata import DecodeMetadata, PrefillMetadata
 from .store import SiftIndex
 
 ATTN_NAME = "sift_runtime"
-MODES = ("sift", "dense")
+MODES = ("sift", "dense", "reuse", "hybrid")
 ON_UNKNOWN = ("error", "dense")
 GPU_BLOCK = 128
-STAGES = ("fetch", "decode", "attention")
+STAGES = ("fetch", "decode", "attention", "store")
 
 
 # ---------------------------------------------------------------------------------------------- public types
@@ -69,9 +72,12 @@ class Request:
 class PrefillResult:
     """logits: fp32 [B, vocab] at each request's last prompt position. ttft_s: per request, the end-to-end
     prefill time of its batch. stages: seconds of the batch in fetch (index.fetch), decode (bits -> CSR, all
-    layers), attention (prefill attention, all layers), rest (tokenisation, layout, the model's other work) and
-    total. tile_fraction: computed (head, query block, key block) triples over the dense causal count, all
-    layers."""
+    layers), attention (prefill attention, all layers), store (the KV store's bookkeeping: lookups, page
+    allocation, eviction), rest (tokenisation, layout, the model's other work) and total. tile_fraction:
+    computed (head, query block, key block) triples over the dense causal count, all layers (in the reuse
+    modes: the request's own rows plus the documents computed on a miss). recomputed_fraction (reuse modes):
+    share of the documents' tokens computed in this request's context. store: per call, documents found in
+    HBM / in DRAM / computed (reuse modes; empty otherwise)."""
 
     logits: torch.Tensor
     ttft_s: tuple[float, ...]
@@ -81,6 +87,8 @@ class PrefillResult:
     backend: str
     block: int
     n_tokens: tuple[int, ...]  # prompt tokens per request
+    recomputed_fraction: float = 1.0
+    store: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -183,10 +191,13 @@ class SiftEngine:
     tokenizer; index: the SiftIndex built for this model (None: dense mode only). block: kernel block (default
     128 on CUDA, the index tile on CPU; never below the index tile). on_unknown: "error" refuses documents the
     index lacks, "dense" attends to them densely. backend: "auto" | "triton" | "torch" | "reference".
+    kv_store: a KVStore for modes "reuse" / "hybrid" (attached here: its pool takes the model's device, dtype
+    and KV shape). hybrid_fraction: share of each reused document's blocks that mode "hybrid" recomputes.
     """
 
     def __init__(self, model, tokenizer, index: SiftIndex | None, *, block: int | None = None,
-                 on_unknown: str = "error", backend: str = "auto"):
+                 on_unknown: str = "error", backend: str = "auto", kv_store: KVStore | None = None,
+                 hybrid_fraction: float = reuse.DEFAULT_FRACTION):
         from transformers import AttentionInterface
 
         if on_unknown not in ON_UNKNOWN:
@@ -227,6 +238,19 @@ class SiftEngine:
             raise SiftError(f"block={block} is smaller than the index tile {self.tile}: kernel blocks may only "
                             f"coarsen tiles; use block >= {self.tile}")
         self.block = block
+        if not 0.0 <= hybrid_fraction <= 1.0:
+            raise SiftError(f"hybrid_fraction={hybrid_fraction!r} must lie in [0, 1]")
+        self.hybrid_fraction = hybrid_fraction
+        self.kv_store = kv_store
+        if index is not None:
+            self.prefix_ids = list(index.prefix_token_ids)
+        else:   # the builder's default profiling prefix: BOS where the tokenizer has one
+            self.prefix_ids = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+        if kv_store is not None:
+            n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+            dtype = next(model.parameters()).dtype
+            kv_store.attach(Geometry(cfg.num_hidden_layers, n_kv, self.head_dim, block, dtype, self.device),
+                            index.fingerprint if index is not None else f"{cfg.model_type}:{id(model)}")
         AttentionInterface.register(ATTN_NAME, _sift_attention)
         previous = model.config._attn_implementation
         model.set_attn_implementation(ATTN_NAME)  # refuses models that do not dispatch through the interface
@@ -292,10 +316,18 @@ class SiftEngine:
                         f"rebuild the index (`sift-build CORPUS --out {index.path}` re-profiles changed documents)")
 
     def _validate_requests(self, requests, mode: str) -> None:
-        if mode not in MODES:
-            raise SiftError(f"mode={mode!r} must be one of {', '.join(MODES)}")
+        if mode.partition(":")[0] not in MODES:
+            raise SiftError(f"mode={mode!r} must be one of {', '.join(MODES)} (or 'hybrid:<policy>')")
         if mode == "sift" and self.index is None:
             raise SiftError("mode='sift' needs an index: create the engine with SiftIndex.open(path)")
+        if mode not in ("sift", "dense"):
+            reuse.parse_mode(mode)
+            if self.kv_store is None:
+                raise SiftError(f"mode={mode!r} needs a KV store: create the engine with "
+                                f"SiftEngine(..., kv_store=KVStore(hbm_bytes=..., dram_bytes=...))")
+            if self.index is None and self.on_unknown == "error":
+                raise SiftError(f"mode={mode!r} without an index treats every document as unknown: open the index "
+                                f"or create the engine with on_unknown='dense'")
         if not requests:
             raise SiftError("no requests: pass at least one Request")
         for r in requests:
@@ -308,7 +340,14 @@ class SiftEngine:
     def prefill(self, requests: Sequence[Request], mode: str = "sift") -> PrefillResult:
         """Prefill a batch -> PrefillResult (logits at each request's last position)."""
         with self._lock:
-            return self._prefill(requests, mode, new_tokens=0)[0]
+            result, _, cache = self._run_prefill(requests, mode, new_tokens=0)
+            _release(cache)
+            return result
+
+    def _run_prefill(self, requests: Sequence[Request], mode: str, new_tokens: int):
+        if mode in ("sift", "dense") or mode.partition(":")[0] not in MODES:
+            return self._prefill(requests, mode, new_tokens)
+        return self._prefill_reuse(requests, mode, new_tokens)
 
     def _check_lengths(self, lengths: list[int], new_tokens: int) -> None:
         for r, n in enumerate(lengths):
@@ -321,14 +360,19 @@ class SiftEngine:
                                 f"{self.max_positions} (max_position_embeddings): shorten the prompt"
                                 f"{' or lower max_new_tokens' if new_tokens else ''}")
 
-    def _plan(self, requests: Sequence[Request], mode: str, timer: _Timer, new_tokens: int):
-        """Requests -> (token ids of the batch [1, n_real], layout, prompt lengths, the documents' bits or None)."""
+    def _segments(self, requests: Sequence[Request], new_tokens: int):
+        """Requests -> (segments per request, prompt lengths), lengths checked."""
         segs = [self.tokenize(r) for r in requests]
         lengths = [sum(len(ids) for _, ids in s) for s in segs]
         self._check_lengths(lengths, new_tokens)
         if self.window and max(lengths) > self.window:
             raise SiftError(f"a prompt of {max(lengths)} tokens exceeds the model's sliding window ({self.window}): "
                             f"the sparse pattern assumes full causal attention; shorten the prompt")
+        return segs, lengths
+
+    def _plan(self, requests: Sequence[Request], mode: str, timer: _Timer, new_tokens: int):
+        """Requests -> (token ids of the batch [1, n_real], layout, prompt lengths, the documents' bits or None)."""
+        segs, lengths = self._segments(requests, new_tokens)
         if mode == "sift":
             self._check_docs(requests, segs)
         layout = build_layout([[(k, len(ids)) for k, ids in s] for s in segs], self.block, self.device)
@@ -341,14 +385,16 @@ class SiftEngine:
         ids = torch.tensor([[t for s in segs for _, seg in s for t in seg]], device=self.device)
         return ids, layout, lengths, bits
 
-    def _metadata(self, layout, bits, timer: _Timer) -> PrefillMetadata:
-        """Every layer's block CSR, before the forward: from the bits, or dense when there are none."""
+    def _metadata(self, layout, bits, timer: _Timer, q_blocks: torch.Tensor | None = None) -> PrefillMetadata:
+        """Every layer's block CSR, before the forward: from the bits, or dense when there are none; only the
+        rows of `q_blocks` when given."""
         n_layers, n_heads = self.model.config.num_hidden_layers, self.model.config.num_attention_heads
         with timer("decode"):
             if bits is None:
-                return PrefillMetadata.build(layout, dense_layers(layout, n_heads, n_layers), sparse=False)
+                return PrefillMetadata.build(layout, dense_layers(layout, n_heads, n_layers), sparse=False,
+                                             q_blocks=q_blocks)
             return PrefillMetadata.build(layout, self._backend.decode_indices(layout, bits, self.tile, n_heads),
-                                         sparse=True)
+                                         sparse=True, q_blocks=q_blocks)
 
     def _prefill(self, requests: Sequence[Request], mode: str, new_tokens: int):
         """-> (PrefillResult, layout, the batch's KV cache with room for new_tokens more per request)."""
@@ -361,13 +407,7 @@ class SiftEngine:
         meta = self._metadata(layout, bits, timer)
         n_layers = self.model.config.num_hidden_layers
         cache = BatchKVCache(layout, n_layers, gen_blocks=-(-new_tokens // self.block))
-        attention = _PrefillAttention(self._backend, meta, cache, self.inv_freq, timer)
-        with self._attn_impl():
-            hidden = self.model.base_model(input_ids=ids, position_ids=layout.token_local_pos[None], use_cache=False,
-                                           sift_state=attention).last_hidden_state
-        if cache.layers_written != n_layers:  # never serve a silently dense (or unrotated) forward
-            raise SiftError(f"only {cache.layers_written} of {n_layers} layers ran the engine's attention: the model "
-                            f"does not dispatch attention through transformers' AttentionInterface")
+        hidden = self._forward(ids, layout.token_local_pos, meta, cache, timer)
         last = (layout.req_first_token + layout.req_n_tokens - 1).long()
         logits = self.model.get_output_embeddings()(hidden[0, last]).float()
         stages = timer.totals()  # synchronises on CUDA
@@ -380,7 +420,181 @@ class SiftEngine:
                                mode=mode, backend=self.backend, block=self.block, n_tokens=tuple(lengths))
         return result, layout, cache
 
-    # ---------------------------------------------------------------------------------------- generate
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: PrefillMetadata, cache, timer: _Timer):
+        """One prefill forward of the model over `ids` [1, n] at segment-local `positions` [n] -> last hidden
+        states [1, n, hidden]; each layer's K / V go into `cache` and attention follows `meta`."""
+        attention = _PrefillAttention(self._backend, meta, cache, self.inv_freq, timer)
+        with self._attn_impl():
+            hidden = self.model.base_model(input_ids=ids, position_ids=positions[None], use_cache=False,
+                                           sift_state=attention).last_hidden_state
+        n_layers = self.model.config.num_hidden_layers
+        if cache.layers_written != n_layers:  # never serve a silently dense (or unrotated) forward
+            raise SiftError(f"only {cache.layers_written} of {n_layers} layers ran the engine's attention: the model "
+                            f"does not dispatch attention through transformers' AttentionInterface")
+        return hidden
+
+    # -------------------------------------------------------------------------------- reuse / hybrid
+
+    def _prefill_reuse(self, requests: Sequence[Request], mode: str, new_tokens: int):
+        """Modes "reuse" / "hybrid" (runtime/reuse.py): documents' KV from the store (computed on its own on a
+        miss), the request's prefix, query and recomputed blocks through the model. -> (PrefillResult, layout,
+        the batch's PagedKVCache, holding the store lease until `_release`)."""
+        t0 = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._validate_requests(requests, mode)
+        _, policy = reuse.parse_mode(mode)
+        timer = _Timer(self.device)
+        segs, lengths = self._segments(requests, new_tokens)
+        if self.index is not None:
+            self._check_docs(requests, segs)
+        layout = build_layout([[(k, len(ids)) for k, ids in s] for s in segs], self.block, self.device)
+        docs = [(doc_id, ids) for r, s in zip(requests, segs)
+                for (doc_id, _), ids in zip(r.docs, [ids for k, ids in s if k == "doc"])]
+        dtype = self.kv_store.geometry.dtype
+        keys = [entry_key(self.kv_store.fingerprint, content_hash(ids), len(ids), dtype, self.prefix_ids, self.block)
+                for _, ids in docs]
+        distinct = {k: d for k, d in zip(keys, docs)}
+        plan = _ReusePlan.make(layout, docs, policy, self.hybrid_fraction, -(-new_tokens // self.block),
+                               -(-len(self.prefix_ids) // self.block) * len(distinct))
+        all_ids = torch.tensor([t for s in segs for _, seg in s for t in seg], device=self.device)
+        t_store = time.perf_counter()
+        lease = self.kv_store.lease({k: len(ids) for k, (_, ids) in distinct.items()}, plan.scratch_pages)
+        store_s = time.perf_counter() - t_store
+        try:
+            cold_nnz, cold_blocks = self._compute_docs(lease, distinct, plan, timer)
+            t_store = time.perf_counter()
+            lease.commit()
+            store_s += time.perf_counter() - t_store
+            recompute = self._choose_blocks(policy, layout, all_ids, docs, keys, lease, plan, timer)
+            logits, meta, cache = self._reuse_forward(layout, all_ids, docs, keys, lease, plan, recompute, timer)
+        except BaseException:
+            lease.release()
+            raise
+        stages = timer.totals()
+        stages["store"] += store_s
+        total = time.perf_counter() - t0
+        n_layers, n_heads = self.model.config.num_hidden_layers, self.model.config.num_attention_heads
+        dense_pairs = n_layers * n_heads * layout.causal_block_pairs
+        frac = (float(meta.nnz()) + cold_nnz) / dense_pairs
+        doc_tokens = int(layout.doc_n_tokens.sum())
+        redone = int(layout.block_valid[recompute].sum()) if doc_tokens else 0
+        stages["rest"] = max(0.0, total - sum(stages.values()))
+        stages["total"] = total
+        status = list(lease.status.values())
+        result = PrefillResult(logits=logits, ttft_s=(total,) * len(requests), stages=stages, tile_fraction=frac,
+                               mode=mode, backend=self.backend, block=self.block, n_tokens=tuple(lengths),
+                               recomputed_fraction=redone / doc_tokens if doc_tokens else 0.0,
+                               store=dict(hbm=status.count("hbm"), dram=status.count("dram"),
+                                          computed=status.count("miss"), computed_blocks=cold_blocks))
+        return result, layout, cache
+
+    def _compute_docs(self, lease, distinct: dict, plan: "_ReusePlan", timer: _Timer) -> tuple[float, int]:
+        """Compute the missing documents on their own, after the profiling prefix (sparse with their LA bits
+        when indexed, dense otherwise), straight into their pages. -> (computed tiles, blocks)."""
+        misses = lease.misses
+        if not misses:
+            return 0.0, 0
+        pfx = self.prefix_ids
+        layout = build_layout([[("prefix", len(pfx)), ("doc", len(distinct[k][1]))] for k in misses], self.block,
+                              self.device)
+        pages = torch.empty(layout.n_blocks, dtype=torch.int64, device=self.device)
+        is_doc = layout.block_kind == DOC
+        pages[is_doc] = torch.cat([lease.doc_pages[k] for k in misses])
+        n_pfx = int((~is_doc).sum())
+        pfx_pages = lease.scratch[plan.cold_first:plan.cold_first + n_pfx]
+        pages[~is_doc] = pfx_pages
+        self.kv_store.page_valid[pfx_pages] = layout.block_valid[~is_doc]
+        bits = None
+        if self.index is not None:
+            with timer("fetch"):
+                bits = self.index.fetch([(distinct[k][0], len(distinct[k][1])) for k in misses],
+                                        on_unknown=self.on_unknown)
+        meta = self._metadata(layout, bits, timer)
+        ids = torch.tensor([[t for k in misses for t in pfx + list(distinct[k][1])]], device=self.device)
+        slots = pages[layout.token_phys // self.block] * self.block + layout.token_phys % self.block
+        cache = PagedKVCache(layout, self.kv_store, lease, pages, slots, pages.new_empty(len(misses), 0))
+        self._forward(ids, layout.token_local_pos, meta, cache, timer)
+        n_layers, n_heads = self.model.config.num_hidden_layers, self.model.config.num_attention_heads
+        nnz = float(meta.nnz()) if bits is not None else float(n_layers * n_heads * layout.causal_block_pairs)
+        return nnz, int(is_doc.sum())
+
+    def _choose_blocks(self, policy, layout, all_ids, docs, keys, lease, plan: "_ReusePlan",
+                       timer: _Timer) -> torch.Tensor:
+        """bool [NB]: the document blocks this request recomputes in context (mode "hybrid")."""
+        recompute = torch.zeros(layout.n_blocks, dtype=torch.bool)
+        if not plan.per_doc:
+            return recompute.to(self.device)
+        first = layout.doc_first_block.tolist()
+        scores = self._deviation(layout, all_ids, docs, keys, lease, timer) if policy == "deviation" else None
+        for d, ((doc_id, ids), k) in enumerate(zip(docs, plan.per_doc)):
+            nb = -(-len(ids) // self.block)
+            if policy == "first" or (policy == "bits" and (self.index is None or doc_id not in self.index)):
+                chosen = np.arange(k)
+            elif policy == "bits":
+                entry = self.index.entry(doc_id)
+                chosen = reuse.top_blocks(reuse.ca_block_scores(entry.ca, len(ids), self.index.tile, self.block,
+                                                                self.index.n_layers * self.index.n_heads), k)
+            else:
+                chosen = reuse.top_blocks(scores[d][:nb], k)
+            recompute[first[d] + torch.as_tensor(chosen, dtype=torch.long)] = True
+        return recompute.to(self.device)
+
+    def _deviation(self, layout, all_ids, docs, keys, lease, timer: _Timer) -> list[np.ndarray]:
+        """Per document, per block: squared distance between the request's in-context keys of layer
+        DEVIATION_LAYER and the cached ones (CacheBlend's signal), from a forward of the first layers only."""
+        meta = self._metadata(layout, self._bits_of(layout, docs, timer), timer)
+        cache = BatchKVCache(layout, reuse.DEVIATION_LAYER + 1)
+        state = _StopAfter(self._backend, meta, cache, self.inv_freq, timer, reuse.DEVIATION_LAYER)
+        with self._attn_impl(), contextlib.suppress(_Stopped):
+            self.model.base_model(input_ids=all_ids[None], position_ids=layout.token_local_pos[None],
+                                  use_cache=False, sift_state=state)
+        k_ctx, _ = cache.prompt_kv(reuse.DEVIATION_LAYER)
+        pool = self.kv_store.k_pool[reuse.DEVIATION_LAYER]
+        h, _, d = pool.shape
+        blk = self.block
+        out = []
+        for i, k in enumerate(keys):
+            f, n = int(layout.doc_first_block[i]), int(layout.doc_n_blocks[i])
+            cached = pool.view(h, -1, blk, d).index_select(1, lease.doc_pages[k]).float()
+            ctx = k_ctx.view(h, -1, blk, d)[:, f:f + n].float()
+            out.append(((ctx - cached) ** 2).sum(dim=(0, 2, 3)).cpu().numpy())
+        return out
+
+    def _bits_of(self, layout, docs, timer: _Timer):
+        """The batch's documents' bits (None without an index)."""
+        if self.index is None or not docs:
+            return None
+        with timer("fetch"):
+            return self.index.fetch([(doc_id, len(ids)) for doc_id, ids in docs], on_unknown=self.on_unknown)
+
+    def _reuse_forward(self, layout, all_ids, docs, keys, lease, plan: "_ReusePlan", recompute: torch.Tensor,
+                       timer: _Timer):
+        """The request's own forward: its prefix, query, last block and recomputed blocks through the model
+        (each in a scratch page of the call), every other document block read from its entry's pages.
+        -> (logits [B, vocab], metadata, cache)."""
+        blk = self.block
+        computed = (layout.block_kind != DOC) | recompute
+        computed[(layout.req_first_block + layout.req_n_blocks - 1).long()] = True  # the logits' position
+        q_blocks = computed.nonzero().flatten()
+        pages = torch.empty(layout.n_blocks, dtype=torch.int64, device=self.device)
+        if docs:
+            pages[layout.block_kind == DOC] = torch.cat([lease.doc_pages[k] for k in keys])
+        own = lease.scratch[:q_blocks.numel()]
+        pages[q_blocks] = own
+        self.kv_store.page_valid[own] = layout.block_valid[q_blocks]
+        gen = lease.scratch[plan.gen_first:plan.gen_first + layout.n_requests * plan.gen_blocks]
+        bits = self._bits_of(layout, docs, timer) if bool(recompute.any()) else None
+        meta = self._metadata(layout, bits, timer, q_blocks=q_blocks)
+        sel = computed[layout.token_phys // blk]
+        slots = pages[meta.token_phys // blk] * blk + meta.token_phys % blk
+        cache = PagedKVCache(layout, self.kv_store, lease, pages, slots, gen.view(layout.n_requests, plan.gen_blocks))
+        hidden = self._forward(all_ids[sel][None], layout.token_local_pos[sel], meta, cache, timer)
+        last = layout.token_phys[(layout.req_first_token + layout.req_n_tokens - 1).long()]
+        rows = torch.searchsorted(meta.token_phys, last)
+        logits = self.model.get_output_embeddings()(hidden[0, rows]).float()
+        return logits, meta, cache
+
 
     @torch.inference_mode()
     def generate(self, requests: Sequence[Request], max_new_tokens: int = 32, mode: str = "sift") -> GenerateResult:
@@ -392,14 +606,20 @@ class SiftEngine:
             return self._generate(requests, max_new_tokens, mode)
 
     def _generate(self, requests: Sequence[Request], max_new_tokens: int, mode: str) -> GenerateResult:
-        gen_blocks = -(-max_new_tokens // self.block)
-        prefill, layout, cache = self._prefill(requests, mode, new_tokens=max_new_tokens)
+        prefill, layout, cache = self._run_prefill(requests, mode, new_tokens=max_new_tokens)
+        try:
+            return self._decode_loop(requests, max_new_tokens, prefill, layout, cache)
+        finally:
+            _release(cache)
+
+    def _decode_loop(self, requests, max_new_tokens: int, prefill: PrefillResult, layout, cache) -> GenerateResult:
         t0 = time.perf_counter()
         b = len(requests)
         out: list[list[int]] = [[] for _ in range(b)]
         done = [False] * b
         token = prefill.logits.argmax(dim=-1)  # [B]
-        dec = _DecodeAttention(self._backend, DecodeMetadata.build(layout, gen_blocks), cache, self.inv_freq)
+        dec = _DecodeAttention(self._backend, DecodeMetadata.build(layout, cache.block_pages, cache.gen_pages), cache,
+                               self.inv_freq)
         with self._attn_impl():
             for step in range(max_new_tokens):
                 host = token.tolist()
@@ -416,3 +636,53 @@ class SiftEngine:
                 token = self.model.get_output_embeddings()(hidden[0]).float().argmax(dim=-1)
         texts = [self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False) for ids in out]
         return GenerateResult(texts=texts, token_ids=out, prefill=prefill, decode_s=time.perf_counter() - t0)
+
+
+# --------------------------------------------------------------------------------------- reuse helpers
+
+
+@dataclass(frozen=True)
+class _ReusePlan:
+    """How a reuse call cuts its scratch pages: [0, gen_first) its own computed blocks (an upper bound: prefix,
+    query, last and recomputed blocks), then `gen_blocks` per request for generation, then from `cold_first`
+    the profiling prefix's blocks of the documents computed on a miss. per_doc: blocks recomputed per
+    document ordinal (empty: none)."""
+
+    per_doc: tuple[int, ...]
+    gen_blocks: int
+    gen_first: int
+    cold_first: int
+    scratch_pages: int
+
+    @classmethod
+    def make(cls, layout, docs, policy, fraction: float, gen_blocks: int, cold_blocks: int) -> "_ReusePlan":
+        per_doc = tuple(reuse.budget(-(-len(ids) // layout.block), fraction, policy) for _, ids in docs)
+        if not any(per_doc):
+            per_doc = ()
+        own = int((layout.block_kind != DOC).sum()) + layout.n_requests + sum(per_doc)
+        gen = layout.n_requests * gen_blocks
+        return cls(per_doc, gen_blocks, own, own + gen, own + gen + cold_blocks)
+
+
+class _Stopped(Exception):
+    """Raised inside a forward that only needs its first layers' keys."""
+
+
+class _StopAfter(_PrefillAttention):
+    """Attend normally up to layer `stop`, write that layer's K / V, then stop the forward."""
+
+    def __init__(self, backend, meta, cache, inv_freq, timer, stop: int):
+        super().__init__(backend, meta, cache, inv_freq, timer)
+        self.stop = stop
+
+    def attend(self, layer: int, query, key, value, scale: float):
+        if layer == self.stop:
+            self.cache.write_prompt(layer, key[0], value[0])
+            raise _Stopped
+        return super().attend(layer, query, key, value, scale)
+
+
+def _release(cache) -> None:
+    """End a call's hold on the KV store (reuse modes)."""
+    if isinstance(cache, PagedKVCache):
+        cache.lease.release()

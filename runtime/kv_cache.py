@@ -1,4 +1,5 @@
-"""The position-free KV cache of one batch (docs/SPEC.md section 5).
+"""The position-free KV cache of one batch (docs/SPEC.md section 5): its own tensors (`BatchKVCache`, modes "sift"
+and "dense") or pages of the document KV store's pool (`PagedKVCache`, modes "reuse" and "hybrid").
 
 Keys are stored rotated at segment-local positions (each segment starts at local position 0) and each block
 records the logical position of its segment's first token (`block_offset`): the attention kernels rotate by
@@ -6,6 +7,10 @@ that offset, so the stored keys never depend on where a segment sits in a prompt
 layer's K and V in the batch's physical slots (the prompt's blocks, then `gen_blocks` blocks per request for
 generated tokens) and, per block, how many of its slots hold real tokens (`block_valid`); padding slots are
 zero and never attended.
+
+Both caches give the decode step the same view: `layer_kv(layer)` is a tensor of physical blocks (pages),
+`block_valid` the real slots of each physical block, `block_pages` the physical block of each of the prompt's
+logical blocks and `gen_pages` [B, gen_blocks] those of each request's generated tokens.
 """
 from __future__ import annotations
 
@@ -27,6 +32,9 @@ class BatchKVCache:
         self.block_valid = torch.cat([layout.block_valid, torch.zeros(b * gen_blocks, dtype=torch.int32, device=dev)])
         # A request's generated segment starts at its next logical position: its prompt length.
         self.block_offset = torch.cat([layout.block_offset, layout.req_n_tokens.repeat_interleave(gen_blocks)])
+        nb = layout.n_blocks
+        self.block_pages = torch.arange(nb, dtype=torch.int64, device=dev)
+        self.gen_pages = nb + torch.arange(b * gen_blocks, dtype=torch.int64, device=dev).view(b, gen_blocks)
         self._k: torch.Tensor | None = None
         self._v: torch.Tensor | None = None
         self._written: set[int] = set()
@@ -68,3 +76,54 @@ class BatchKVCache:
         """key / value: [Hkv, B, D], one generated token per request -> `slots` (int64 [B])."""
         self._k[layer].index_copy_(1, slots, key)
         self._v[layer].index_copy_(1, slots, value)
+
+
+class PagedKVCache:
+    """A batch's KV inside the KV store's pool (runtime/kv_store.py): logical block b of the layout lives in pool
+    page `block_pages[b]` (a document's shared page, or one of the call's scratch pages), so a document placed
+    at different offsets by several requests is one physical copy. Only the tokens the forward computes
+    (`token_slots`: their pool slots, in the forward's token order) are written; the others are read from the
+    pages as the store holds them. The decode kernel reads the pool in place; the prefill kernels read each
+    layer's blocks gathered in logical order (`prompt_kv`)."""
+
+    def __init__(self, layout: BatchLayout, store, lease, block_pages: torch.Tensor, token_slots: torch.Tensor,
+                 gen_pages: torch.Tensor):
+        self.layout, self.store, self.lease = layout, store, lease
+        self.n_layers = store.geometry.n_layers
+        self.block_pages = block_pages              # int64 [NB]
+        self.gen_pages = gen_pages                  # int64 [B, gen_blocks]
+        self.token_slots = token_slots              # int64 [n computed tokens]
+        self.block_valid = store.page_valid         # int32 [pool pages]
+        self._written: set[int] = set()
+
+    @property
+    def layers_written(self) -> int:
+        return len(self._written)
+
+    def write_prompt(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """key / value: [Hkv, n computed, D] -> their pool slots."""
+        self.lease.wait_layer(layer)   # a promotion into other pages of this layer may still be running
+        self.store.k_pool[layer].index_copy_(1, self.token_slots, key)
+        self.store.v_pool[layer].index_copy_(1, self.token_slots, value)
+        self._written.add(layer)
+
+    def prompt_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[Hkv, NB * block, D]: the prompt's blocks in logical order, gathered from their pages."""
+        blk = self.layout.block
+
+        def gather(pool: torch.Tensor) -> torch.Tensor:
+            h, _, d = pool.shape
+            return pool.view(h, -1, blk, d).index_select(1, self.block_pages).view(h, -1, d)
+
+        return gather(self.store.k_pool[layer]), gather(self.store.v_pool[layer])
+
+    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.store.k_pool[layer], self.store.v_pool[layer]
+
+    def advance(self, slots: torch.Tensor) -> None:
+        block = self.layout.block
+        self.block_valid[slots // block] = (slots % block + 1).to(torch.int32)
+
+    def append(self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        self.store.k_pool[layer].index_copy_(1, slots, key)
+        self.store.v_pool[layer].index_copy_(1, slots, value)

@@ -1,12 +1,14 @@
 """Per-batch attention metadata, built once before the forward; the attention callback only reads it.
 
     PrefillMetadata   layout + every layer's block CSR (decoded from the bits, in layer groups) + the row of the
-                      packed tokens holding each block's first slot
-    DecodeMetadata    the logical block table of each request (its prompt blocks, then its generated blocks)
-                      and the logical position of each request's generated segment
+                      forward's tokens holding each block's first slot + which query blocks the forward computes
+    DecodeMetadata    the block table of each request (the physical blocks of its prompt, then of its generated
+                      tokens), the rotation offset of each entry and the logical position of each request's
+                      generated segment
 
-Rotation offsets (the logical position of each block's segment, `block_offset`) and the valid slots of each
-block belong to the KV the blocks hold: they live in `BatchKVCache` (runtime/kv_cache.py).
+The valid slots of each physical block belong to the KV the block holds: they live in the cache
+(runtime/kv_cache.py). A rotation offset belongs to a block's place in a request: one physical block of a shared
+document has one offset per request that holds it, so the decode table carries one per entry.
 """
 from __future__ import annotations
 
@@ -40,14 +42,19 @@ class PrefillMetadata:
 
     layers: one LayerCsr per model layer (in mode "dense" the same object for all). Layers decoded in one
     launch share their buffers: `layers[l]` are views into the group's tensors. q_block_start: int32 [NB], the
-    row of the packed real tokens holding each block's first slot (tokens are packed in physical order), so
+    row of the forward's tokens holding each block's first slot (tokens are packed in physical order), so
     the kernel reads the model's q and writes the output in token order, with no padded copies of either.
+    q_blocks: None (every block is a query block: the forward runs every token) or int32 [NQ], the blocks whose
+    tokens the forward runs (modes "reuse" / "hybrid": the others' KV comes from the store); CSR rows are then
+    h * NQ + i. token_phys: int64 [n forward tokens], each forward token's slot in the layout.
     """
 
     layout: BatchLayout
     layers: tuple[LayerCsr, ...]
     q_block_start: torch.Tensor
-    sparse: bool                    # False: mode "dense" (every causal block, no bits read)
+    sparse: bool                    # False: every row is dense causal (no bits read)
+    token_phys: torch.Tensor
+    q_blocks: torch.Tensor | None = None
 
     def nnz(self) -> torch.Tensor:
         """Computed (head, query block, key block) triples over all layers (0-d device tensor)."""
@@ -56,42 +63,74 @@ class PrefillMetadata:
         return torch.stack([csr.nnz() for csr in self.layers]).sum()
 
     @classmethod
-    def build(cls, layout: BatchLayout, layers: list[LayerCsr], *, sparse: bool) -> "PrefillMetadata":
+    def build(cls, layout: BatchLayout, layers: list[LayerCsr], *, sparse: bool,
+              q_blocks: torch.Tensor | None = None) -> "PrefillMetadata":
+        """q_blocks: int64 [NQ] ascending, the blocks the forward computes (None: all); `layers` then hold
+        every block's row and are cut to those rows here."""
+        token_phys = layout.token_phys.to(layout.device)
+        if q_blocks is not None:
+            computed = torch.zeros(layout.n_blocks, dtype=torch.bool, device=layout.device)
+            computed[q_blocks] = True
+            token_phys = token_phys[computed[token_phys // layout.block]]
+            n_heads = (layers[0].indptr.numel() - 1) // layout.n_blocks
+            layers = _select_rows(layers, q_blocks, n_heads, layout.n_blocks)
+            q_blocks = q_blocks.to(torch.int32)
         q_block_start = torch.searchsorted(
-            layout.token_phys.to(layout.device),
-            torch.arange(layout.n_blocks, device=layout.device) * layout.block).to(torch.int32)
-        return cls(layout=layout, layers=tuple(layers), q_block_start=q_block_start, sparse=sparse)
+            token_phys, torch.arange(layout.n_blocks, device=layout.device) * layout.block).to(torch.int32)
+        return cls(layout=layout, layers=tuple(layers), q_block_start=q_block_start, sparse=sparse,
+                   token_phys=token_phys, q_blocks=q_blocks)
+
+
+def _select_rows(layers: list[LayerCsr], q_blocks: torch.Tensor, n_heads: int, nb: int) -> list[LayerCsr]:
+    """Every layer's rows of the query blocks `q_blocks` only (row h * NQ + i <- h * NB + q_blocks[i]), as a
+    row_end CSR over the same indices; layers that share one CSR object keep sharing the cut one."""
+    rows = (torch.arange(n_heads, device=q_blocks.device)[:, None] * nb + q_blocks[None, :]).flatten()
+    cut: dict[int, LayerCsr] = {}
+    out = []
+    for csr in layers:
+        if id(csr) not in cut:
+            starts = csr.indptr[:-1]
+            ends = csr.indptr[1:] if csr.row_end is None else csr.row_end
+            start, end = starts[rows], ends[rows]
+            cut[id(csr)] = LayerCsr(torch.cat([start, end[-1:]]).to(torch.int32), csr.indices,
+                                    end.to(torch.int32))
+        out.append(cut[id(csr)])
+    return out
 
 
 @dataclass(frozen=True, eq=False)
 class DecodeMetadata:
     """The block table one generation step's decode attention reads.
 
-    Request b's generated tokens fill `gen_blocks` blocks of its own after the prompt blocks; its KV in
-    logical order is kv_indices[kv_indptr[b]:kv_indptr[b + 1]] (its prompt blocks, then its generated blocks).
-    q_offset: int64 [B], the logical position of each request's first generated token (its prompt length).
-    gen_slot0: int64 [B], the physical slot of that token.
+    Request b's KV in logical order is the physical blocks kv_indices[kv_indptr[b]:kv_indptr[b + 1]] (its prompt
+    blocks, then the `gen_blocks` blocks of its generated tokens); kv_offset, parallel to kv_indices, is the
+    logical position of the first token of each entry's segment. q_offset: int32 [B], the logical position of
+    each request's first generated token (its prompt length). gen_pages: int64 [B, gen_blocks], the physical
+    blocks of the generated tokens.
     """
 
     block: int
     gen_blocks: int
     q_offset: torch.Tensor
-    gen_slot0: torch.Tensor
+    gen_pages: torch.Tensor
     kv_indptr: torch.Tensor         # int32 [B + 1]
     kv_indices: torch.Tensor        # int32 [total blocks]
+    kv_offset: torch.Tensor         # int32 [total blocks]
 
     @classmethod
-    def build(cls, layout: BatchLayout, gen_blocks: int) -> "DecodeMetadata":
-        dev, b, nb = layout.device, layout.n_requests, layout.n_blocks
-        gen_first = nb + torch.arange(b, device=dev, dtype=torch.int64) * gen_blocks  # [B]
-        indptr, prompt_idx = layout_kv_table(layout)
-        per_req = [torch.cat([prompt_idx[f:f + n], (gen_first[r] + torch.arange(gen_blocks, device=dev)).int()])
-                   for r, (f, n) in enumerate(layout.request_blocks)]
-        return cls(block=layout.block, gen_blocks=gen_blocks, q_offset=layout.req_n_tokens.clone(),
-                   gen_slot0=gen_first * layout.block,
-                   kv_indptr=indptr + torch.arange(b + 1, device=dev, dtype=torch.int32) * gen_blocks,
-                   kv_indices=torch.cat(per_req).to(torch.int32))
+    def build(cls, layout: BatchLayout, block_pages: torch.Tensor, gen_pages: torch.Tensor) -> "DecodeMetadata":
+        """block_pages: int64 [NB], the physical block of each logical prompt block; gen_pages [B, gen_blocks]."""
+        dev, b, g = layout.device, layout.n_requests, gen_pages.shape[1]
+        indptr, _ = layout_kv_table(layout)
+        gen_offset = layout.req_n_tokens.to(torch.int32)
+        pages, offsets = [], []
+        for r, (f, n) in enumerate(layout.request_blocks):
+            pages += [block_pages[f:f + n], gen_pages[r]]
+            offsets += [layout.block_offset[f:f + n], gen_offset[r].expand(g)]
+        return cls(block=layout.block, gen_blocks=g, q_offset=gen_offset.clone(), gen_pages=gen_pages,
+                   kv_indptr=indptr + torch.arange(b + 1, device=dev, dtype=torch.int32) * g,
+                   kv_indices=torch.cat(pages).to(torch.int32), kv_offset=torch.cat(offsets).to(torch.int32))
 
     def step_slots(self, step: int) -> torch.Tensor:
         """int64 [B]: the physical slot of each request's generated token of decode step `step`."""
-        return self.gen_slot0 + step
+        return self.gen_pages[:, step // self.block] * self.block + step % self.block

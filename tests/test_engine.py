@@ -54,9 +54,10 @@ def ones_bits(n_tokens: int, tile: int, vectors: int) -> tuple[bytes, bytes]:
     return la.numpy().tobytes(), ca.numpy().tobytes()
 
 
-def write_index(root: Path, model, fp: str, docs: dict[str, list[int]], *, tile: int, bits=None) -> SiftIndex:
+def write_index(root: Path, model, fp: str, docs: dict[str, list[int]], *, tile: int, bits=None,
+                prefix_ids: list[int] = ()) -> SiftIndex:
     """A committed one-shard index of `docs` (doc_id -> token ids) for `model`; bits: doc_id -> (la, ca)
-    bytes, all ones when None."""
+    bytes, all ones when None; prefix_ids: the profiling prefix it records."""
     cfg = model.config
     vectors = cfg.num_hidden_layers * cfg.num_attention_heads
     rows = []
@@ -77,7 +78,7 @@ def write_index(root: Path, model, fp: str, docs: dict[str, list[int]], *, tile:
                   "max_position_embeddings": cfg.max_position_embeddings},
         "profile": {"tile": tile, "alpha": 0.001, "beta": 0.01, "gamma": 0.1, "ca_normalize": "causal",
                     "force_sink_page": True, "dense_heads": [], "prefix_text": None, "dtype": "float32",
-                    "prefix_token_ids": [], "profile_key": "test"},
+                    "prefix_token_ids": list(prefix_ids), "profile_key": "test"},
         "shards": [info.to_dict()], "errors": None, "documents": len(rows),
     }
     idx.commit_manifest(root, fmt.Manifest.from_dict(manifest))
@@ -137,7 +138,7 @@ def test_all_ones_prefill_equals_plain_forward(gate, mode):
         assert err <= LOGIT_ATOL
         assert res.logits[i].argmax() == ref.argmax()
     assert res.tile_fraction == pytest.approx(1.0)
-    assert set(res.stages) == {"fetch", "decode", "attention", "rest", "total"}
+    assert set(res.stages) == {"fetch", "decode", "attention", "store", "rest", "total"}
     assert res.ttft_s == (res.stages["total"],) * 3
     print(f"{mode}: TTFT {res.stages['total']:.2f}s, stages {res.stages}")
 

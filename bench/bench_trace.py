@@ -1,0 +1,189 @@
+"""A RAG request trace through the document KV store: hit ratios per tier and TTFT, against the HBM budget.
+
+10,000 documents of 2048 tokens, requests of 8 distinct documents drawn by Zipf popularity (alpha 0.8 / 1.0 /
+1.2) in random order, the HBM budget swept from 1 to 40 GiB with a pinned DRAM tier behind it. The trace runs
+through the store's own code (`KVStore.lease` / `commit` / `release`: its LRU, pinning, write-back, demotion
+and promotion), with pages scaled down: the pool has exactly as many pages as the 8B Llama shape would have in
+that budget (one page = 128 tokens of K and V, 32 layers, 8 KV heads, head_dim 128, bf16 = 16 MiB), each page
+just holds a few bytes, so the bookkeeping is the real one without the memory.
+
+TTFT per request is then modelled from the per-request costs measured on the GPU by bench_reuse.py (its JSON
+in bench/results/reuse.json, the 16K row: 8 documents of 2048 tokens + a 512-token query, the same shape as a
+request here): the HBM-warm TTFT, plus per DRAM-hit document 1/8 of (DRAM-warm - HBM-warm), plus per missed
+document 1/8 of (cold - HBM-warm). Dense and sift TTFT are those measured ones (no cache). The model assumes
+per-document costs add up, which the measured rows support only approximately: it is labelled as a model.
+
+Also: the memory one document uses when 8 requests of one batch hold it at 8 different offsets, measured with
+the engine itself on a small random Llama on CPU (pool pages referenced by the 8 block tables, store bytes).
+
+A budget below one request's pages (8 x 256 MiB of documents plus its own pages, 2.06 GiB) is refused by the
+store, as the engine refuses it: such points are reported as not feasible.
+
+    python bench/bench_trace.py [--requests 6000] [--alphas 0.8,1.0,1.2] [--hbm-gib 1,2.5,5,10,20,40]
+    python bench/bench_trace.py --smoke
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+import time
+
+import common  # bench/common.py
+
+common.smoke_env()
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from sift.runtime.kv_store import Geometry, KVStore  # noqa: E402
+
+BLOCK, LAYERS, KV_HEADS, HEAD_DIM = 128, 32, 8, 128
+REAL_PAGE = 2 * LAYERS * KV_HEADS * BLOCK * HEAD_DIM * 2            # 16 MiB
+TINY = Geometry(n_layers=1, n_kv_heads=1, head_dim=2, block=BLOCK, dtype=torch.float16, device=torch.device("cpu"))
+
+
+def zipf_requests(n_docs: int, n_requests: int, per_request: int, alpha: float, rng) -> list[list[int]]:
+    weights = 1.0 / np.arange(1, n_docs + 1) ** alpha
+    weights /= weights.sum()
+    ranks = rng.permutation(n_docs)                 # popularity is not correlated with document ids
+    out = []
+    for _ in range(n_requests):
+        docs = set()
+        while len(docs) < per_request:
+            docs.update(rng.choice(n_docs, size=per_request - len(docs), p=weights).tolist())
+        out.append([int(ranks[d]) for d in rng.permutation(sorted(docs))])
+    return out
+
+
+def run_trace(requests, hbm_gib: float, dram_gib: float, doc_tokens: int, warmup: int) -> dict:
+    """The requests through a store with the 8B shape's page counts -> per-request (hbm, dram, miss) counts."""
+    pages = int(hbm_gib * 2**30) // REAL_PAGE
+    dram_pages = int(dram_gib * 2**30) // REAL_PAGE
+    store = KVStore(hbm_bytes=pages * TINY.page_bytes, dram_bytes=dram_pages * TINY.page_bytes)
+    store.attach(TINY, "trace")
+    own = -(-512 // BLOCK) + 1                      # the query's pages and the prefix's
+    counts = []
+    for i, docs in enumerate(requests):
+        lease = store.lease({f"d{d}": doc_tokens for d in docs}, scratch_pages=own)
+        st = list(lease.status.values())
+        lease.commit()
+        lease.release()
+        if i >= warmup:
+            counts.append((st.count("hbm"), st.count("dram"), st.count("miss")))
+    s = store.stats()
+    assert s["pinned"] == 0 and s["hbm_bytes"] <= s["hbm_capacity"] and s["dram_bytes"] <= s["dram_capacity"]
+    return dict(counts=np.array(counts), pages=pages, dram_pages=dram_pages, stats=s)
+
+
+def ttft_model(costs: dict, counts: np.ndarray, per_request: int) -> np.ndarray:
+    hbm, dram, miss = costs["reuse_hbm_s"], costs["reuse_dram_s"], costs["reuse_cold_s"]
+    return hbm + counts[:, 1] * (dram - hbm) / per_request + counts[:, 2] * (miss - hbm) / per_request
+
+
+def one_copy_check() -> dict:
+    """8 requests of one batch hold one document at 8 offsets: the store keeps one copy, every block table
+    points at the same pages."""
+    from bench_reuse import build
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model, engine, store, docs, _ = build(True, [8 * 64], 64, pathlib.Path(tmp), 0.05, 0.0)
+        from sift.runtime import Request
+        names = list(docs)[:8]
+        text = {d: " ".join(map(str, docs[d])) for d in names}
+        reqs = [Request("", [(d, text[d]) for d in names[i:] + names[:i]], "1 2 3") for i in range(8)]
+        res, layout, cache = engine._run_prefill(reqs, "reuse", 0)
+        try:
+            doc0_pages = set()
+            for r in range(8):
+                d = (8 - r) % 8            # the ordinal of names[0] inside request r
+                ordinal = r * 8 + d
+                f, n = int(layout.doc_first_block[ordinal]), int(layout.doc_n_blocks[ordinal])
+                doc0_pages.add(tuple(cache.block_pages[f:f + n].tolist()))
+            s = store.stats()
+            entry_bytes = -(-len(docs[names[0]]) // engine.block) * store.geometry.page_bytes
+            return dict(requests=8, distinct_page_lists_of_the_document=len(doc0_pages),
+                        offsets=sorted({int(layout.block_offset[int(layout.doc_first_block[r * 8 + (8 - r) % 8])])
+                                        for r in range(8)}),
+                        store_entries=s["entries_hbm"], store_hbm_bytes=s["hbm_bytes"],
+                        one_document_bytes=entry_bytes, copies_per_document=s["hbm_bytes"] / (8 * entry_bytes))
+        finally:
+            cache.lease.release()
+
+
+def plot(result: dict, path: pathlib.Path) -> None:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 4.2))
+    ax1, ax2 = fig.subplots(1, 2)
+    for alpha, rows in result["alphas"].items():
+        rows = [r for r in rows if r["feasible"]]
+        x = [r["hbm_gib"] for r in rows]
+        ax1.plot(x, [r["hit_hbm"] for r in rows], "o-", label=f"HBM hits, alpha {alpha}")
+        ax1.plot(x, [r["hit_hbm"] + r["hit_dram"] for r in rows], "x--", label=f"HBM + DRAM, alpha {alpha}")
+        ax2.plot(x, [r["ttft_mean_s"] * 1e3 for r in rows], "o-", label=f"mean, alpha {alpha}")
+        ax2.plot(x, [r["ttft_p99_s"] * 1e3 for r in rows], "x--", label=f"p99, alpha {alpha}")
+    c = result["costs"]
+    ax2.axhline(c["dense_s"] * 1e3, color="k", lw=1, label="dense")
+    ax2.axhline(c["sift_s"] * 1e3, color="grey", lw=1, ls=":", label="sift")
+    ax1.set(xscale="log", xlabel="HBM budget (GiB)", ylabel="share of documents", title="Hit ratio per tier")
+    ax2.set(xscale="log", yscale="log", xlabel="HBM budget (GiB)", ylabel="TTFT (ms, modelled)",
+            title="TTFT per request (8 x 2K documents + 512-token query)")
+    ax1.legend(fontsize=7)
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = common.parser(__doc__.split("\n\n")[0])
+    ap.add_argument("--documents", type=int, default=10_000)
+    ap.add_argument("--requests", type=int, default=6_000)
+    ap.add_argument("--warmup", type=int, default=1_000, help="requests run before counting")
+    ap.add_argument("--alphas", default="0.8,1.0,1.2")
+    ap.add_argument("--hbm-gib", default="1,2.5,5,10,20,40")
+    ap.add_argument("--dram-gib", type=float, default=64.0)
+    ap.add_argument("--costs", default=str(common.RESULTS / "reuse.json"),
+                    help="bench_reuse.py's result (its 16K row gives the per-request costs)")
+    args = ap.parse_args()
+    if args.smoke:
+        args.documents, args.requests, args.warmup, args.alphas, args.hbm_gib = 300, 200, 50, "1.0", "1,5"
+    t0 = time.perf_counter()
+    rows = json.loads(pathlib.Path(args.costs).read_text())["rows"]
+    costs = next(r for r in rows if r["context"] == 16384) if not args.smoke else rows[0]
+    costs = {k: costs[k] for k in ("dense_s", "sift_s", "reuse_cold_s", "reuse_hbm_s", "reuse_dram_s")}
+    rng = np.random.default_rng(0)
+    result = dict(costs=costs, documents=args.documents, requests=args.requests, warmup=args.warmup,
+                  per_request=8, doc_tokens=2048, dram_gib=args.dram_gib, page_bytes_modelled=REAL_PAGE, alphas={})
+    for alpha in map(float, args.alphas.split(",")):
+        reqs = zipf_requests(args.documents, args.requests + args.warmup, 8, alpha, rng)
+        result["alphas"][str(alpha)] = []
+        for gib in map(float, args.hbm_gib.split(",")):
+            need = 8 * (2048 // BLOCK) + -(-512 // BLOCK) + 1
+            if int(gib * 2**30) // REAL_PAGE < need:
+                # the engine refuses such a store (every page a call attends to must fit): no reuse possible
+                row = dict(hbm_gib=gib, feasible=False, needs_gib=need * REAL_PAGE / 2**30)
+                result["alphas"][str(alpha)].append(row)
+                print(json.dumps(dict(alpha=alpha, **row)), flush=True)
+                continue
+            t = run_trace(reqs, gib, args.dram_gib, 2048, args.warmup)
+            n = t["counts"].sum(0) / t["counts"].sum()
+            ttft = ttft_model(costs, t["counts"], 8)
+            row = dict(hbm_gib=gib, feasible=True, hbm_pages=t["pages"], hit_hbm=float(n[0]), hit_dram=float(n[1]),
+                       miss=float(n[2]), ttft_mean_s=float(ttft.mean()), ttft_p99_s=float(np.percentile(ttft, 99)),
+                       speedup_mean_vs_dense=costs["dense_s"] / float(ttft.mean()),
+                       speedup_mean_vs_sift=costs["sift_s"] / float(ttft.mean()),
+                       evictions=t["stats"]["evictions"], demotions=t["stats"]["demotions"])
+            result["alphas"][str(alpha)].append(row)
+            print(json.dumps(dict(alpha=alpha, **row)), flush=True)
+    result["one_copy"] = one_copy_check()
+    print(json.dumps(result["one_copy"]), flush=True)
+    result["seconds"] = time.perf_counter() - t0
+    out = common.out_dir(args)
+    common.write_result("trace", result, out)
+    plot(result, out / "trace.png")
+    print(f"wrote {out / 'trace.png'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,394 @@
+"""The document KV store: each document's position-free K / V, computed once on its own, served to every request
+that retrieves it, at any offset, from one physical copy (docs/SPEC.md section 6).
+
+    KVStore(hbm_bytes, dram_bytes)    two budgeted tiers, given to `SiftEngine(..., kv_store=store)`
+    store.stats()                     bytes in use and what the tiers did
+
+An entry is one document's K and V of every layer, computed after the index's profiling prefix (the canonical
+context), keys rotated at segment-local positions (the form the attention kernels take). Its key is
+(model fingerprint, content hash of the token ids, KV dtype, profiling prefix, page size): never a position, so
+any request at any offset reads the same bytes.
+
+HBM tier: one pool per K and V, allocated once (`[n_layers, Hkv, pages * block, D]`), cut into pages of one kernel
+block. Everything a call attends to lives there: documents' pages (entries) and the call's own pages (its prefix,
+query, generated tokens and recomputed blocks: "scratch", freed when the call ends). No allocation per request.
+DRAM tier: one pinned host tensor per entry, `[n_layers, 2, Hkv, n_pages * block, D]`, so each layer of an entry
+is one contiguous piece and moves with one large copy.
+
+Policy. An entry a running call uses is pinned (reference count) and never evicted. Eviction is LRU in both tiers:
+every entry of one model costs the same per token to recompute and to move, so recency is the only signal that
+differs between entries (documents of a RAG corpus are a few hundred to a few thousand tokens, where a prefill's
+cost is near-linear in tokens). An entry computed on a miss is also written to DRAM on a side stream (write-back
+off the critical path), so evicting it from HBM later is free; an HBM entry without a DRAM copy is copied down
+before its pages are reused. A DRAM hit is promoted into HBM pages on a side stream, layer by layer, and the
+attention of layer l waits only for layer l's copies (`Lease.wait_layer`), so the copies overlap the forward.
+
+On CPU both tiers are host memory and every copy is synchronous; the bookkeeping is the same.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from sift.errors import SiftError
+
+
+def entry_key(fingerprint: str, content_hash: str, n_tokens: int, dtype: torch.dtype, prefix_ids, block: int) -> str:
+    """The store key of a document's KV: everything that changes its bytes, never its position."""
+    prefix = hashlib.sha256(np.asarray(list(prefix_ids), dtype=np.int64).tobytes()).hexdigest()[:16]
+    return f"{fingerprint}:{content_hash}:{n_tokens}:{str(dtype).removeprefix('torch.')}:{prefix}:{block}"
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What the pool's shape depends on: fixed when the store is attached to an engine."""
+
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+    block: int
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page: K and V of one block of tokens, every layer."""
+        return 2 * self.n_layers * self.n_kv_heads * self.block * self.head_dim * torch.finfo(self.dtype).bits // 8
+
+
+@dataclass(eq=False)
+class _Entry:
+    key: str
+    n_tokens: int
+    n_pages: int
+    pages: np.ndarray | None = None        # int64 [n_pages] HBM pages, None when not in HBM
+    host: torch.Tensor | None = None       # DRAM copy, None when not in DRAM
+    host_done: torch.cuda.Event | None = None  # the write-back's completion (CUDA)
+    refs: int = 0
+    committed: bool = False                # its KV is whole (False while the call that computes it runs)
+
+
+@dataclass(eq=False)
+class Lease:
+    """The pages one call attends to, pinned until `release`.
+
+    doc_pages: int64 [n_pages] per distinct document key; status: "hbm" | "dram" | "miss" per key; misses: keys
+    the call must compute (their pages are allocated, not yet written); scratch: the call's own pages."""
+
+    store: "KVStore"
+    doc_pages: dict[str, torch.Tensor]
+    status: dict[str, str]
+    scratch: torch.Tensor
+    layer_ready: list | None = None        # CUDA events, one per layer, of the promotions (None: nothing to wait)
+    _entries: list = field(default_factory=list)
+    _released: bool = False
+
+    @property
+    def misses(self) -> list[str]:
+        return [k for k, s in self.status.items() if s == "miss"]
+
+    def wait_layer(self, layer: int) -> None:
+        """Make the current stream wait for layer `layer` of the promoted entries (no-op on CPU / when none)."""
+        if self.layer_ready is not None:
+            torch.cuda.current_stream(self.store.geometry.device).wait_event(self.layer_ready[layer])
+
+    def commit(self) -> None:
+        """The misses' KV is written: keep them (and start their write-back to DRAM)."""
+        self.store._commit(self)
+
+    def release(self) -> None:
+        """Unpin every entry and free the scratch pages; misses never committed are dropped."""
+        if not self._released:
+            self._released = True
+            self.store._release(self)
+
+
+class KVStore:
+    """Budgeted HBM + DRAM store of documents' position-free KV (module docstring).
+
+    hbm_bytes: the HBM pool's size (rounded down to whole pages; it also holds each call's own prefix / query /
+    generated pages). dram_bytes: the pinned host tier (0: an entry evicted from HBM is dropped). The device,
+    dtype and shape come from the engine's model when `SiftEngine(..., kv_store=store)` attaches it."""
+
+    def __init__(self, hbm_bytes: int, dram_bytes: int = 0):
+        for name, value in (("hbm_bytes", hbm_bytes), ("dram_bytes", dram_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise SiftError(f"{name}={value!r} must be an integer number of bytes >= 0")
+        self.hbm_bytes, self.dram_bytes = hbm_bytes, dram_bytes
+        self.geometry: Geometry | None = None
+        self.fingerprint: str | None = None
+        self.k_pool = self.v_pool = None
+        self.page_valid: torch.Tensor | None = None  # int32 [pages]: real slots of each page (decode reads it)
+        self._free: np.ndarray | None = None          # bool [pages]
+        self._hbm: OrderedDict[str, _Entry] = OrderedDict()   # entries with pages, LRU first
+        self._dram: OrderedDict[str, _Entry] = OrderedDict()  # entries with a host copy, LRU first
+        self._dram_used = 0
+        self._lock = threading.RLock()
+        self._stream = None
+        self._counts = dict(hits_hbm=0, hits_dram=0, misses=0, evictions=0, evictions_dram=0, demotions=0,
+                            bytes_h2d=0, bytes_d2h=0)
+
+    # ------------------------------------------------------------------------------------------- set-up
+
+    def attach(self, geometry: Geometry, fingerprint: str) -> None:
+        """Allocate the pool for this model (once); a store serves one model geometry only."""
+        with self._lock:
+            if self.geometry is not None:
+                if geometry != self.geometry or fingerprint != self.fingerprint:
+                    raise SiftError(f"this KVStore already serves another model or KV layout ({self.geometry}); "
+                                    f"create one KVStore per engine")
+                return
+            pages = self.hbm_bytes // geometry.page_bytes
+            if pages < 1:
+                raise SiftError(f"KVStore hbm_bytes={self.hbm_bytes} holds no page of {geometry.page_bytes} bytes "
+                                f"(one {geometry.block}-token block of K and V, every layer): raise hbm_bytes")
+            g = geometry
+            shape = (g.n_layers, g.n_kv_heads, pages * g.block, g.head_dim)
+            self.k_pool = torch.zeros(shape, dtype=g.dtype, device=g.device)
+            self.v_pool = torch.zeros(shape, dtype=g.dtype, device=g.device)
+            self.page_valid = torch.zeros(pages, dtype=torch.int32, device=g.device)
+            self._free = np.ones(pages, dtype=bool)
+            self.geometry, self.fingerprint = g, fingerprint
+            if g.device.type == "cuda":
+                self._stream = torch.cuda.Stream(device=g.device)
+
+    @property
+    def n_pages(self) -> int:
+        return 0 if self._free is None else len(self._free)
+
+    def _entry_bytes(self, e: _Entry) -> int:
+        return e.n_pages * self.geometry.page_bytes
+
+    def stats(self) -> dict:
+        """hbm_bytes / dram_bytes: bytes in use (entries' pages in HBM, pinned host copies); entries per tier;
+        hits_hbm / hits_dram / misses: distinct documents per call; evictions (HBM), evictions_dram,
+        demotions (HBM -> DRAM copies made at eviction), bytes_h2d / bytes_d2h: KV bytes moved."""
+        with self._lock:
+            page = self.geometry.page_bytes if self.geometry else 0
+            used = sum(e.n_pages for e in self._hbm.values())
+            return dict(hbm_bytes=used * page, dram_bytes=self._dram_used, hbm_capacity=self.n_pages * page,
+                        dram_capacity=self.dram_bytes, entries_hbm=len(self._hbm), entries_dram=len(self._dram),
+                        pinned=sum(e.refs > 0 for e in {**self._dram, **self._hbm}.values()), **self._counts)
+
+    def clear(self, *, hbm: bool = True, dram: bool = True) -> None:
+        """Drop every entry no call is using from HBM and / or DRAM (an entry dropped from HBM stays served
+        from DRAM when it has a copy there). For operations and benchmarks: e.g. `clear(dram=False)` leaves
+        every document DRAM-warm."""
+        with self._lock:
+            if hbm:
+                while self._evict_one(demote=False):
+                    pass
+            if dram:
+                for e in [e for e in self._dram.values() if e.refs == 0]:
+                    self._drop_host(e)
+
+    def __contains__(self, key: str) -> bool:
+        with self._lock:
+            return key in self._hbm or key in self._dram
+
+    # ---------------------------------------------------------------------------------------- leasing
+
+    def lease(self, docs: dict[str, int], scratch_pages: int) -> Lease:
+        """docs: distinct document key -> n_tokens; scratch_pages: the call's own pages. Pins the documents,
+        allocates pages for misses and DRAM hits (evicting LRU entries) and starts the promotions. Raises
+        SiftError before any work when the pool cannot hold the call."""
+        g = self.geometry
+        with self._lock:
+            need = scratch_pages + sum(-(-n // g.block) for n in docs.values())
+            if need > self.n_pages:
+                raise SiftError(
+                    f"this batch needs {need} KV pages ({need * g.page_bytes / 2**30:.2f} GiB: its documents plus its "
+                    f"prefix, query and generated tokens) but the KVStore's HBM pool holds {self.n_pages} "
+                    f"({self.hbm_bytes / 2**30:.2f} GiB): raise KVStore(hbm_bytes=...) or send fewer or shorter "
+                    f"requests per call")
+            entries, status = [], {}
+            for key, n in docs.items():
+                e = self._hbm.get(key) or self._dram.get(key)
+                if e is not None and e.n_tokens != n:
+                    raise SiftError(f"KV store entry {key[:40]}... holds {e.n_tokens} tokens, the request {n}")
+                if e is None:
+                    e = _Entry(key, n, -(-n // g.block))
+                    status[key] = "miss"
+                else:
+                    status[key] = "hbm" if e.pages is not None else "dram"
+                e.refs += 1
+                entries.append(e)
+            lease = Lease(self, {}, status, torch.empty(0, dtype=torch.int64), _entries=entries)
+            try:
+                self._place(lease, scratch_pages)
+            except BaseException:
+                self._release(lease)
+                raise
+            return lease
+
+    def _place(self, lease: Lease, scratch_pages: int) -> None:
+        promote = []
+        for e in lease._entries:
+            st = lease.status[e.key]
+            if st == "hbm":
+                self._hbm.move_to_end(e.key)
+                self._counts["hits_hbm"] += 1
+            else:
+                e.pages = self._allocate(e.n_pages)
+                self._hbm[e.key] = e
+                self._set_valid(e.pages, e.n_tokens)
+                if st == "dram":
+                    self._dram.move_to_end(e.key)
+                    self._counts["hits_dram"] += 1
+                    promote.append(e)
+                else:
+                    self._counts["misses"] += 1
+            lease.doc_pages[e.key] = torch.as_tensor(e.pages, device=self.geometry.device)
+        scratch = self._allocate(scratch_pages)
+        self.page_valid[torch.as_tensor(scratch, device=self.geometry.device)] = 0
+        lease.scratch = torch.as_tensor(scratch, device=self.geometry.device)
+        lease._scratch_np = scratch
+        if promote:
+            lease.layer_ready = self._promote(promote)
+
+    def _set_valid(self, pages: np.ndarray, n_tokens: int) -> None:
+        b = self.geometry.block
+        valid = torch.full((len(pages),), b, dtype=torch.int32)
+        valid[-1] = n_tokens - (len(pages) - 1) * b
+        self.page_valid[torch.as_tensor(pages, device=self.geometry.device)] = valid.to(self.geometry.device)
+
+    def _allocate(self, n: int) -> np.ndarray:
+        """n free pages, as one contiguous run where there is one (a layer of the entry is then one copy)."""
+        if n == 0:
+            return np.zeros(0, dtype=np.int64)
+        while int(self._free.sum()) < n:
+            if not self._evict_one():
+                raise SiftError(f"the KVStore's HBM pool has no {n} free pages: every entry is in use by this call; "
+                                f"raise KVStore(hbm_bytes=...)")
+        free = np.flatnonzero(self._free)
+        runs = np.split(free, np.flatnonzero(np.diff(free) != 1) + 1)
+        run = next((r for r in runs if len(r) >= n), None)
+        pages = run[:n] if run is not None else free[:n]
+        self._free[pages] = False
+        return pages.astype(np.int64)
+
+    def _evict_one(self, demote: bool = True) -> bool:
+        """Evict the least recently used unpinned HBM entry (copied down to DRAM first if it has no copy there).
+        False when every HBM entry is pinned."""
+        key = next((k for k, e in self._hbm.items() if e.refs == 0), None)
+        if key is None:
+            return False
+        e = self._hbm.pop(key)
+        if e.host is None and demote:
+            self._write_back(e, synchronous=True)
+        elif e.host_done is not None:
+            # The pages are reused by work on the current stream: the write-back must have read them.
+            torch.cuda.current_stream(self.geometry.device).wait_event(e.host_done)
+        self._free[e.pages] = True
+        e.pages = None
+        self._counts["evictions"] += 1
+        return True
+
+    # -------------------------------------------------------------------------------------- the tiers
+
+    def _runs(self, pages: np.ndarray):
+        """(first pool page, first entry page, length) of each contiguous run of an entry's pages."""
+        cuts = np.flatnonzero(np.diff(pages) != 1) + 1
+        starts = np.concatenate([[0], cuts])
+        ends = np.concatenate([cuts, [len(pages)]])
+        return [(int(pages[s]), int(s), int(t - s)) for s, t in zip(starts, ends)]
+
+    def _make_dram_room(self, size: int, keep: _Entry) -> bool:
+        if size > self.dram_bytes:
+            return False
+        for key in list(self._dram):
+            if self._dram_used + size <= self.dram_bytes:
+                break
+            e = self._dram[key]
+            if e.refs or e is keep:
+                continue
+            self._drop_host(e)
+        return self._dram_used + size <= self.dram_bytes
+
+    def _drop_host(self, e: _Entry) -> None:
+        if e.host_done is not None:
+            e.host_done.synchronize()   # the pinned buffer goes back to the allocator: its copy must be done
+        self._dram.pop(e.key)
+        self._dram_used -= self._entry_bytes(e)
+        e.host, e.host_done = None, None
+        self._counts["evictions_dram"] += 1
+
+    def _write_back(self, e: _Entry, *, synchronous: bool) -> None:
+        """Copy an HBM entry into a new pinned host buffer (when DRAM has room; else it is simply dropped at
+        eviction). Asynchronous on the side stream unless `synchronous` (eviction: its pages are reused next)."""
+        size = self._entry_bytes(e)
+        if not self._make_dram_room(size, e):
+            return
+        g = self.geometry
+        cuda = g.device.type == "cuda"
+        host = torch.empty((g.n_layers, 2, g.n_kv_heads, e.n_pages * g.block, g.head_dim), dtype=g.dtype,
+                           pin_memory=cuda)
+        stream = self._stream if cuda and not synchronous else None
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(g.device))
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for first, off, n in self._runs(e.pages):
+                sl = slice(first * g.block, (first + n) * g.block)
+                dst = slice(off * g.block, (off + n) * g.block)
+                host[:, 0, :, dst].copy_(self.k_pool[:, :, sl], non_blocking=cuda)
+                host[:, 1, :, dst].copy_(self.v_pool[:, :, sl], non_blocking=cuda)
+            if cuda:
+                e.host_done = torch.cuda.Event()
+                e.host_done.record()
+        e.host = host
+        self._dram[e.key] = e
+        self._dram_used += size
+        self._counts["bytes_d2h"] += size
+        if synchronous:
+            self._counts["demotions"] += 1
+
+    def _promote(self, entries: list[_Entry]) -> list | None:
+        """DRAM -> the entries' new HBM pages, layer by layer (on the side stream on CUDA); -> per-layer events."""
+        g = self.geometry
+        cuda = g.device.type == "cuda"
+        events = [] if cuda else None
+        if cuda:
+            self._stream.wait_stream(torch.cuda.current_stream(g.device))  # the pages' previous readers
+        with torch.cuda.stream(self._stream) if cuda else contextlib.nullcontext():
+            for layer in range(g.n_layers):
+                for e in entries:
+                    for first, off, n in self._runs(e.pages):
+                        sl = slice(first * g.block, (first + n) * g.block)
+                        src = slice(off * g.block, (off + n) * g.block)
+                        self.k_pool[layer, :, sl].copy_(e.host[layer, 0, :, src], non_blocking=cuda)
+                        self.v_pool[layer, :, sl].copy_(e.host[layer, 1, :, src], non_blocking=cuda)
+                if cuda:
+                    ev = torch.cuda.Event()
+                    ev.record()
+                    events.append(ev)
+        self._counts["bytes_h2d"] += sum(self._entry_bytes(e) for e in entries)
+        return events
+
+    # ------------------------------------------------------------------------------------ end of a call
+
+    def _commit(self, lease: Lease) -> None:
+        with self._lock:
+            for e in lease._entries:
+                if lease.status[e.key] == "miss" and not e.committed:
+                    e.committed = True
+                    self._write_back(e, synchronous=False)
+
+    def _release(self, lease: Lease) -> None:
+        with self._lock:
+            for e in lease._entries:
+                e.refs -= 1
+                if not e.committed and e.refs == 0 and self._hbm.get(e.key) is e:
+                    # a miss whose call failed before its KV was whole: never served
+                    self._hbm.pop(e.key)
+                    self._free[e.pages] = True
+                    e.pages = None
+            scratch = getattr(lease, "_scratch_np", None)
+            if scratch is not None and len(scratch):
+                self._free[scratch] = True
+

@@ -1,0 +1,72 @@
+"""Modes "reuse" and "hybrid": which blocks a request recomputes when its documents' KV comes from the store.
+
+    "reuse"            every document as the store holds it (computed on its own after the profiling prefix);
+                       the request computes its prefix, its query and the last block of the prompt
+    "hybrid:<policy>"  reuse, plus a share of each document's blocks recomputed in context (with SIFT's sparse
+                       pattern: LA tiles of the document, CA pages of earlier documents, the prefix), chosen by
+                       a policy at the same budget (`fraction` of the document's blocks, at least one):
+
+        first       the document's first blocks (EPIC / LegoLink: the attention-sink tokens that lose the most
+                    when a chunk is moved out of its context)
+        deviation   the blocks whose layer-1 keys move the most between the cached entry and the request's own
+                    context (CacheBlend's selection, by block: the kernels compute whole blocks)
+        bits        the blocks whose CA pages the most (layer, head) pairs keep (the index's offline profile:
+                    the pages later documents read most; ours, free at serving time)
+        none        no recomputation (equals "reuse"; the baseline of the comparison)
+
+"hybrid" alone is `DEFAULT_POLICY`, chosen by the answer-agreement measurement in the README's Quality section.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from sift.errors import SiftError
+from sift.format import ca_nbytes, n_pages
+
+from ..kernels.bits import unpack_msb
+
+POLICIES = ("first", "deviation", "bits", "none")
+DEFAULT_POLICY = "bits"
+DEFAULT_FRACTION = 0.15
+DEVIATION_LAYER = 1
+
+
+def parse_mode(mode: str) -> tuple[str, str | None]:
+    """"reuse" -> ("reuse", None); "hybrid" / "hybrid:<policy>" -> ("hybrid", policy)."""
+    base, _, policy = mode.partition(":")
+    if base == "reuse" and not policy:
+        return base, None
+    if base == "hybrid":
+        policy = policy or DEFAULT_POLICY
+        if policy in POLICIES:
+            return base, policy
+    raise SiftError(f"mode={mode!r} is not a reuse mode: use 'reuse', 'hybrid' or 'hybrid:<policy>' with a policy "
+                    f"in {', '.join(POLICIES)}")
+
+
+def budget(n_blocks: int, fraction: float, policy: str | None) -> int:
+    """Blocks recomputed per document of n_blocks blocks."""
+    if policy in (None, "none"):
+        return 0
+    return min(n_blocks, max(1, math.ceil(fraction * n_blocks)))
+
+
+def top_blocks(scores: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k highest scores (ties: the earlier block), ascending."""
+    order = np.lexsort((np.arange(len(scores)), -scores))
+    return np.sort(order[:k])
+
+
+def ca_block_scores(ca: torch.Tensor, n_tokens: int, tile: int, block: int, vectors: int) -> np.ndarray:
+    """A document's packed CA bits (every (layer, head) vector, byte-aligned) -> per kernel block, how many
+    (layer, head) pairs keep each of its pages (summed over the tiles of the block)."""
+    pages = n_pages(n_tokens, tile)
+    kept = unpack_msb(ca.view(vectors, ca_nbytes(n_tokens, tile)), pages).sum(0).numpy().astype(np.float64)
+    per_block = block // tile
+    n_blocks = -(-n_tokens // block)
+    padded = np.zeros(n_blocks * per_block)
+    padded[:pages] = kept
+    return padded.reshape(n_blocks, per_block).sum(1)

@@ -1,0 +1,180 @@
+"""Modes "reuse" and "hybrid" of SiftEngine with a KVStore, on CPU with the real SmolLM2 weights.
+
+The expected values come from plain transformers, never from the engine: "reuse" must equal a forward of the
+query over a `DynamicCache` assembled by hand from each document's KV computed on its own after the profiling
+prefix (then moved to its offset in the request by RoPE's rotation, with transformers' own rotary embedding),
+and greedy generation must continue that cache the way transformers does. "hybrid" recomputing every block
+must equal the plain forward of the unsegmented prompt.
+"""
+import pytest
+import torch
+from transformers import DynamicCache
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from sift.errors import SiftError
+from sift.runtime import KVStore, Request, SiftEngine
+from sift.runtime.demo import QUERY, SYSTEM
+
+from .test_engine import LOGIT_ATOL, doc_ids, hotpot, plain_last_logits, real, write_index  # noqa: F401 (fixture)
+
+CHARS = 260   # paragraphs cut to ~50-60 tokens: a few blocks of 16 each, fast on CPU
+
+
+def requests_of(q: dict, order: list[int], prefix: str = SYSTEM) -> Request:
+    docs = [(q["paragraphs"][i][0], q["paragraphs"][i][1][:CHARS]) for i in order]
+    return Request(prefix, docs, QUERY.format(question=q["question"]))
+
+
+@pytest.fixture(scope="module")
+def setup(real, tmp_path_factory):
+    model, tokenizer, fp = real
+    q = hotpot(1)[0]
+    reqs = [requests_of(q, [0, 1, 2]), requests_of(q, [2, 0, 3], prefix="Passages:\n"), requests_of(q, [3, 1])]
+    bos = [tokenizer.bos_token_id]
+    index = write_index(tmp_path_factory.mktemp("reuse") / "index", model, fp, doc_ids(tokenizer, reqs), tile=16,
+                        prefix_ids=bos)
+    return model, tokenizer, index, reqs
+
+
+def engine_with(setup, hbm_pages: int = 64, dram_pages: int = 64, **kw):
+    model, tokenizer, index, _ = setup
+    cfg = model.config   # a page: K and V of one 16-token block (the index tile), every layer, fp32
+    page = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * index.tile * index.head_dim * 4
+    store = KVStore(hbm_bytes=hbm_pages * page, dram_bytes=dram_pages * page)
+    return SiftEngine(model, tokenizer, index, kv_store=store, **kw), store
+
+
+# ------------------------------------------------------------------------------ the independent reference
+
+
+def rotate(model, k: torch.Tensor, delta: int) -> torch.Tensor:
+    """Keys [1, H, n, D] moved by `delta` positions with transformers' rotary embedding."""
+    cos, sin = model.model.rotary_emb(k, torch.full((1, k.shape[2]), delta))
+    return apply_rotary_pos_emb(k, k, cos, sin)[0]
+
+
+@torch.inference_mode()
+def reference_reuse(model, engine: SiftEngine, request: Request, new_tokens: int = 0):
+    """Last-position logits (and greedy continuation) of `request` in reuse semantics, with plain transformers."""
+    segs = engine.tokenize(request)
+    pfx = engine.prefix_ids
+    out = model(input_ids=torch.tensor([segs[0][1]]), use_cache=True)
+    layers = [([lay.keys], [lay.values]) for lay in out.past_key_values.layers]
+    pos = len(segs[0][1])
+    for kind, ids in segs[1:-1]:
+        doc = model(input_ids=torch.tensor([pfx + ids]), use_cache=True).past_key_values.layers
+        for (ks, vs), lay in zip(layers, doc):
+            ks.append(rotate(model, lay.keys[:, :, len(pfx):], pos - len(pfx)))
+            vs.append(lay.values[:, :, len(pfx):])
+        pos += len(ids)
+    cache = DynamicCache(ddp_cache_data=[(torch.cat(ks, 2), torch.cat(vs, 2)) for ks, vs in layers])
+    query = segs[-1][1]
+    out = model(input_ids=torch.tensor([query]), position_ids=torch.arange(pos, pos + len(query))[None],
+                past_key_values=cache, use_cache=True)
+    logits = out.logits[0, -1].float()
+    tokens, pos = [], pos + len(query)
+    token = int(logits.argmax())
+    for _ in range(new_tokens):
+        tokens.append(token)
+        if token in engine.eos_ids or len(tokens) == new_tokens:
+            break
+        out = model(input_ids=torch.tensor([[token]]), position_ids=torch.tensor([[pos]]), past_key_values=cache,
+                    use_cache=True)
+        token, pos = int(out.logits[0, -1].argmax()), pos + 1
+    return logits, tokens
+
+
+# ------------------------------------------------------------------------------------------------ tests
+
+
+def test_reuse_equals_transformers_over_an_assembled_cache(setup):
+    """Cold store, one batch of three requests sharing documents at different offsets (reordered, another
+    prefix): logits equal the hand-assembled reference; each shared document is one entry."""
+    model, _, _, reqs = setup
+    engine, store = engine_with(setup)
+    res = engine.prefill(reqs, mode="reuse")
+    for i, r in enumerate(reqs):
+        ref, _ = reference_reuse(model, engine, r)
+        err = (res.logits[i] - ref).abs().max().item()
+        print(f"request {i}: max |logit diff| vs transformers = {err:.2e}")
+        assert err <= LOGIT_ATOL and res.logits[i].argmax() == ref.argmax()
+    distinct = {d for r in reqs for d, _ in r.docs}
+    s = store.stats()
+    assert s["entries_hbm"] == len(distinct) == s["misses"] == res.store["computed"]
+    assert res.mode == "reuse" and 0.0 < res.tile_fraction < 1.0 and res.recomputed_fraction == 0.0
+
+
+def test_warm_equals_cold_from_hbm_and_from_dram(setup):
+    """A hit never changes an answer: cold, HBM-warm and DRAM-warm prefills give the same logits, and a
+    document promoted into pages another document held reads its own bytes."""
+    _, _, _, reqs = setup
+    engine, store = engine_with(setup, hbm_pages=26, dram_pages=200)
+    cold = engine.prefill([reqs[0]], mode="reuse")
+    warm = engine.prefill([reqs[0]], mode="reuse")
+    assert warm.store == dict(hbm=3, dram=0, computed=0, computed_blocks=0)
+    torch.testing.assert_close(warm.logits, cold.logits, rtol=0, atol=1e-5)
+    engine.prefill([reqs[2]], mode="reuse")        # other documents: reqs[0]'s are evicted to DRAM
+    engine.prefill([reqs[1]], mode="reuse")
+    again = engine.prefill([reqs[0]], mode="reuse")
+    assert again.store["dram"] >= 1, (again.store, store.stats())
+    torch.testing.assert_close(again.logits, cold.logits, rtol=0, atol=1e-5)
+    assert store.stats()["pinned"] == 0
+
+
+def test_one_document_at_two_offsets_equals_each_request_alone(setup):
+    _, _, _, reqs = setup
+    engine, store = engine_with(setup)
+    batch = engine.prefill(reqs[:2], mode="reuse")
+    for i in range(2):
+        alone = engine.prefill([reqs[i]], mode="reuse")
+        torch.testing.assert_close(batch.logits[i], alone.logits[0], rtol=0, atol=1e-4)
+
+
+def test_reuse_generation_equals_transformers(setup):
+    model, _, _, reqs = setup
+    engine, store = engine_with(setup)
+    out = engine.generate(reqs[:2], max_new_tokens=6, mode="reuse")
+    for r, ids in zip(reqs[:2], out.token_ids):
+        _, expected = reference_reuse(model, engine, r, new_tokens=6)
+        assert ids == expected
+    assert store.stats()["pinned"] == 0
+
+
+def test_hybrid_recomputing_everything_equals_the_plain_forward(setup):
+    """All-ones bits and every block recomputed: the request is computed in full context, as a plain forward."""
+    model, _, _, reqs = setup
+    engine, _ = engine_with(setup, hbm_pages=128, hybrid_fraction=1.0)
+    engine.prefill(reqs[:2], mode="reuse")   # warm
+    res = engine.prefill(reqs[:2], mode="hybrid:deviation")  # at this budget every policy picks every block
+    assert res.recomputed_fraction == pytest.approx(1.0)
+    for i, r in enumerate(reqs[:2]):
+        ref = plain_last_logits(model, engine.prompt_ids(r))
+        assert (res.logits[i] - ref).abs().max().item() <= LOGIT_ATOL
+
+
+def test_hybrid_policies_choose_within_budget(setup):
+    _, _, _, reqs = setup
+    engine, _ = engine_with(setup, hybrid_fraction=0.2)
+    none = engine.prefill(reqs, mode="hybrid:none")
+    reused = engine.prefill(reqs, mode="reuse")
+    torch.testing.assert_close(none.logits, reused.logits, rtol=0, atol=1e-5)
+    for policy in ("first", "bits", "deviation"):
+        res = engine.prefill(reqs, mode=f"hybrid:{policy}")
+        assert 0.0 < res.recomputed_fraction < 0.5, (policy, res.recomputed_fraction)
+    assert engine.prefill(reqs, mode="hybrid").mode == "hybrid"
+
+
+def test_budget_too_small_and_bad_modes_are_refused(setup):
+    model, tokenizer, index, reqs = setup
+    engine, store = engine_with(setup, hbm_pages=6)
+    with pytest.raises(SiftError, match=r"this batch needs \d+ KV pages .* raise KVStore\(hbm_bytes=\.\.\.\)"):
+        engine.prefill(reqs, mode="reuse")
+    assert store.stats()["misses"] == 0 and store.stats()["pinned"] == 0
+    with pytest.raises(SiftError, match="needs a KV store"):
+        SiftEngine(model, tokenizer, index).prefill(reqs, mode="reuse")
+    with pytest.raises(SiftError, match="hybrid:<policy>"):
+        engine.prefill(reqs, mode="hybrid:magic")
+    title, text = reqs[0].docs[0]
+    stale = Request(SYSTEM, [(title, text + " Edited.")], "Why?")
+    with pytest.raises(SiftError, match="stale index"):
+        engine.prefill([stale], mode="reuse")
