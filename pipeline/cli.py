@@ -43,7 +43,8 @@ def _fail_unexpected(e: Exception, consequence: str) -> None:
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("corpus", type=click.Path())
-@click.option("--out", required=True, type=click.Path(), help="Index folder (created, or updated incrementally).")
+@click.option("--out", required=True, type=click.Path(),
+              help="Index folder or URI (s3://, gs://, hdfs://, file://), created or updated incrementally.")
 @click.option("--config", "config_path", type=click.Path(), default=None,
               help="TOML config (default: configs/default.toml).")
 @click.option("--model", default=None, help="'smollm2-135m-instruct' (default) or a local transformers folder.")
@@ -55,7 +56,8 @@ def _fail_unexpected(e: Exception, consequence: str) -> None:
 @click.option("-q", "--quiet", is_flag=True, help="Only the summary line.")
 @click.option("-v", "--verbose", is_flag=True, help="Ray's own logs, progress and worker output too.")
 def build_main(corpus, out, config_path, model, tile, alpha, beta, gamma, ray_address, quiet, verbose):
-    """Profile every document of CORPUS and write (or update) the SIFT index at --out.
+    """Profile every document of CORPUS (a folder, a file, or a URI) and write (or update) the SIFT index at
+    --out. Credentials for s3:// and gs:// come from the environment, as the cloud SDKs find them.
 
     Progress goes to stderr: one bar in a terminal, else one line per shard written."""
     from .config import load_config
@@ -123,7 +125,7 @@ def summarize(reader: IndexReader, t: pa.Table, d: IndexDensity) -> dict:
     ca_density = np.asarray(t["ca_density"].to_pylist(), dtype=np.float64) if t.num_rows else np.zeros((0, 0))
     errors = reader.errors()
     return {
-        "path": os.path.abspath(reader.root),
+        "path": reader.location.uri,
         "generation": m.generation,
         "created_at": m.created_at,
         "model": {k: getattr(m.model, k) for k in ("name", "fingerprint", "n_layers", "n_heads", "n_kv_heads",
@@ -179,7 +181,7 @@ def _plot_dir(path: str) -> Path:
 
 def _figures(reader: IndexReader, d: IndexDensity, out: Path) -> list[str]:
     m = reader.manifest
-    title = f"{reader.root.name}: generation {m.generation}, {m.model.name or 'model'}, tile {m.tile}"
+    title = f"{reader.location.name}: generation {m.generation}, {m.model.name or 'model'}, tile {m.tile}"
     try:
         return [str(p) for p in index_figures(d, out, title)]
     except OSError as e:
@@ -193,7 +195,7 @@ def _figures(reader: IndexReader, d: IndexDensity, out: Path) -> list[str]:
               help="Folder (created if missing) for PNGs: LA / CA density per (layer, head), per-document "
                    "fractions, density against length.")
 def inspect_main(index, as_json, plot_dir):
-    """Describe the SIFT index at INDEX."""
+    """Describe the SIFT index at INDEX (a folder or a URI: s3://, gs://, hdfs://, file://)."""
     try:
         out = _plot_dir(plot_dir) if plot_dir is not None else None
         reader, table, density = read_index(index)

@@ -4,7 +4,11 @@ A corpus is one of
   * a folder tree mixing `.txt` / `.md` files (one document each, `doc_id` = POSIX path relative to the corpus
     root), `.jsonl` / `.jsonl.gz` and `.parquet` files (one document per record, `doc_id` = the id field as str)
     and folders written by `datasets.Dataset.save_to_disk` / `DatasetDict.save_to_disk` (one document per row);
-  * a single such file, or a single saved dataset folder.
+  * a single such file, or a single saved dataset folder;
+  * either of those on a store `pyarrow.fs` reads, named by URI (`s3://bucket/corpus`, `gs://...`, `hdfs://...`;
+    `sift.storage`): the same files, credentials from the environment. Object stores have no symlinks, and a
+    saved dataset there is an error row (`datasets` loads saved folders from local disk: copy it, or export it
+    as Parquet).
 
 Hidden files and folders (name starting with ".") are skipped; files with other extensions are ignored and listed
 in a debug log. Symlinks: a file or dataset folder reached through a symlink that resolves inside the corpus folder
@@ -37,6 +41,7 @@ import gzip
 import json
 import logging
 import os
+import posixpath
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -44,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from sift.errors import SiftError
+from sift.storage import Location, is_uri, redact
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +71,10 @@ _MAX_REASON = 200
 class Source:
     """One unit of reading work: a file, a saved-dataset split, or a row range of one of those.
 
-    `root` is the absolute corpus root (the folder the relative `path` and every text file's doc_id are relative
-    to); `kind` is "text", "jsonl", "parquet" or "dataset"; `split` names a DatasetDict split (None for files and
-    plain Datasets); rows `[start, stop)` of the file / split (`stop=None`: to the end). Plain data, so it pickles.
+    `root` is the absolute corpus root, or its URI (the folder the relative `path` and every text file's doc_id
+    are relative to); `kind` is "text", "jsonl", "parquet" or "dataset"; `split` names a DatasetDict split (None
+    for files and plain Datasets); rows `[start, stop)` of the file / split (`stop=None`: to the end). Plain data,
+    so it pickles.
     """
 
     kind: str
@@ -98,9 +105,16 @@ class SourceDoc:
 # Listing
 
 
+def corpus_name(root: str | Path) -> str:
+    """The corpus as a manifest records it: its resolved path, or its URI without credentials."""
+    return redact(root) if is_uri(root) else str(Path(root).resolve())
+
+
 def list_sources(root: str | Path) -> list[Source]:
-    """Every unit of work under `root`, sorted by (relative path, split, first row); raises `SiftError` if `root`
-    is missing, unreadable, or holds nothing readable."""
+    """Every unit of work under `root` (a path or a URI), sorted by (relative path, split, first row); raises
+    `SiftError` if `root` is missing, unreadable, or holds nothing readable."""
+    if is_uri(root):
+        return sorted(_list_store(Location.of(root)), key=Source.sort_key)
     given = Path(root).expanduser()
     if not given.exists():
         raise SiftError(f"corpus not found: {given}; pass an existing folder or file ({SUPPORTED})")
@@ -153,6 +167,62 @@ def _walk(root: Path) -> list[Source]:
     return sources
 
 
+def _list_store(corpus: Location) -> list[Source]:
+    """The sources of a corpus named by URI: one file, or every visible file under the folder (unsorted)."""
+    if corpus.local:  # a file:// URI is a local path
+        return list_sources(corpus.root)
+    try:
+        if corpus.is_file(""):
+            found = _store_sources(corpus.parent, [corpus.name])
+            if not found:
+                raise SiftError(f"unsupported corpus file: {corpus.uri}; pass {SUPPORTED}")
+            return found
+        files = corpus.files(recursive=True)
+    except OSError as e:
+        raise SiftError(f"cannot list corpus {corpus.uri}: {str(e).splitlines()[0]}; check the URI and the "
+                        f"credentials in the environment") from None
+    if not files:
+        raise SiftError(f"corpus not found: {corpus.uri} holds no files; pass an existing folder or file "
+                        f"({SUPPORTED})")
+    sources = _store_sources(corpus, [f for f in files if not any(p.startswith(".") for p in f.split("/"))])
+    if not sources:
+        raise SiftError(f"no readable documents under {corpus.uri}; put .txt/.md/.jsonl/.jsonl.gz/.parquet files "
+                        "there")
+    return sources
+
+
+def _store_sources(corpus: Location, files: list[str]) -> list[Source]:
+    """Sources of `files` (relative to `corpus`); a saved dataset folder becomes one source (an error row)."""
+    datasets = sorted({posixpath.dirname(f) for f in files
+                       if posixpath.basename(f) in ("dataset_dict.json", "dataset_info.json")})
+    sources = [Source("dataset", corpus.spec, d or ".") for d in datasets]
+    for rel in files:
+        if any(d == "" or rel.startswith(d + "/") for d in datasets):
+            continue
+        suffix = _suffix(rel)
+        if suffix in TEXT_SUFFIXES:
+            sources.append(Source("text", corpus.spec, rel))
+        elif suffix == ".parquet":
+            sources += _parquet_sources(corpus.spec, rel)
+        elif suffix:
+            sources.append(Source("jsonl", corpus.spec, rel))
+    return sources
+
+
+def _where(root: str | Path, rel: str) -> tuple[str, object]:
+    """(path, filesystem) of a corpus file, as pyarrow.parquet takes them (filesystem None: local)."""
+    if is_uri(root):
+        corpus = Location.of(root)
+        return corpus.path(rel), corpus.fs
+    return str(Path(root) / rel), None
+
+
+def _read_bytes(root: str, rel: str) -> bytes:
+    if is_uri(root):
+        return Location.of(root).read_bytes(rel)
+    return (Path(root) / rel).read_bytes()
+
+
 def _dataset_kind(path: Path) -> str | None:
     """'dict' for a saved DatasetDict, 'dataset' for a saved Dataset, None otherwise."""
     if not path.is_dir():
@@ -203,11 +273,12 @@ def _dataset_sources(root: Path, rel: str, split: str | None) -> list[Source]:
             for start in range(0, max(n_rows, 1), ROWS_PER_SOURCE)]
 
 
-def _parquet_sources(root: Path, rel: str) -> list[Source]:
+def _parquet_sources(root: Path | str, rel: str) -> list[Source]:
     import pyarrow.parquet as pq
 
     try:
-        meta = pq.read_metadata(root / rel)
+        path, fs = _where(root, rel)
+        meta = pq.read_metadata(path, filesystem=fs)
     except Exception:  # noqa: BLE001 - a corrupt file is reported by read_source as one error row
         return [Source("parquet", str(root), rel)]
     if meta.num_rows <= ROWS_PER_SOURCE:
@@ -232,7 +303,11 @@ def read_source(source: Source, *, id_field: str = "id", text_field: str = "text
     """The documents of one source, in row order. Never raises for bad content: a document that cannot be indexed
     is returned with `error` set. `max_chars`: longer documents become error rows (never truncated silently).
     `follow_symlinks`: read a source whose symlink resolves outside the corpus root (else it is an error row)."""
-    if link_error := _link_error(source, follow_symlinks):
+    if is_uri(source.root):
+        if source.kind == "dataset":
+            return [SourceDoc(source.label, None, source.label, "a saved dataset on a store read by URI; copy the "
+                              "folder to local disk or export it as Parquet (datasets loads saved folders locally)")]
+    elif link_error := _link_error(source, follow_symlinks):  # object stores have no symlinks
         return [SourceDoc(source.label, None, source.label, link_error)]
     check = _Checker(id_field, text_field, max_chars)
     if source.kind == "text":
@@ -335,7 +410,7 @@ class _Checker:
 def _read_text(source: Source, check: _Checker) -> SourceDoc:
     rel = source.path
     try:
-        data = (Path(source.root) / rel).read_bytes()
+        data = _read_bytes(source.root, rel)
     except OSError as err:
         return SourceDoc(rel, None, rel, _read_failed(err))
     nul = data.find(b"\x00")
@@ -355,13 +430,10 @@ def _read_jsonl(source: Source, check: _Checker) -> list[SourceDoc]:
     # with its line number, while pyarrow.json rejects the whole block, skips blank lines (losing the numbering)
     # and forces one type per column (ids mixing ints and strings are allowed here).
     rel = source.path
-    path = Path(source.root) / rel
     try:
+        data = _read_bytes(source.root, rel)
         if rel.lower().endswith(".gz"):
-            with gzip.open(path, "rb") as f:
-                data = f.read()
-        else:
-            data = path.read_bytes()
+            data = gzip.decompress(data)
     except (OSError, EOFError, zlib.error) as err:
         return [SourceDoc(rel, None, rel, f"cannot read file: {_one_line(err)}; "
                           "fix or re-create the file (a .jsonl.gz must be a complete gzip stream)")]
@@ -393,7 +465,8 @@ def _read_parquet(source: Source, check: _Checker) -> list[SourceDoc]:
 
     rel = source.path
     try:
-        pf = pq.ParquetFile(Path(source.root) / rel)
+        path, fs = _where(source.root, rel)
+        pf = pq.ParquetFile(path, filesystem=fs)
         names = pf.schema_arrow.names
         if missing := check.missing_columns(names):
             return [SourceDoc(rel, None, rel, missing)]

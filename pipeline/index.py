@@ -1,16 +1,24 @@
 """Writing the index (docs/SPEC.md section 3; the layout and the reader are in `sift.format`).
 
-A shard is written to a temp name, fsynced, hashed and renamed, so a file with a final name is always whole;
-shards left by a killed build are "orphans" that the next build may reuse (their rows carry the profile key).
-Readers see a generation only through manifest.json, so a build in progress is invisible to them.
+In a local folder a shard is written to a temp name, fsynced, hashed and renamed, so a file with a final name is
+always whole; on an object store (`sift.storage.Location`, not `local`) it is serialised in memory, hashed and
+put once under its final name. Shards left by a killed build are "orphans" that the next build may reuse (their
+rows carry the profile key). Readers see a generation only through manifest.json, written after every file it
+lists, so a build in progress is invisible to them.
+
+One writer per index: a flock on `.lock` in a local folder; on an object store, which has no lock, a lease
+object `.lock` that the build renews while it runs (`Lease`).
 """
 from __future__ import annotations
 
 import contextlib
 import errno
 import fcntl
+import hashlib
 import json
 import os
+import socket
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -21,14 +29,20 @@ import pyarrow.parquet as pq
 from sift.errors import SiftError
 from sift.format import (BACKEND_META, FORMAT, HISTORY, MANIFEST, MARKER, PROFILE_KEY_META, SHARDS, Manifest,
                          ShardInfo, history, sha256_file)
+from sift.storage import Location
 
+LOCK = ".lock"
 _UNCHANGED = "nothing was committed and the previous generation is unchanged"
 
 
-def _write_failed(what: Path, e: OSError) -> SiftError:
+def _write_failed(what: "Path | str", e: OSError, *, remote: bool = False) -> SiftError:
     """The one-line error for a write that failed (full disk, read-only folder, ...): the problem and the fix."""
-    fix = "free some space" if e.errno == errno.ENOSPC else "make the --out folder writable"
-    return SiftError(f"cannot write {what}: {e.strerror or e}: {fix} and run sift-build again ({_UNCHANGED}; "
+    if remote:
+        fix = "check that the bucket exists and that the credentials in the environment may write to it"
+    else:
+        fix = "free some space" if e.errno == errno.ENOSPC else "make the --out folder writable"
+    reason = e.strerror or str(e).splitlines()[0]
+    return SiftError(f"cannot write {what}: {reason}: {fix} and run sift-build again ({_UNCHANGED}; "
                      f"finished shards are reused)")
 
 
@@ -40,11 +54,15 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_table(index_dir: Path, table: pa.Table, *, kind: str, profile_key: str = "", backend: str = "") -> ShardInfo:
+def write_table(index: Location, table: pa.Table, *, kind: str, profile_key: str = "",
+                backend: str = "") -> ShardInfo:
     """Write `table` as an immutable shard named by its content hash. kind: "part" or "errors"."""
-    shards = index_dir / SHARDS
+    index = Location.of(index)
     meta = {PROFILE_KEY_META: profile_key.encode(), BACKEND_META: backend.encode()}
     table = table.replace_schema_metadata({**(table.schema.metadata or {}), **meta})
+    if not index.local:
+        return _put_table(index, table, kind=kind, backend=backend)
+    shards = index.local_path / SHARDS
     tmp = shards / f".tmp-{uuid.uuid4().hex}.parquet"
     try:
         shards.mkdir(parents=True, exist_ok=True)
@@ -62,16 +80,36 @@ def write_table(index_dir: Path, table: pa.Table, *, kind: str, profile_key: str
                      sha256=digest, backend=backend)
 
 
-def shard_info(index_dir: Path, rel: str) -> ShardInfo:
+def _put_table(index: Location, table: pa.Table, *, kind: str, backend: str) -> ShardInfo:
+    """The object-store shard: serialised and hashed in memory (a shard is one batch of rows), then one put under
+    its final name, so no temp object and no rename (object stores have no atomic rename)."""
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink, compression="zstd")
+    data = sink.getvalue().to_pybytes()
+    digest = hashlib.sha256(data).hexdigest()
+    rel = f"{SHARDS}/{kind}-{digest[:24]}.parquet"
+    try:
+        index.put(rel, data)
+    except OSError as e:
+        raise _write_failed(index.show(rel), e, remote=True) from None
+    return ShardInfo(path=rel, rows=table.num_rows, bytes=len(data), sha256=digest, backend=backend)
+
+
+def shard_info(index: Location, rel: str) -> ShardInfo:
     """Describe an existing (orphan) shard file."""
-    path = index_dir / rel
-    meta = pq.read_schema(path).metadata or {}
-    return ShardInfo(path=rel, rows=pq.read_metadata(path).num_rows, bytes=path.stat().st_size,
-                     sha256=sha256_file(path), backend=meta.get(BACKEND_META, b"").decode())
+    index = Location.of(index)
+    meta = pq.read_schema(index.path(rel), filesystem=index.fs).metadata or {}
+    rows = pq.read_metadata(index.path(rel), filesystem=index.fs).num_rows
+    return ShardInfo(path=rel, rows=rows, bytes=index.size(rel), sha256=index.sha256(rel),
+                     backend=meta.get(BACKEND_META, b"").decode())
 
 
-def prepare_dir(index_dir: Path) -> None:
+def prepare_dir(index: Location) -> None:
     """Create a new index folder, or accept an existing one; refuse a folder that holds something else."""
+    index = Location.of(index)
+    if not index.local:
+        return _prepare_prefix(index)
+    index_dir = index.local_path
     if index_dir.exists() and not index_dir.is_dir():
         raise SiftError(f"--out {index_dir} is a file, not a folder: choose a new or empty folder")
     if index_dir.is_dir() and any(index_dir.iterdir()) and not (index_dir / MARKER).exists():
@@ -88,13 +126,46 @@ def prepare_dir(index_dir: Path) -> None:
                         f"--out") from None
 
 
-@contextlib.contextmanager
-def build_lock(index_dir: Path):
-    """Exclusive writer lock: two builders never write one index."""
+def _prepare_prefix(index: Location) -> None:
+    """prepare_dir on an object store: the "folder" is a key prefix, created by the first object put under it."""
     try:
-        f = open(index_dir / ".lock", "a+")
+        if index.is_file(""):
+            raise SiftError(f"--out {index.uri} is an object, not a folder: choose a new or empty prefix")
+        if not index.is_file(MARKER):
+            if index.files(recursive=True):
+                raise SiftError(f"--out {index.uri} is not empty and is not a SIFT index (no {MARKER} marker): "
+                                f"choose a new or empty prefix")
+            index.put(MARKER, (json.dumps({"format": FORMAT}) + "\n").encode())
+    except OSError as e:  # no such bucket, no credentials, no permission, store unreachable
+        raise SiftError(f"cannot create the index {index.uri}: {str(e).splitlines()[0]}: check that the bucket "
+                        f"exists and that the credentials in the environment may write to it") from None
+
+
+class _Flock:
+    """The local writer lock: held by the kernel until the build ends; nothing to renew or re-check."""
+
+    def check(self) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def build_lock(index: Location):
+    """Exclusive writer lock: two builders never write one index. Yields an object whose `check()` raises
+    SiftError when the lock was lost (only a lease on an object store can be); call it before committing."""
+    index = Location.of(index)
+    if not index.local:
+        lease = Lease(index)
+        lease.acquire()
+        try:
+            yield lease
+        finally:
+            lease.release()
+        return
+    index_dir = index.local_path
+    try:
+        f = open(index_dir / LOCK, "a+")
     except OSError as e:
-        raise SiftError(f"cannot write {index_dir / '.lock'}: {e.strerror or e}: choose a writable --out "
+        raise SiftError(f"cannot write {index_dir / LOCK}: {e.strerror or e}: choose a writable --out "
                         f"({_UNCHANGED})") from None
     with f:
         try:
@@ -103,15 +174,131 @@ def build_lock(index_dir: Path):
             raise SiftError(f"another sift-build is writing {index_dir} (its .lock is held): wait for it to "
                             f"finish") from None
         try:
-            yield
+            yield _Flock()
         finally:
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
-def next_generation(index_dir: Path, previous: Manifest | None) -> int:
+class Lease:
+    """The writer lock of an index on an object store, which has no flock and no conditional put.
+
+    `.lock` holds the owner's token, host, pid and an expiry LEASE_SECONDS ahead, rewritten every RENEW_SECONDS
+    by a thread while the build runs. A build refuses to start while another owner's lease is live; it takes the
+    lock over when the lease expired, or at once when the owner ran on this host and its process is gone (a
+    killed build). After writing the lock it reads it back SETTLE_SECONDS later and refuses if another build's
+    token is there. Two builds that both read "free" within that window can both proceed: this is advisory
+    locking, as good as the store's read-after-write consistency and the hosts' clocks, not a mutex."""
+
+    LEASE_SECONDS = 120.0
+    RENEW_SECONDS = 30.0
+    SETTLE_SECONDS = 0.25
+
+    def __init__(self, index: Location):
+        self.index = index
+        self.token = uuid.uuid4().hex
+        self.renewed = 0.0          # time.time() of the last successful write of the lock
+        self.lost = ""              # why the lock is no longer ours ("" while it is)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _record(self) -> bytes:
+        expires = time.time() + self.LEASE_SECONDS
+        return json.dumps({"owner": self.token, "host": socket.gethostname(), "pid": os.getpid(),
+                           "expires": expires, "expires_utc": _iso(expires)}).encode()
+
+    def _holder(self) -> dict | None:
+        """The lock object's content; None when there is none, {} when it is unreadable (stale)."""
+        try:
+            return json.loads(self.index.read_bytes(LOCK))
+        except FileNotFoundError:
+            return None
+        except ValueError:
+            return {}
+
+    def _write(self) -> None:
+        self.index.put(LOCK, self._record())
+        self.renewed = time.time()
+
+    def _busy(self, holder: dict) -> SiftError:
+        return SiftError(f"another sift-build is writing {self.index.uri} (its lock {self.index.show(LOCK)} is held "
+                         f"by {holder.get('host')} pid {holder.get('pid')} until {holder.get('expires_utc')} UTC "
+                         f"and renewed while it runs): wait for it to finish, or delete the lock object if that "
+                         f"build is dead")
+
+    def acquire(self) -> None:
+        try:
+            holder = self._holder()
+            if holder and holder.get("owner") != self.token and _live(holder):
+                raise self._busy(holder)
+            self._write()
+            time.sleep(self.SETTLE_SECONDS)
+            holder = self._holder()
+        except OSError as e:
+            raise _write_failed(self.index.show(LOCK), e, remote=True) from None
+        if not holder or holder.get("owner") != self.token:
+            raise self._busy(holder or {})
+        self._thread = threading.Thread(target=self._renew, name="sift-lease", daemon=True)
+        self._thread.start()
+
+    def _renew(self) -> None:
+        while not self._stop.wait(self.RENEW_SECONDS):
+            try:
+                holder = self._holder()
+                if not holder or holder.get("owner") != self.token:
+                    self.lost = f"another build took {self.index.show(LOCK)}"
+                    return
+                self._write()
+            except OSError:  # the store is unreachable for now: retry; check() refuses once the lease ran out
+                continue
+
+    def check(self) -> None:
+        """Raise SiftError unless the lock is still ours and its lease has not run out."""
+        if not self.lost and time.time() - self.renewed > self.LEASE_SECONDS:
+            self.lost = f"{self.index.show(LOCK)} was not renewed within its lease"
+        if not self.lost:
+            try:
+                holder = self._holder()
+            except OSError as e:
+                raise _write_failed(self.index.show(LOCK), e, remote=True) from None
+            if not holder or holder.get("owner") != self.token:
+                self.lost = f"another build took {self.index.show(LOCK)}"
+        if self.lost:
+            raise SiftError(f"this build lost its lock on {self.index.uri} ({self.lost}): {_UNCHANGED} by this "
+                            f"build; run sift-build again once the other build has finished")
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        try:
+            holder = self._holder()
+            if holder and holder.get("owner") == self.token:
+                self.index.delete(LOCK)
+        except OSError:
+            pass  # the lease expires on its own
+
+
+def _live(holder: dict) -> bool:
+    """Whether a lock record still guards a running build: its lease has not expired, and its owner is not a
+    process of this host that is gone."""
+    try:
+        if float(holder.get("expires", 0)) <= time.time():
+            return False
+        if holder.get("host") == socket.gethostname():
+            os.kill(int(holder["pid"]), 0)
+    except ProcessLookupError:
+        return False
+    except (TypeError, ValueError, KeyError):
+        return False  # a record without a usable expiry or pid guards nothing
+    except PermissionError:
+        return True  # a process of another user has that pid
+    return True
+
+
+def next_generation(index: Location, previous: Manifest | None) -> int:
     """One more than any generation the index ever committed or began to commit: numbers never go back and a
     history file is never overwritten, even when manifest.json was lost."""
-    return max([previous.generation if previous else 0, *history(index_dir)]) + 1
+    return max([previous.generation if previous else 0, *history(index)]) + 1
 
 
 def _write_synced(path: Path, data: str, mode: str) -> None:
@@ -121,9 +308,13 @@ def _write_synced(path: Path, data: str, mode: str) -> None:
         os.fsync(f.fileno())
 
 
-def commit_manifest(index_dir: Path, manifest: Manifest) -> None:
+def commit_manifest(index: Location, manifest: Manifest) -> None:
     """Atomically make `manifest` the live generation (and keep a copy in the history). On a failed write
     (full disk) the live manifest.json is untouched and SiftError says so."""
+    index = Location.of(index)
+    if not index.local:
+        return _publish(index, manifest)
+    index_dir = index.local_path
     data = manifest.to_json()
     tmp = index_dir / f".{MANIFEST}.tmp-{os.getpid()}"
     gen_file = index_dir / HISTORY / f"gen-{manifest.generation}.json"
@@ -146,8 +337,37 @@ def commit_manifest(index_dir: Path, manifest: Manifest) -> None:
     _fsync_dir(index_dir)
 
 
-def collect_garbage(index_dir: Path, keep: set[str]) -> list[str]:
+def _publish(index: Location, manifest: Manifest) -> None:
+    """commit_manifest on an object store: the history copy `manifests/gen-N.json` (write-once: refused when it
+    exists; the lease keeps other writers off), then manifest.json in one put, which is the commit: a reader
+    gets the previous object or the new one, whole. A build killed between the two leaves a history file of a
+    generation that was never live; readers never see it and the next build numbers past it."""
+    data = manifest.to_json().encode()
+    gen_rel = f"{HISTORY}/gen-{manifest.generation}.json"
+    try:
+        if index.exists(gen_rel):
+            raise SiftError(f"{index.show(gen_rel)} already exists: another writer bypassed the lock; run "
+                            f"sift-build again")
+        index.put(gen_rel, data)
+    except OSError as e:
+        raise _write_failed(index.show(gen_rel), e, remote=True) from None
+    try:
+        index.put(MANIFEST, data)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            index.delete(gen_rel)  # never committed: it is not history
+        raise _write_failed(index.show(MANIFEST), e, remote=True) from None
+
+
+def collect_garbage(index: Location, keep: set[str]) -> list[str]:
     """Delete shard files (and temp files) not in `keep` (relative paths). Call under the build lock."""
+    index = Location.of(index)
+    if not index.local:
+        removed = [rel for rel in index.files(SHARDS) if rel not in keep]
+        for rel in removed:
+            index.delete(rel)
+        return removed
+    index_dir = index.local_path
     removed = []
     for f in (index_dir / SHARDS).glob("*"):
         rel = f"{SHARDS}/{f.name}"
@@ -159,5 +379,9 @@ def collect_garbage(index_dir: Path, keep: set[str]) -> list[str]:
     return removed
 
 
+def _iso(seconds: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(seconds))
+
+
 def now_iso() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    return _iso(time.time())

@@ -6,6 +6,9 @@
     commit   the reused rows assembled into shards, the errors table, the `Manifest`, its atomic commit, and
              the deletion of files no generation lists -> `BuildStats`
 
+The index may be a local folder or a prefix on an object store (`sift.storage.Location`); `pipeline/index.py`
+writes and commits either way.
+
 Incremental by construction: every live document is either reused (same doc_id and content_hash, same profile
 key, from the previous generation or from a shard a killed build left behind) or profiled; the new manifest
 lists exactly one row per live doc_id, and every corpus record that is not indexed is in the errors table.
@@ -26,6 +29,7 @@ from sift import format as fmt
 from sift.errors import SiftError, one_line, root_cause
 from sift.format import Manifest, ShardInfo
 from sift.model import resolve_model_dir
+from sift.storage import Location, is_uri, redact
 
 from . import index as idx
 from .config import BuildConfig
@@ -63,7 +67,7 @@ class ProfileShardWriter:
     """Profiles a batch of documents and writes them as one immutable shard; returns the shard's description
     and one error row per document that failed (a failure never stops the batch)."""
 
-    def __init__(self, *, model: str, cfg_dict: dict, index_dir: str, profile_key: str, threads: int):
+    def __init__(self, *, model: str, cfg_dict: dict, index: str, profile_key: str, threads: int):
         import torch
 
         from sift.model import load_model
@@ -82,7 +86,7 @@ class ProfileShardWriter:
         model_obj, tokenizer, _ = load_model(model, dtype=cfg.profile.dtype, device=device)
         self.profiler = Profiler(model_obj, tokenizer, cfg.profile, backend)
         self.backend = backend
-        self.index_dir = Path(index_dir)
+        self.index = Location.of(index)  # `index` is the location's spec: a local path or a URI
         self.profile_key = profile_key
 
     def __call__(self, batch: dict) -> dict:
@@ -110,7 +114,7 @@ class ProfileShardWriter:
         info = None
         if rows["doc_id"]:
             table = pa.Table.from_pydict(rows, schema=fmt.DOCS_SCHEMA)
-            info = idx.write_table(self.index_dir, table, kind="part", profile_key=self.profile_key,
+            info = idx.write_table(self.index, table, kind="part", profile_key=self.profile_key,
                                    backend=self.profiler.backend_label)
         return {
             "shard": [info.to_dict() if info else None],
@@ -194,7 +198,7 @@ def _clock(seconds: float) -> str:
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
-def profile(build: BuildPlan, index_dir: Path, cfg: BuildConfig, echo, progress) -> Profiled:
+def profile(build: BuildPlan, index: Location, cfg: BuildConfig, echo, progress) -> Profiled:
     """Profile the plan's `todo` documents, `cfg.build.shard_rows` per shard, on a pool of actors."""
     if not build.todo:
         return Profiled()
@@ -205,10 +209,10 @@ def profile(build: BuildPlan, index_dir: Path, cfg: BuildConfig, echo, progress)
     echo(f"sift-build: profiling on {pool.size} {pool.kind.upper()} actor(s)")
     todo = build.docs.map_batches(_KeyFilter(build.todo), batch_format="numpy")
     # Everything handed to the actors is absolute: they run in their own working directory, on other machines.
-    assert index_dir.is_absolute(), index_dir
+    assert not index.local or index.local_path.is_absolute(), index.uri
     results = todo.map_batches(
         ProfileShardWriter, batch_size=cfg.build.shard_rows, batch_format="numpy",
-        fn_constructor_kwargs=dict(model=build.target.model.name, cfg_dict=cfg.to_dict(), index_dir=str(index_dir),
+        fn_constructor_kwargs=dict(model=build.target.model.name, cfg_dict=cfg.to_dict(), index=index.spec,
                                    profile_key=build.target.profile_key, threads=pool.threads),
         compute=ray.data.ActorPoolStrategy(size=pool.size), **pool.resources)
     progress.start(len(build.todo), build.todo_tokens)
@@ -242,7 +246,7 @@ def _collect(results, progress) -> Profiled:
 # Commit
 
 
-def _assemble(index_dir: Path, wanted: dict[Pair, str], profile_key: str) -> list[ShardInfo]:
+def _assemble(index: Location, wanted: dict[Pair, str], profile_key: str) -> list[ShardInfo]:
     """Shards holding exactly the wanted reused rows: a shard whose rows are all wanted is kept byte for byte;
     otherwise its wanted rows are copied (bits unchanged) into a new shard."""
     by_shard: dict[str, set] = {}
@@ -250,11 +254,11 @@ def _assemble(index_dir: Path, wanted: dict[Pair, str], profile_key: str) -> lis
         by_shard.setdefault(path, set()).add(key)
     out = []
     for path, keys in sorted(by_shard.items()):
-        t = pq.read_table(index_dir / path)
+        t = pq.read_table(index.path(path), filesystem=index.fs)
         pairs = list(zip(t["doc_id"].to_pylist(), t["content_hash"].to_pylist()))
         mask = [p in keys for p in pairs]
         if all(mask) and len(set(pairs)) == len(pairs):
-            out.append(idx.shard_info(index_dir, path))
+            out.append(idx.shard_info(index, path))
             continue
         # keep the first copy of each wanted row only
         taken, keep = set(), []
@@ -264,25 +268,26 @@ def _assemble(index_dir: Path, wanted: dict[Pair, str], profile_key: str) -> lis
                 taken.add(p)
         backend = (t.schema.metadata or {}).get(fmt.BACKEND_META, b"").decode()
         sub = t.filter(pa.array(keep)).replace_schema_metadata(None)
-        out.append(idx.write_table(index_dir, sub, kind="part", profile_key=profile_key, backend=backend))
+        out.append(idx.write_table(index, sub, kind="part", profile_key=profile_key, backend=backend))
     return out
 
 
-def _write_errors(index_dir: Path, rows: tuple[ErrorRow, ...]) -> ShardInfo | None:
+def _write_errors(index: Location, rows: tuple[ErrorRow, ...]) -> ShardInfo | None:
     """The errors table of the generation, None when every record was indexed."""
     if not rows:
         return None
     table = pa.Table.from_pylist([dict(zip(fmt.ERRORS_SCHEMA.names, r)) for r in rows], schema=fmt.ERRORS_SCHEMA)
-    return idx.write_table(index_dir, table, kind="errors")
+    return idx.write_table(index, table, kind="errors")
 
 
-def _count_tokens(index_dir: Path, shards: list[ShardInfo]) -> int:
-    return sum(int(pc.sum(pq.read_table(index_dir / s.path, columns=["n_tokens"])["n_tokens"]).as_py() or 0)
+def _count_tokens(index: Location, shards: list[ShardInfo]) -> int:
+    return sum(int(pc.sum(pq.read_table(index.path(s.path), filesystem=index.fs,
+                                        columns=["n_tokens"])["n_tokens"]).as_py() or 0)
                for s in shards)
 
 
 def _manifest(build: BuildPlan, cfg: BuildConfig, stats: BuildStats, shards: list[ShardInfo],
-              errors: ShardInfo | None, index_dir: Path) -> Manifest:
+              errors: ShardInfo | None, index: Location) -> Manifest:
     target, config = build.target, cfg.to_dict()
     return Manifest(
         generation=stats.generation,
@@ -294,29 +299,32 @@ def _manifest(build: BuildPlan, cfg: BuildConfig, stats: BuildStats, shards: lis
         shards=shards,
         errors=errors,
         documents=stats.documents,
-        tokens=_count_tokens(index_dir, shards),
+        tokens=_count_tokens(index, shards),
         last_build=stats.to_dict(),
     )
 
 
-def commit(build: BuildPlan, profiled: Profiled, index_dir: Path, cfg: BuildConfig, t_start: float) -> BuildStats:
-    """Assemble and commit the new generation, then delete the files neither it nor the previous one lists."""
+def commit(build: BuildPlan, profiled: Profiled, index: Location, cfg: BuildConfig, t_start: float,
+           lock) -> BuildStats:
+    """Assemble and commit the new generation, then delete the files neither it nor the previous one lists.
+    lock: what `idx.build_lock` yielded, checked just before the commit (a lease on an object store can be lost)."""
     previous = build.target.previous
-    shards = _assemble(index_dir, build.reuse, build.target.profile_key) + list(profiled.shards)
-    errors = _write_errors(index_dir, build.errors + profiled.errors)
+    shards = _assemble(index, build.reuse, build.target.profile_key) + list(profiled.shards)
+    errors = _write_errors(index, build.errors + profiled.errors)
     stats = BuildStats(
-        generation=idx.next_generation(index_dir, previous), documents=sum(s.rows for s in shards),
+        generation=idx.next_generation(index, previous), documents=sum(s.rows for s in shards),
         profiled=sum(s.rows for s in profiled.shards), reused=build.reused, reused_orphans=build.recovered,
         deleted=build.deleted, errors=errors.rows if errors else 0, tokens_profiled=profiled.tokens,
         profile_seconds=profiled.seconds, actor_seconds=profiled.actor_seconds,
         backends=sorted({s.backend for s in shards if s.backend}), note=build.note,
         seconds=time.perf_counter() - t_start)
-    manifest = _manifest(build, cfg, stats, shards, errors, index_dir)
-    idx.commit_manifest(index_dir, manifest)
+    manifest = _manifest(build, cfg, stats, shards, errors, index)
+    lock.check()
+    idx.commit_manifest(index, manifest)
     keep = {f.path for f in manifest.files()}
     if previous:  # readers that opened the previous generation may still be reading its files
         keep |= {f.path for f in previous.files()}
-    idx.collect_garbage(index_dir, keep)
+    idx.collect_garbage(index, keep)
     return stats
 
 
@@ -354,17 +362,21 @@ def run_build(corpus: str | Path, out: str | Path, cfg: BuildConfig, *, ray_addr
               echo=print, progress=None, verbose: bool = False) -> BuildStats:
     """Build or incrementally update the index at `out` from `corpus`. Returns what the build did.
 
+    corpus, out: local paths, or URIs `sift.storage` opens (s3://, gs://, hdfs://, file://).
+
     echo: where the stage lines go; progress: what reports profiling (default `ProgressLines(echo)`);
     verbose: Ray's own logs, progress blocks and worker output too."""
     t_start = time.perf_counter()
-    index_dir = Path(out).expanduser().absolute()  # actors write shards here from their own working directory
+    # A local --out is made absolute: actors write shards there from their own working directory.
+    index = Location.of(out)
     sources = list_sources(corpus)
     model_dir = resolve_model_dir(cfg.model)
-    idx.prepare_dir(index_dir)
-    with idx.build_lock(index_dir):
-        target = resolve_target(cfg, model_dir, index_dir)
+    idx.prepare_dir(index)
+    with idx.build_lock(index) as lock:
+        target = resolve_target(cfg, model_dir, index)
         _start_ray(ray_address, verbose)
-        echo(f"sift-build: {len(sources)} source(s) in {corpus}, model {target.model.name}, tile {cfg.profile.tile}")
-        build = plan(corpus, sources, model_dir, index_dir, cfg, target, echo)
-        profiled = profile(build, index_dir, cfg, echo, progress or ProgressLines(echo))
-        return commit(build, profiled, index_dir, cfg, t_start)
+        shown = redact(corpus) if is_uri(corpus) else corpus
+        echo(f"sift-build: {len(sources)} source(s) in {shown}, model {target.model.name}, tile {cfg.profile.tile}")
+        build = plan(corpus, sources, model_dir, index, cfg, target, echo)
+        profiled = profile(build, index, cfg, echo, progress or ProgressLines(echo))
+        return commit(build, profiled, index, cfg, t_start, lock)

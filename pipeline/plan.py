@@ -24,9 +24,10 @@ from sift import format as fmt
 from sift.errors import SiftError
 from sift.format import Manifest, ModelIdentity, content_hash
 from sift.model import DEFAULT_MODEL, fingerprint
+from sift.storage import Location
 
 from .config import BuildConfig
-from .corpus import Source, SourceDoc, read_source, resolve_duplicates
+from .corpus import Source, SourceDoc, corpus_name, read_source, resolve_duplicates
 from .profiler import profiling_prefix_ids
 
 log = logging.getLogger("sift.build")
@@ -53,7 +54,7 @@ class BuildPlan:
     """What a build does: which documents are profiled, which rows are reused, which records are error rows."""
 
     target: BuildTarget
-    corpus: str                     # the corpus path, resolved (recorded in the manifest)
+    corpus: str                     # the corpus path, resolved, or its URI without credentials (in the manifest)
     docs: Any                       # materialised ray.data.Dataset: LISTING_COLUMNS + token_ids, one row per record
     todo: frozenset[str]            # listing keys of the documents to profile
     todo_tokens: int                # their tokens (the total of the build's progress bar)
@@ -76,28 +77,29 @@ def _tokenizer(model_dir: str):
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-def _previous_generation(index_dir: Path) -> Manifest | None:
+def _previous_generation(index: Location) -> Manifest | None:
     """The committed manifest; when manifest.json was lost, the newest history copy, so the build continues the
     history (the next generation is one more) instead of starting it again at 1."""
-    gens = fmt.history(index_dir)
-    if (index_dir / fmt.MANIFEST).exists() or not gens:
-        return fmt.read_manifest(index_dir)
+    gens = fmt.history(index)
+    if index.exists(fmt.MANIFEST) or not gens:
+        return fmt.read_manifest(index)
     newest = gens[max(gens)]
     try:
-        previous = fmt.load_manifest(newest, index_dir)
+        previous = fmt.load_manifest(index, newest)
     except SiftError as e:
-        raise SiftError(f"{index_dir / fmt.MANIFEST} is missing and its newest history copy is unusable ({e}); "
-                        f"restore a good copy with `cp {index_dir}/{fmt.HISTORY}/gen-K.json "
-                        f"{index_dir / fmt.MANIFEST}`") from None
-    log.warning("%s is missing: continuing from %s", index_dir / fmt.MANIFEST, newest)
+        good, live = index.show(f"{fmt.HISTORY}/gen-K.json"), index.show(fmt.MANIFEST)
+        restore = f"cp {good} {live}" if index.local else f"copy {good} to {live}"
+        raise SiftError(f"{live} is missing and its newest history copy is unusable ({e}); restore a good copy "
+                        f"with `{restore}`") from None
+    log.warning("%s is missing: continuing from %s", index.show(fmt.MANIFEST), index.show(newest))
     return previous
 
 
-def resolve_target(cfg: BuildConfig, model_dir: Path, index_dir: Path) -> BuildTarget:
+def resolve_target(cfg: BuildConfig, model_dir: Path, index: Location) -> BuildTarget:
     """Read the previous generation and the model's identity; derive the prefix, max_tokens and profile key."""
     from transformers import AutoConfig
 
-    previous = _previous_generation(index_dir)
+    previous = _previous_generation(index)
     name = DEFAULT_MODEL if cfg.model == DEFAULT_MODEL else str(model_dir)
     model = ModelIdentity.from_config(name, fingerprint(model_dir), AutoConfig.from_pretrained(model_dir))
     prefix_ids = profiling_prefix_ids(_tokenizer(str(model_dir)), cfg.profile)
@@ -212,59 +214,64 @@ def _live_and_errors(listing: pa.Table) -> tuple[dict[str, Pair], list[ErrorRow]
 # Reuse
 
 
-def _pairs(path: Path) -> list[Pair]:
-    t = pq.read_table(path, columns=["doc_id", "content_hash"])
+def _pairs(index: Location, rel: str) -> list[Pair]:
+    t = pq.read_table(index.path(rel), filesystem=index.fs, columns=["doc_id", "content_hash"])
     return list(zip(t["doc_id"].to_pylist(), t["content_hash"].to_pylist()))
 
 
-def _previous_rows(index_dir: Path, previous: Manifest | None, profile_key: str) -> dict[Pair, str]:
+def _previous_rows(index: Location, previous: Manifest | None, profile_key: str) -> dict[Pair, str]:
     """(doc_id, content_hash) -> shard path for every reusable row of the previous generation."""
     if previous is None or previous.profile_key != profile_key:
         return {}
     rows = {}
     for s in previous.shards:
-        path = index_dir / s.path
         try:
-            if fmt.sha256_file(path) != s.sha256:
+            if index.sha256(s.path) != s.sha256:
                 raise OSError("sha256 mismatch")
-            pairs = _pairs(path)
+            pairs = _pairs(index, s.path)
         except OSError as e:
-            log.warning("previous shard %s is unreadable (%s): its documents are re-profiled", path, e)
+            log.warning("previous shard %s is unreadable (%s): its documents are re-profiled", index.show(s.path), e)
             continue
         for pair in pairs:
             rows[pair] = s.path
     return rows
 
 
-def _orphan_rows(index_dir: Path, previous: Manifest | None, profile_key: str) -> dict[Pair, str]:
+def _whole(index: Location, rel: str) -> bool:
+    """Whether an orphan shard is whole. A local one is (it got its name by an atomic rename); on a store whose
+    partly written objects can be visible (HDFS) the bytes must hash to the name."""
+    return index.local or index.sha256(rel).startswith(rel.rsplit("-", 1)[-1].removesuffix(".parquet"))
+
+
+def _orphan_rows(index: Location, previous: Manifest | None, profile_key: str) -> dict[Pair, str]:
     """Rows in whole shards a killed build wrote (not in the manifest) with the same profile key."""
     live = {s.path for s in previous.shards} if previous else set()
     rows = {}
-    for f in sorted((index_dir / fmt.SHARDS).glob("part-*.parquet")):
-        rel = f"{fmt.SHARDS}/{f.name}"
-        if rel in live:
+    for rel in index.files(fmt.SHARDS):
+        name = rel.rsplit("/", 1)[-1]
+        if rel in live or not (name.startswith("part-") and name.endswith(".parquet")):
             continue
         try:
-            meta = pq.read_schema(f).metadata or {}
-            if meta.get(fmt.PROFILE_KEY_META, b"").decode() != profile_key:
+            meta = pq.read_schema(index.path(rel), filesystem=index.fs).metadata or {}
+            if meta.get(fmt.PROFILE_KEY_META, b"").decode() != profile_key or not _whole(index, rel):
                 continue
-            pairs = _pairs(f)
+            pairs = _pairs(index, rel)
         except Exception as e:  # a torn file cannot have its final name, but be safe
-            log.warning("ignoring unreadable shard %s: %s", f, e)
+            log.warning("ignoring unreadable shard %s: %s", index.show(rel), e)
             continue
         for pair in pairs:
             rows.setdefault(pair, rel)
     return rows
 
 
-def _deleted(index_dir: Path, previous: Manifest | None, live_ids: set[str]) -> int:
+def _deleted(index: Location, previous: Manifest | None, live_ids: set[str]) -> int:
     """How many doc_ids of the previous generation are not live any more."""
     if previous is None:
         return 0
     prev_ids = set()
     for s in previous.shards:
         try:
-            prev_ids |= {d for d, _ in _pairs(index_dir / s.path)}
+            prev_ids |= {d for d, _ in _pairs(index, s.path)}
         except OSError:
             continue
     return len(prev_ids - live_ids)
@@ -274,14 +281,14 @@ def _deleted(index_dir: Path, previous: Manifest | None, live_ids: set[str]) -> 
 # The stage
 
 
-def plan(corpus: str | Path, sources: list[Source], model_dir: Path, index_dir: Path, cfg: BuildConfig,
+def plan(corpus: str | Path, sources: list[Source], model_dir: Path, index: Location, cfg: BuildConfig,
          target: BuildTarget, echo) -> BuildPlan:
     """Tokenise the corpus and decide, per record, whether it is an error row, a reused row or to be profiled."""
     docs = _tokenise(sources, model_dir, cfg, target.max_tokens)
     listing = _listing(docs)
     live, errors = _live_and_errors(listing)
-    prev_rows = _previous_rows(index_dir, target.previous, target.profile_key)
-    orphan_rows = _orphan_rows(index_dir, target.previous, target.profile_key)
+    prev_rows = _previous_rows(index, target.previous, target.profile_key)
+    orphan_rows = _orphan_rows(index, target.previous, target.profile_key)
     reuse: dict[Pair, str] = {}
     todo, reused, recovered = set(), 0, 0
     for key, pair in live.items():
@@ -297,8 +304,8 @@ def plan(corpus: str | Path, sources: list[Source], model_dir: Path, index_dir: 
     changed = target.previous is not None and target.previous.profile_key != target.profile_key
     echo(f"sift-build: {len(live)} documents ({reused} unchanged, {recovered} recovered "
          f"from an interrupted build, {len(todo)} to profile), {len(errors)} error rows")
-    return BuildPlan(target=target, corpus=str(Path(corpus).resolve()), docs=docs, todo=frozenset(todo),
+    return BuildPlan(target=target, corpus=corpus_name(corpus), docs=docs, todo=frozenset(todo),
                      todo_tokens=sum(n_tokens[key] for key in todo), reuse=reuse, errors=tuple(errors),
                      reused=reused, recovered=recovered,
-                     deleted=_deleted(index_dir, target.previous, {d for d, _ in live.values()}),
+                     deleted=_deleted(index, target.previous, {d for d, _ in live.values()}),
                      note="profile or model changed: every document is re-profiled" if changed else "")

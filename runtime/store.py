@@ -1,7 +1,8 @@
 """The index as serving code sees it: every document's bits in host memory, a budgeted LRU of device copies,
 and `fetch`, which turns a batch's documents into the `DocBits` the block-index decoder reads.
 
-    SiftIndex.open(path)      manifest + shards (checksums verified) -> one flat uint8 host buffer per kind
+    SiftIndex.open(path)      manifest + shards (checksums verified), from a folder or a URI (s3://, gs://, hdfs://,
+                              file://; `sift.storage`) -> one flat uint8 host buffer per kind
                               (la, ca), pinned when CUDA is available, plus int64 offsets/lengths per row
     index.fetch(docs)         [(doc_id, n_tokens)] in layout order -> DocBits on the index's device
 
@@ -25,7 +26,6 @@ from typing import Sequence
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 
 from sift.errors import SiftError
@@ -59,7 +59,7 @@ def _vector_nbytes(n_tokens: np.ndarray, tile: int) -> tuple[np.ndarray, np.ndar
     return (p * (p + 1) // 2 + 7) // 8, (p + 7) // 8
 
 
-def _binary_chunks(column: pa.ChunkedArray, where: Path, name: str):
+def _binary_chunks(column: pa.ChunkedArray, where: str, name: str):
     """-> [(offsets int64 [n + 1] into data, data uint8 view)] per chunk, zero-copy from Arrow."""
     out = []
     for chunk in column.chunks:
@@ -106,7 +106,8 @@ class SiftIndex:
 
     def __init__(self, reader: IndexReader, *, hbm_budget_bytes: int, device: torch.device):
         m = reader.manifest
-        self.path: Path = reader.root
+        # The folder (a Path), or the URI without credentials: what messages name.
+        self.path: Path | str = reader.location.local_path if reader.location.local else reader.location.uri
         self.manifest: Manifest = m
         self.generation: int = m.generation
         self.tile: int = m.tile
@@ -132,8 +133,9 @@ class SiftIndex:
     @classmethod
     def open(cls, path: str | Path, *, hbm_budget_bytes: int = 256 << 20, device=None,
              verify: bool = True) -> "SiftIndex":
-        """Open the committed generation at `path`. device: where `fetch` puts bits (default: the current
-        CUDA device if there is one, else CPU). verify: check every shard's sha256 against the manifest."""
+        """Open the committed generation at `path`, a folder or a URI (s3://, gs://, hdfs://, file://; credentials
+        from the environment). device: where `fetch` puts bits (default: the current CUDA device if there is one,
+        else CPU). verify: check every shard's sha256 against the manifest."""
         if isinstance(hbm_budget_bytes, bool) or not isinstance(hbm_budget_bytes, int) or hbm_budget_bytes < 0:
             raise SiftError(f"hbm_budget_bytes={hbm_budget_bytes!r} must be an integer >= 0 (0 disables the cache)")
         if device is None:
@@ -149,11 +151,8 @@ class SiftIndex:
         ids, hashes, n_tok, la_chunks, ca_chunks = [], [], [], [], []
         vectors = self.n_layers * self.n_heads
         for shard in reader.manifest.shards:
-            where = reader.path(shard)  # checked to lie inside the index
-            try:
-                table = pq.read_table(where, columns=_COLUMNS)
-            except (OSError, pa.ArrowException) as e:
-                raise SiftError(f"shard {where} cannot be read ({e}): rebuild the index") from None
+            where = reader.show(shard)
+            table = reader.read(shard, _COLUMNS)  # checked to lie inside the index
             n = table.column("n_tokens").to_numpy().astype(np.int64)
             la, ca = _binary_chunks(table.column("la_bits"), where, "la_bits"), \
                 _binary_chunks(table.column("ca_bits"), where, "ca_bits")

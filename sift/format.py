@@ -2,15 +2,19 @@
 
     INDEX/
       .sift-index                   marker: this folder is a SIFT index (written before anything else)
-      .lock                         held (flock) by the one builder writing the folder
-      manifest.json                 the only file ever replaced: temp file, fsync, rename, fsync(dir)
+      .lock                         held (flock) by the one builder writing the folder; on an object store a
+                                    lease object (owner, host, pid, expiry) that the builder renews
+      manifest.json                 the only file ever replaced: temp file, fsync, rename, fsync(dir); on an
+                                    object store one put, written after everything it lists
       manifests/gen-N.json          a copy of every committed manifest (history; recovery from a bad or lost
                                     manifest.json), written once: generation numbers never go back
       shards/part-<sha>.parquet     document rows (DOCS_SCHEMA), named by the sha256 of their bytes, never modified
       shards/errors-<sha>.parquet   the errors table of a generation (ERRORS_SCHEMA)
 
-A manifest is trusted only inside its folder: every file it lists must be `shards/<name>.parquet` and must not
-lead outside the index through a symlink, or the index is refused before any listed file is opened.
+The index may live in a local folder or on an object store (`sift.storage.Location`: s3://, gs://, hdfs://);
+docs/SPEC.md section 3 gives the commit protocol of each. A manifest is trusted only inside its folder: every
+file it lists must be `shards/<name>.parquet` and must not lead outside the index through a symlink, or the
+index is refused before any listed file is opened.
 
 This module owns the names, schemas and sizes of that layout, the typed manifest (`Manifest`, `ShardInfo`,
 `ModelIdentity`) and the read-only view of one committed generation (`IndexReader`). Writing lives in the
@@ -30,6 +34,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from sift.errors import SiftError
+from sift.storage import Location
 
 FORMAT = "sift-index"
 FORMAT_VERSION = 1
@@ -268,46 +273,59 @@ class Manifest:
                    last_build=dict(d.get("last_build") or {}))
 
 
-def history(index_dir: Path) -> dict[int, Path]:
-    """generation -> manifests/gen-N.json for every history file of the index."""
+def history(index: Location) -> dict[int, str]:
+    """generation -> `manifests/gen-N.json` (relative to the index) for every history file of the index."""
     found = {}
-    for f in (index_dir / HISTORY).glob("gen-*.json"):
-        number = f.name[len("gen-"):-len(".json")]
-        if number.isdigit():
-            found[int(number)] = f
+    for rel in Location.of(index).files(HISTORY):
+        name = rel.rsplit("/", 1)[-1]
+        number = name[len("gen-"):-len(".json")]
+        if name.startswith("gen-") and name.endswith(".json") and number.isdigit():
+            found[int(number)] = rel
     return found
 
 
-def restore_command(index_dir: Path) -> str:
-    """The shell command that makes the newest history file the live manifest again."""
-    newest = max(history(index_dir), default=None)
-    return f"cp {index_dir}/{HISTORY}/gen-{newest}.json {index_dir}/{MANIFEST}" if newest else "rebuild the index"
+def restore_command(index: Location) -> str:
+    """The command that makes the newest history file the live manifest again."""
+    index = Location.of(index)
+    newest = max(history(index), default=None)
+    if newest is None:
+        return "rebuild the index"
+    source, target = index.show(f"{HISTORY}/gen-{newest}.json"), index.show(MANIFEST)
+    return f"cp {source} {target}" if index.local else f"copy {source} to {target}"
 
 
-def load_manifest(path: Path, index_dir: Path) -> Manifest:
+def _read_text(index: Location, rel: str) -> str:
+    if index.local:
+        return (index.local_path / rel).read_text()
+    return index.read_bytes(rel).decode()
+
+
+def load_manifest(index: Location, rel: str) -> Manifest:
     """Read and validate one manifest file (manifest.json or a history copy); SiftError naming a bad one."""
+    where = index.show(rel)
     try:
-        raw = json.loads(path.read_text())
+        raw = json.loads(_read_text(index, rel))
     except OSError as e:
-        raise SiftError(f"cannot read {path}: {e.strerror}: fix its permissions") from None
+        raise SiftError(f"cannot read {where}: {e.strerror or e}: fix its permissions (or the credentials of "
+                        f"the store)") from None
     except (ValueError, UnicodeDecodeError) as e:
-        raise SiftError(f"{path} is corrupt ({e}): restore it from {index_dir}/{HISTORY}/gen-N.json "
+        raise SiftError(f"{where} is corrupt ({e}): restore it from {index.show(HISTORY)}/gen-N.json "
                         f"(the last good copy) or rebuild the index") from None
-    return Manifest.from_dict(raw, str(path))
+    return Manifest.from_dict(raw, where)
 
 
-def read_manifest(index_dir: Path) -> Manifest | None:
+def read_manifest(index: Location) -> Manifest | None:
     """The committed manifest, None for an index with no generation yet; SiftError naming a bad one, and for a
     missing manifest.json whose history shows generations were committed (it must be restored, not ignored)."""
-    path = index_dir / MANIFEST
-    if not path.exists():
-        if not (index_dir / MARKER).exists():
-            raise SiftError(f"{index_dir} is not a SIFT index (no {MANIFEST}): build one with `sift-build`")
-        if history(index_dir):
-            raise SiftError(f"{path} is missing although {index_dir}/{HISTORY} holds committed generations: "
-                            f"restore the newest with `{restore_command(index_dir)}`")
+    index = Location.of(index)
+    if not index.is_file(MANIFEST):
+        if not index.is_file(MARKER):
+            raise SiftError(f"{index.uri} is not a SIFT index (no {MANIFEST}): build one with `sift-build`")
+        if history(index):
+            raise SiftError(f"{index.show(MANIFEST)} is missing although {index.show(HISTORY)} holds committed "
+                            f"generations: restore the newest with `{restore_command(index)}`")
         return None
-    return load_manifest(path, index_dir)
+    return load_manifest(index, MANIFEST)
 
 
 # ------------------------------------------------------------------------------------------- reading
@@ -323,36 +341,44 @@ def _inside(root: Path, rel: str) -> Path:
     return path
 
 
-def read_parquet(path: Path, columns: list[str] | None = None) -> pa.Table:
+def read_parquet(index: Location, rel: str, columns: list[str] | None = None) -> pa.Table:
     """A whole shard; SiftError when the file is not readable Parquet (whatever its checksum says)."""
     try:
-        return pq.read_table(path, columns=columns)
+        return pq.read_table(index.path(rel), filesystem=index.fs, columns=columns)
     except (OSError, pa.ArrowException) as e:
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise SiftError(f"shard {path} is not a readable Parquet file ({reason}): rebuild the index") from None
+        raise SiftError(f"shard {index.show(rel)} is not a readable Parquet file ({reason}): rebuild the "
+                        f"index") from None
+
+
+def _sha256(index: Location, rel: str) -> str:
+    return sha256_file(index.local_path / rel) if index.local else index.sha256(rel)
 
 
 class IndexReader:
-    """Read-only view of one committed generation, with checksums verified (plain pyarrow underneath).
+    """Read-only view of one committed generation, with checksums verified (plain pyarrow underneath), in a
+    local folder or on an object store (`sift.storage.Location`).
 
     Opening refuses a generation whose files lead outside the index folder, before any of them is read."""
 
-    def __init__(self, index_dir: Path, manifest: Manifest):
-        self.root = index_dir
+    def __init__(self, index: Location, manifest: Manifest):
+        self.location = Location.of(index)
         self.manifest = manifest
         for e in manifest.files():
-            _inside(index_dir, e.path)
+            self._checked(e.path)
 
     @classmethod
-    def open(cls, path: str | Path, *, verify: bool = True) -> "IndexReader":
-        root = Path(path)
-        if not root.is_dir():
-            raise SiftError(f"index {root} does not exist: build it with `sift-build CORPUS --out {root}`")
-        manifest = read_manifest(root)
+    def open(cls, path: "str | Path | Location", *, verify: bool = True) -> "IndexReader":
+        """path: a folder, or a URI `sift.storage` opens (s3://, gs://, hdfs://, file://)."""
+        index = Location.of(path)
+        if not index.is_dir():
+            raise SiftError(f"index {index.uri} does not exist: build it with `sift-build CORPUS --out "
+                            f"{index.uri}`")
+        manifest = read_manifest(index)
         if manifest is None:
-            raise SiftError(f"index {root} has no committed generation yet (a first build is running or was "
+            raise SiftError(f"index {index.uri} has no committed generation yet (a first build is running or was "
                             f"killed): run `sift-build` to finish it")
-        reader = cls(root, manifest)
+        reader = cls(index, manifest)
         if verify:
             reader.verify()
         return reader
@@ -361,22 +387,32 @@ class IndexReader:
     def generation(self) -> int:
         return self.manifest.generation
 
-    def path(self, info: ShardInfo) -> Path:
-        """Where a file of this generation is (checked to be inside the index folder)."""
-        return _inside(self.root, info.path)
+    def _checked(self, rel: str) -> str:
+        """`rel`, refused when a local symlink takes it outside the index folder (object stores have none)."""
+        if self.location.local:
+            _inside(self.location.local_path, rel)
+        return rel
+
+    def show(self, info: ShardInfo) -> str:
+        """Where a file of this generation is, as users see it."""
+        return self.location.show(info.path)
+
+    def read(self, info: ShardInfo, columns: list[str] | None = None) -> pa.Table:
+        """One file of this generation (checked to be inside the index folder)."""
+        return read_parquet(self.location, self._checked(info.path), columns)
 
     def verify(self) -> None:
         for e in self.manifest.files():
-            path = self.path(e)
-            if not path.is_file():
-                raise SiftError(f"shard {path} listed in the manifest is missing: rebuild the index")
-            if path.stat().st_size != e.bytes or sha256_file(path) != e.sha256:
-                raise SiftError(f"shard {path} is corrupt (sha256 does not match the manifest): rebuild the "
+            rel, where = self._checked(e.path), self.show(e)
+            if not self.location.is_file(rel):
+                raise SiftError(f"shard {where} listed in the manifest is missing: rebuild the index")
+            if self.location.size(rel) != e.bytes or _sha256(self.location, rel) != e.sha256:
+                raise SiftError(f"shard {where} is corrupt (sha256 does not match the manifest): rebuild the "
                                 f"index (`sift-build` re-profiles its documents)")
 
     def table(self, columns: list[str] | None = None) -> pa.Table:
         """All document rows of this generation."""
-        tables = [read_parquet(self.path(s), columns) for s in self.manifest.shards]
+        tables = [self.read(s, columns) for s in self.manifest.shards]
         if not tables:
             schema = DOCS_SCHEMA if columns is None else pa.schema([DOCS_SCHEMA.field(c) for c in columns])
             return schema.empty_table()
@@ -386,4 +422,4 @@ class IndexReader:
         e = self.manifest.errors
         if not e:
             return ERRORS_SCHEMA.empty_table()
-        return read_parquet(self.path(e)).replace_schema_metadata(None)
+        return self.read(e).replace_schema_metadata(None)
