@@ -3,9 +3,11 @@
 The 8B Llama shape of bench_ttft.py (random bf16 weights, 32 layers, 32 query / 8 KV heads, head_dim 128),
 prompts of `--contexts` tokens: 2048-token documents of random token ids and a 512-token query, bits from the
 same anchor generator (tile 128). Per context, one request, each configuration the median of `--reps` after a
-warm-up:
+warm-up (emptying the store for "cold", or its HBM tier for "DRAM", happens before each timed call, untimed):
 
     dense           transformers + SDPA, plain forward of the unsegmented prompt
+    query_only      transformers + SDPA forward of the 512-token query alone, no context: the floor of any
+                    warm reuse (its MLPs and projections must run; only attention to the context is added)
     hf_cache        transformers + SDPA with the documents' KV already in a DynamicCache: only the query's
                     forward is timed (the peer: what a plain prefix cache gives)
     sift            SiftEngine mode "sift"
@@ -15,8 +17,9 @@ warm-up:
     hybrid_hbm      mode "hybrid" (the default policy and fraction), every document in HBM
 
 First, the engine-level check on a two-document prompt: "reuse" and "hybrid" prefill and generation with the
-Triton kernels against the torch backend on the same model. Also reported: the store's bookkeeping time (lookups, page allocation) as a share of the warm TTFT, and the
-DRAM-warm run's host-to-device bytes over its TTFT (achieved GB/s). Writes bench/results/reuse.json.
+Triton kernels against the torch backend on the same model. Also reported: the store's bookkeeping time (lookups,
+page allocation) as a share of the warm TTFT, and the DRAM-warm run's host-to-device bytes over its TTFT
+(achieved GB/s). Writes bench/results/reuse.json.
 
     python bench/bench_reuse.py [--contexts 16384,32768,65536] [--reps 3]
     python bench/bench_reuse.py --smoke     # tiny random Llama on CPU: checks the script runs
@@ -26,6 +29,7 @@ from __future__ import annotations
 import gc
 import json
 import pathlib
+import statistics
 import tempfile
 import time
 
@@ -96,12 +100,29 @@ def check_backends(model, engine: SiftEngine, store: KVStore, req: Request) -> d
         b = twin.generate([req, req], max_new_tokens=4, mode=mode)
         out[f"{mode}_rel_err_triton_vs_torch"] = common.rel_err(a.prefill.logits, b.prefill.logits)
         out[f"{mode}_tokens_equal"] = a.token_ids == b.token_ids
-    warm = engine.prefill([req], mode="reuse")
     store.clear()
     cold = engine.prefill([req], mode="reuse")
+    warm = engine.prefill([req], mode="reuse")
     out["warm_equals_cold_max_abs"] = float((warm.logits - cold.logits).abs().max())
     store.clear()
     return out
+
+
+def timed_after(setup, fn, reps: int) -> tuple[float, object]:
+    """Median seconds of `reps` synchronised calls of fn after one warm-up, `setup` run (and synchronised)
+    before each call, outside the timed region."""
+    times, out = [], None
+    for rep in range(reps + 1):
+        setup()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        if rep:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
 
 
 def measure(model, engine: SiftEngine, store: KVStore, req: Request, reps: int) -> dict:
@@ -111,29 +132,26 @@ def measure(model, engine: SiftEngine, store: KVStore, req: Request, reps: int) 
     def dense():
         return model(input_ids=prompt, logits_to_keep=1).logits[0, -1].float()
 
+    query = torch.tensor([engine.tokenize(req)[-1][1]], device=engine.device)
+
+    @torch.inference_mode()
+    def query_only():
+        return model(input_ids=query, logits_to_keep=1).logits
+
     row = {}
     row["dense_s"], dense_logits = timed(dense, reps)
+    row["query_only_s"], _ = timed(query_only, reps)
     row["hf_cache_s"] = hf_cache_ttft(model, engine, req, reps)
     row["sift_s"], sift = timed(lambda: engine.prefill([req], mode="sift"), reps)
 
-    def cold():
-        store.clear()
-        return engine.prefill([req], mode="reuse")
-
-    row["reuse_cold_s"], res_cold = timed(cold, reps)
+    reuse = lambda: engine.prefill([req], mode="reuse")  # noqa: E731
+    row["reuse_cold_s"], res_cold = timed_after(store.clear, reuse, reps)
     row["reuse_hbm_s"], res_hbm = timed(lambda: engine.prefill([req], mode="reuse"), reps)
     assert res_hbm.store["computed"] == 0 and res_hbm.store["dram"] == 0, res_hbm.store
 
-    moved = []
-
-    def dram():
-        store.clear(dram=False)
-        before = store.stats()["bytes_h2d"]
-        res = engine.prefill([req], mode="reuse")
-        moved.append(store.stats()["bytes_h2d"] - before)
-        return res
-
-    row["reuse_dram_s"], res_dram = timed(dram, reps)
+    before = store.stats()["bytes_h2d"]
+    row["reuse_dram_s"], res_dram = timed_after(lambda: store.clear(dram=False), reuse, reps)
+    moved = [(store.stats()["bytes_h2d"] - before) // (reps + 1)]
     assert res_dram.store["dram"] == len(req.docs), res_dram.store
     row["hybrid_hbm_s"], res_hyb = timed(lambda: engine.prefill([req], mode="hybrid"), reps)
     for name in ("hf_cache", "sift", "reuse_cold", "reuse_hbm", "reuse_dram", "hybrid_hbm"):
@@ -159,7 +177,7 @@ def main() -> None:
     ap.add_argument("--contexts", default="16384,32768,65536")
     ap.add_argument("--doc-tokens", type=int, default=2048)
     ap.add_argument("--query-tokens", type=int, default=512)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--hbm-gib", type=float, default=24.0, help="the store's HBM pool")
     ap.add_argument("--dram-gib", type=float, default=24.0, help="the store's pinned DRAM tier")
     args = ap.parse_args()

@@ -113,6 +113,7 @@ def one_copy_check() -> dict:
 
 def plot(result: dict, path: pathlib.Path) -> None:
     from matplotlib.figure import Figure
+    from matplotlib.ticker import NullLocator
 
     fig = Figure(figsize=(11, 4.2))
     ax1, ax2 = fig.subplots(1, 2)
@@ -127,8 +128,12 @@ def plot(result: dict, path: pathlib.Path) -> None:
     ax2.axhline(c["dense_s"] * 1e3, color="k", lw=1, label="dense")
     ax2.axhline(c["sift_s"] * 1e3, color="grey", lw=1, ls=":", label="sift")
     ax1.set(xscale="log", xlabel="HBM budget (GiB)", ylabel="share of documents", title="Hit ratio per tier")
-    ax2.set(xscale="log", yscale="log", xlabel="HBM budget (GiB)", ylabel="TTFT (ms, modelled)",
+    ax2.set(xscale="log", ylim=(0, None), xlabel="HBM budget (GiB)", ylabel="TTFT (ms, modelled)",
             title="TTFT per request (8 x 2K documents + 512-token query)")
+    budgets = sorted({r["hbm_gib"] for rows in result["alphas"].values() for r in rows if r["feasible"]})
+    for ax in (ax1, ax2):
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.set_xticks(budgets, [f"{b:g}" for b in budgets])
     ax1.legend(fontsize=7)
     ax2.legend(fontsize=7)
     fig.tight_layout()

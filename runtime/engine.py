@@ -20,6 +20,12 @@ Generation appends a "generated" segment per request, starting at the request's 
 step runs the model on one token per request at its local position in that segment, writes its K/V into the
 position-free cache and attends with the decode kernel, which rotates q once per segment (LazyAttention).
 
+Modes "reuse" and "hybrid" (runtime/reuse.py, docs/SPEC.md section 6) take the documents' KV from a KVStore
+(runtime/kv_store.py): a missing document is first computed on its own after the index's profiling prefix (one
+forward over all the batch's misses, straight into their pages), then the request's forward runs only its
+prefix, query, last and recomputed blocks (`q_blocks`), the other blocks' KV read from the documents' pages
+through a `PagedKVCache`.
+
 Backends (runtime/backends.py): "triton" (CUDA kernels), "torch" (CPU), "reference" (the kernels' torch twins
 everywhere; small models only); "auto" picks triton on CUDA and torch on CPU, once, when the engine is made;
 the result records which one ran.
@@ -550,15 +556,16 @@ class SiftEngine:
             self.model.base_model(input_ids=all_ids[None], position_ids=layout.token_local_pos[None],
                                   use_cache=False, sift_state=state)
         k_ctx, _ = cache.prompt_kv(reuse.DEVIATION_LAYER)
-        pool = self.kv_store.k_pool[reuse.DEVIATION_LAYER]
-        h, _, d = pool.shape
+        lease.wait_layer(reuse.DEVIATION_LAYER)
+        pool = self.kv_store.k_pool[reuse.DEVIATION_LAYER]          # [slots, Hkv, D]
+        _, h, d = pool.shape
         blk = self.block
         out = []
         for i, k in enumerate(keys):
             f, n = int(layout.doc_first_block[i]), int(layout.doc_n_blocks[i])
-            cached = pool.view(h, -1, blk, d).index_select(1, lease.doc_pages[k]).float()
-            ctx = k_ctx.view(h, -1, blk, d)[:, f:f + n].float()
-            out.append(((ctx - cached) ** 2).sum(dim=(0, 2, 3)).cpu().numpy())
+            cached = pool.view(-1, blk, h, d).index_select(0, lease.doc_pages[k]).float()   # [n, blk, Hkv, D]
+            ctx = k_ctx.reshape(h, -1, blk, d)[:, f:f + n].permute(1, 2, 0, 3).float()
+            out.append(((ctx - cached) ** 2).sum(dim=(1, 2, 3)).cpu().numpy())
         return out
 
     def _bits_of(self, layout, docs, timer: _Timer):

@@ -103,27 +103,30 @@ class PagedKVCache:
     def write_prompt(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """key / value: [Hkv, n computed, D] -> their pool slots."""
         self.lease.wait_layer(layer)   # a promotion into other pages of this layer may still be running
-        self.store.k_pool[layer].index_copy_(1, self.token_slots, key)
-        self.store.v_pool[layer].index_copy_(1, self.token_slots, value)
+        self.store.k_pool[layer].index_copy_(0, self.token_slots, key.transpose(0, 1))
+        self.store.v_pool[layer].index_copy_(0, self.token_slots, value.transpose(0, 1))
         self._written.add(layer)
 
     def prompt_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """[Hkv, NB * block, D]: the prompt's blocks in logical order, gathered from their pages."""
+        """[Hkv, NB * block, D], contiguous: the prompt's blocks in logical order, gathered from their pages in one
+        copy (head-major, the layout the prefill kernels read fastest)."""
         blk = self.layout.block
 
         def gather(pool: torch.Tensor) -> torch.Tensor:
-            h, _, d = pool.shape
-            return pool.view(h, -1, blk, d).index_select(1, self.block_pages).view(h, -1, d)
+            _, h, d = pool.shape
+            heads = pool.view(-1, blk, h, d).permute(2, 0, 1, 3)          # [Hkv, pages, blk, D] view
+            return heads.index_select(1, self.block_pages).view(h, -1, d)
 
         return gather(self.store.k_pool[layer]), gather(self.store.v_pool[layer])
 
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.store.k_pool[layer], self.store.v_pool[layer]
+        """[Hkv, pool slots, D] views of the whole pool (the decode kernel reads the pages in place)."""
+        return self.store.k_pool[layer].transpose(0, 1), self.store.v_pool[layer].transpose(0, 1)
 
     def advance(self, slots: torch.Tensor) -> None:
         block = self.layout.block
         self.block_valid[slots // block] = (slots % block + 1).to(torch.int32)
 
     def append(self, layer: int, slots: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-        self.store.k_pool[layer].index_copy_(1, slots, key)
-        self.store.v_pool[layer].index_copy_(1, slots, value)
+        self.store.k_pool[layer].index_copy_(0, slots, key.transpose(0, 1))
+        self.store.v_pool[layer].index_copy_(0, slots, value.transpose(0, 1))

@@ -9,11 +9,12 @@ context), keys rotated at segment-local positions (the form the attention kernel
 (model fingerprint, content hash of the token ids, KV dtype, profiling prefix, page size): never a position, so
 any request at any offset reads the same bytes.
 
-HBM tier: one pool per K and V, allocated once (`[n_layers, Hkv, pages * block, D]`), cut into pages of one kernel
-block. Everything a call attends to lives there: documents' pages (entries) and the call's own pages (its prefix,
-query, generated tokens and recomputed blocks: "scratch", freed when the call ends). No allocation per request.
-DRAM tier: one pinned host tensor per entry, `[n_layers, 2, Hkv, n_pages * block, D]`, so each layer of an entry
-is one contiguous piece and moves with one large copy.
+HBM tier: one pool per K and V, allocated once, `[n_layers, pages * block, Hkv, D]` (token-major: the kernels see a
+layer as `[Hkv, slots, D]` through strides), cut into pages of one kernel block. Everything a call attends to lives
+there: documents' pages (entries) and the call's own pages (its prefix, query, generated tokens and recomputed
+blocks: "scratch", freed when the call ends). DRAM tier: the same layout in pinned host memory, also allocated
+once. Pages are handed out as one contiguous run wherever one is free, so one layer of an entry is one contiguous
+piece in either tier and moves between them with one large copy. No allocation per request in either tier.
 
 Policy. An entry a running call uses is pinned (reference count) and never evicted. Eviction is LRU in both tiers:
 every entry of one model costs the same per token to recompute and to move, so recency is the only signal that
@@ -37,6 +38,9 @@ import numpy as np
 import torch
 
 from sift.errors import SiftError
+
+# Layers of a promotion queued ahead of the layer the forward waits for.
+PREFETCH_LAYERS = 2
 
 
 def entry_key(fingerprint: str, content_hash: str, n_tokens: int, dtype: torch.dtype, prefix_ids, block: int) -> str:
@@ -68,7 +72,7 @@ class _Entry:
     n_tokens: int
     n_pages: int
     pages: np.ndarray | None = None        # int64 [n_pages] HBM pages, None when not in HBM
-    host: torch.Tensor | None = None       # DRAM copy, None when not in DRAM
+    host: np.ndarray | None = None         # int64 [n_pages] DRAM pages, None when not in DRAM
     host_done: torch.cuda.Event | None = None  # the write-back's completion (CUDA)
     refs: int = 0
     committed: bool = False                # its KV is whole (False while the call that computes it runs)
@@ -85,8 +89,9 @@ class Lease:
     doc_pages: dict[str, torch.Tensor]
     status: dict[str, str]
     scratch: torch.Tensor
-    layer_ready: list | None = None        # CUDA events, one per layer, of the promotions (None: nothing to wait)
+    layer_ready: "_Promotion | None" = None  # the promotions' per-layer copies (None: nothing to wait for)
     _entries: list = field(default_factory=list)
+    _scratch_np: np.ndarray | None = None
     _released: bool = False
 
     @property
@@ -94,9 +99,12 @@ class Lease:
         return [k for k, s in self.status.items() if s == "miss"]
 
     def wait_layer(self, layer: int) -> None:
-        """Make the current stream wait for layer `layer` of the promoted entries (no-op on CPU / when none)."""
+        """Make the current stream wait for layer `layer` of the promoted entries (no-op on CPU / when none),
+        after queueing the copies of the layers PREFETCH_LAYERS ahead: the host queues a layer's copies while
+        the GPU still runs earlier ones, so queueing never delays the forward's start."""
         if self.layer_ready is not None:
-            torch.cuda.current_stream(self.store.geometry.device).wait_event(self.layer_ready[layer])
+            self.layer_ready.queue_through(layer + PREFETCH_LAYERS)
+            torch.cuda.current_stream(self.store.geometry.device).wait_event(self.layer_ready.events[layer])
 
     def commit(self) -> None:
         """The misses' KV is written: keep them (and start their write-back to DRAM)."""
@@ -123,12 +131,13 @@ class KVStore:
         self.hbm_bytes, self.dram_bytes = hbm_bytes, dram_bytes
         self.geometry: Geometry | None = None
         self.fingerprint: str | None = None
-        self.k_pool = self.v_pool = None
+        self.k_pool = self.v_pool = None              # [n_layers, pages * block, Hkv, D]
+        self.k_host = self.v_host = None              # the DRAM tier, same layout
         self.page_valid: torch.Tensor | None = None  # int32 [pages]: real slots of each page (decode reads it)
         self._free: np.ndarray | None = None          # bool [pages]
+        self._host_free: np.ndarray | None = None     # bool [DRAM pages]
         self._hbm: OrderedDict[str, _Entry] = OrderedDict()   # entries with pages, LRU first
         self._dram: OrderedDict[str, _Entry] = OrderedDict()  # entries with a host copy, LRU first
-        self._dram_used = 0
         self._lock = threading.RLock()
         self._stream = None
         self._counts = dict(hits_hbm=0, hits_dram=0, misses=0, evictions=0, evictions_dram=0, demotions=0,
@@ -149,11 +158,17 @@ class KVStore:
                 raise SiftError(f"KVStore hbm_bytes={self.hbm_bytes} holds no page of {geometry.page_bytes} bytes "
                                 f"(one {geometry.block}-token block of K and V, every layer): raise hbm_bytes")
             g = geometry
-            shape = (g.n_layers, g.n_kv_heads, pages * g.block, g.head_dim)
+            shape = (g.n_layers, pages * g.block, g.n_kv_heads, g.head_dim)
             self.k_pool = torch.zeros(shape, dtype=g.dtype, device=g.device)
             self.v_pool = torch.zeros(shape, dtype=g.dtype, device=g.device)
             self.page_valid = torch.zeros(pages, dtype=torch.int32, device=g.device)
             self._free = np.ones(pages, dtype=bool)
+            host_pages = self.dram_bytes // g.page_bytes
+            host_shape = (g.n_layers, host_pages * g.block, g.n_kv_heads, g.head_dim)
+            pin = g.device.type == "cuda"
+            self.k_host = torch.empty(host_shape, dtype=g.dtype, pin_memory=pin)
+            self.v_host = torch.empty(host_shape, dtype=g.dtype, pin_memory=pin)
+            self._host_free = np.ones(host_pages, dtype=bool)
             self.geometry, self.fingerprint = g, fingerprint
             if g.device.type == "cuda":
                 self._stream = torch.cuda.Stream(device=g.device)
@@ -172,8 +187,10 @@ class KVStore:
         with self._lock:
             page = self.geometry.page_bytes if self.geometry else 0
             used = sum(e.n_pages for e in self._hbm.values())
-            return dict(hbm_bytes=used * page, dram_bytes=self._dram_used, hbm_capacity=self.n_pages * page,
-                        dram_capacity=self.dram_bytes, entries_hbm=len(self._hbm), entries_dram=len(self._dram),
+            host_used = sum(e.n_pages for e in self._dram.values())
+            host_pages = len(self._host_free) if self._host_free is not None else 0
+            return dict(hbm_bytes=used * page, dram_bytes=host_used * page, hbm_capacity=self.n_pages * page,
+                        dram_capacity=host_pages * page, entries_hbm=len(self._hbm), entries_dram=len(self._dram),
                         pinned=sum(e.refs > 0 for e in {**self._dram, **self._hbm}.values()), **self._counts)
 
     def clear(self, *, hbm: bool = True, dram: bool = True) -> None:
@@ -259,19 +276,12 @@ class KVStore:
         self.page_valid[torch.as_tensor(pages, device=self.geometry.device)] = valid.to(self.geometry.device)
 
     def _allocate(self, n: int) -> np.ndarray:
-        """n free pages, as one contiguous run where there is one (a layer of the entry is then one copy)."""
-        if n == 0:
-            return np.zeros(0, dtype=np.int64)
+        """n free HBM pages (evicting LRU entries as needed)."""
         while int(self._free.sum()) < n:
             if not self._evict_one():
                 raise SiftError(f"the KVStore's HBM pool has no {n} free pages: every entry is in use by this call; "
                                 f"raise KVStore(hbm_bytes=...)")
-        free = np.flatnonzero(self._free)
-        runs = np.split(free, np.flatnonzero(np.diff(free) != 1) + 1)
-        run = next((r for r in runs if len(r) >= n), None)
-        pages = run[:n] if run is not None else free[:n]
-        self._free[pages] = False
-        return pages.astype(np.int64)
+        return _take(self._free, n)
 
     def _evict_one(self, demote: bool = True) -> bool:
         """Evict the least recently used unpinned HBM entry (copied down to DRAM first if it has no copy there).
@@ -292,83 +302,71 @@ class KVStore:
 
     # -------------------------------------------------------------------------------------- the tiers
 
-    def _runs(self, pages: np.ndarray):
-        """(first pool page, first entry page, length) of each contiguous run of an entry's pages."""
-        cuts = np.flatnonzero(np.diff(pages) != 1) + 1
-        starts = np.concatenate([[0], cuts])
-        ends = np.concatenate([cuts, [len(pages)]])
-        return [(int(pages[s]), int(s), int(t - s)) for s, t in zip(starts, ends)]
+    def _copy(self, dst_pages: np.ndarray, src_pages: np.ndarray, dst, src, layers, non_blocking: bool) -> None:
+        """Copy an entry's pages between tiers, layer by layer: one copy per layer and contiguous run of both
+        page lists (the whole entry when both are one run)."""
+        blk = self.geometry.block
+        for d0, s0, n in _runs(dst_pages, src_pages):
+            d, s_ = slice(d0 * blk, (d0 + n) * blk), slice(s0 * blk, (s0 + n) * blk)
+            for layer in layers:
+                dst[0][layer, d].copy_(src[0][layer, s_], non_blocking=non_blocking)
+                dst[1][layer, d].copy_(src[1][layer, s_], non_blocking=non_blocking)
 
-    def _make_dram_room(self, size: int, keep: _Entry) -> bool:
-        if size > self.dram_bytes:
+    def _make_dram_room(self, n: int, keep: _Entry) -> bool:
+        """Free DRAM pages for n more (dropping LRU entries no call uses); False when they cannot be had."""
+        if n > len(self._host_free):
             return False
         for key in list(self._dram):
-            if self._dram_used + size <= self.dram_bytes:
+            if int(self._host_free.sum()) >= n:
                 break
             e = self._dram[key]
             if e.refs or e is keep:
                 continue
             self._drop_host(e)
-        return self._dram_used + size <= self.dram_bytes
+        return int(self._host_free.sum()) >= n
 
     def _drop_host(self, e: _Entry) -> None:
         if e.host_done is not None:
-            e.host_done.synchronize()   # the pinned buffer goes back to the allocator: its copy must be done
+            e.host_done.synchronize()   # its pages are rewritten next: the write-back must have finished
         self._dram.pop(e.key)
-        self._dram_used -= self._entry_bytes(e)
+        self._host_free[e.host] = True
         e.host, e.host_done = None, None
         self._counts["evictions_dram"] += 1
 
     def _write_back(self, e: _Entry, *, synchronous: bool) -> None:
-        """Copy an HBM entry into a new pinned host buffer (when DRAM has room; else it is simply dropped at
-        eviction). Asynchronous on the side stream unless `synchronous` (eviction: its pages are reused next)."""
-        size = self._entry_bytes(e)
-        if not self._make_dram_room(size, e):
+        """Copy an HBM entry into DRAM pages (when DRAM has room; else it is simply dropped at eviction).
+        Asynchronous on the side stream unless `synchronous` (eviction: its pages are reused next)."""
+        if not self._make_dram_room(e.n_pages, e):
             return
         g = self.geometry
         cuda = g.device.type == "cuda"
-        host = torch.empty((g.n_layers, 2, g.n_kv_heads, e.n_pages * g.block, g.head_dim), dtype=g.dtype,
-                           pin_memory=cuda)
+        host = _take(self._host_free, e.n_pages)
         stream = self._stream if cuda and not synchronous else None
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(g.device))
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            for first, off, n in self._runs(e.pages):
-                sl = slice(first * g.block, (first + n) * g.block)
-                dst = slice(off * g.block, (off + n) * g.block)
-                host[:, 0, :, dst].copy_(self.k_pool[:, :, sl], non_blocking=cuda)
-                host[:, 1, :, dst].copy_(self.v_pool[:, :, sl], non_blocking=cuda)
+            self._copy(host, e.pages, (self.k_host, self.v_host), (self.k_pool, self.v_pool), range(g.n_layers), cuda)
             if cuda:
                 e.host_done = torch.cuda.Event()
                 e.host_done.record()
         e.host = host
         self._dram[e.key] = e
-        self._dram_used += size
-        self._counts["bytes_d2h"] += size
+        self._counts["bytes_d2h"] += self._entry_bytes(e)
         if synchronous:
             self._counts["demotions"] += 1
 
-    def _promote(self, entries: list[_Entry]) -> list | None:
-        """DRAM -> the entries' new HBM pages, layer by layer (on the side stream on CUDA); -> per-layer events."""
-        g = self.geometry
-        cuda = g.device.type == "cuda"
-        events = [] if cuda else None
-        if cuda:
-            self._stream.wait_stream(torch.cuda.current_stream(g.device))  # the pages' previous readers
-        with torch.cuda.stream(self._stream) if cuda else contextlib.nullcontext():
-            for layer in range(g.n_layers):
-                for e in entries:
-                    for first, off, n in self._runs(e.pages):
-                        sl = slice(first * g.block, (first + n) * g.block)
-                        src = slice(off * g.block, (off + n) * g.block)
-                        self.k_pool[layer, :, sl].copy_(e.host[layer, 0, :, src], non_blocking=cuda)
-                        self.v_pool[layer, :, sl].copy_(e.host[layer, 1, :, src], non_blocking=cuda)
-                if cuda:
-                    ev = torch.cuda.Event()
-                    ev.record()
-                    events.append(ev)
+    def _promote(self, entries: list[_Entry]) -> "_Promotion | None":
+        """DRAM -> the entries' new HBM pages, layer by layer: synchronous on CPU (-> None); on CUDA a
+        `_Promotion` that queues them on the side stream, the first layers now and the others as the forward
+        reaches them (`Lease.wait_layer`)."""
         self._counts["bytes_h2d"] += sum(self._entry_bytes(e) for e in entries)
-        return events
+        promotion = _Promotion(self, entries)
+        if self.geometry.device.type != "cuda":
+            promotion.queue_through(self.geometry.n_layers - 1)
+            return None
+        self._stream.wait_stream(torch.cuda.current_stream(self.geometry.device))  # the pages' previous readers
+        promotion.queue_through(PREFETCH_LAYERS)
+        return promotion
 
     # ------------------------------------------------------------------------------------ end of a call
 
@@ -381,6 +379,8 @@ class KVStore:
 
     def _release(self, lease: Lease) -> None:
         with self._lock:
+            if lease.layer_ready is not None:   # a call that stopped early: its promotions still complete
+                lease.layer_ready.queue_through(self.geometry.n_layers - 1)
             for e in lease._entries:
                 e.refs -= 1
                 if not e.committed and e.refs == 0 and self._hbm.get(e.key) is e:
@@ -388,7 +388,53 @@ class KVStore:
                     self._hbm.pop(e.key)
                     self._free[e.pages] = True
                     e.pages = None
-            scratch = getattr(lease, "_scratch_np", None)
-            if scratch is not None and len(scratch):
-                self._free[scratch] = True
+            if lease._scratch_np is not None:
+                self._free[lease._scratch_np] = True
 
+
+
+class _Promotion:
+    """The copies of one call's DRAM hits into their HBM pages, queued layer by layer; `events[l]` is recorded
+    (on the side stream) after layer l's copies. The entries are pinned by the call, so their pages in both tiers
+    stay theirs until the call ends."""
+
+    def __init__(self, store: KVStore, entries: list[_Entry]):
+        self.store, self.entries = store, entries
+        self.events: list = []
+
+    def queue_through(self, last: int) -> None:
+        store = self.store
+        g = store.geometry
+        cuda = g.device.type == "cuda"
+        with torch.cuda.stream(store._stream) if cuda else contextlib.nullcontext():
+            for layer in range(len(self.events), min(last, g.n_layers - 1) + 1):
+                for e in self.entries:
+                    store._copy(e.pages, e.host, (store.k_pool, store.v_pool), (store.k_host, store.v_host),
+                                (layer,), cuda)
+                ev = torch.cuda.Event() if cuda else None
+                if cuda:
+                    ev.record()
+                self.events.append(ev)
+
+
+def _take(free: np.ndarray, n: int) -> np.ndarray:
+    """Mark n free pages of `free` (bool, True = free) taken: the first contiguous run that holds them all where
+    there is one, else the first n free pages. The caller made sure n are free."""
+    if n == 0:
+        return np.zeros(0, dtype=np.int64)
+    idx = np.flatnonzero(free)
+    runs = np.split(idx, np.flatnonzero(np.diff(idx) != 1) + 1)
+    run = next((r for r in runs if len(r) >= n), None)
+    pages = (run[:n] if run is not None else idx[:n]).astype(np.int64)
+    free[pages] = False
+    return pages
+
+
+def _runs(a: np.ndarray, b: np.ndarray) -> list[tuple[int, int, int]]:
+    """(a[i], b[i], length) of each maximal stretch where both page lists are consecutive."""
+    if len(a) == 0:
+        return []
+    cuts = np.flatnonzero((np.diff(a) != 1) | (np.diff(b) != 1)) + 1
+    starts = np.concatenate([[0], cuts])
+    ends = np.concatenate([cuts, [len(a)]])
+    return [(int(a[i]), int(b[i]), int(j - i)) for i, j in zip(starts, ends)]

@@ -178,3 +178,29 @@ def test_budget_too_small_and_bad_modes_are_refused(setup):
     stale = Request(SYSTEM, [(title, text + " Edited.")], "Why?")
     with pytest.raises(SiftError, match="stale index"):
         engine.prefill([stale], mode="reuse")
+
+
+def test_triton_backend_reuse_equals_torch_backend(tmp_path):
+    """The GPU path of the reuse modes (q_blocks prefill over pages gathered from the token-major pool, decode
+    reading the pool in place with per-entry offsets; Triton interpreted on CPU) on a tiny random Llama: same
+    logits and greedy tokens as the torch backend, one request holding a document the other holds elsewhere."""
+    from .test_engine import _tiny, fingerprint
+    from transformers import AutoTokenizer
+    from sift.model import DEFAULT_MODEL, resolve_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(DEFAULT_MODEL))
+    model = _tiny("llama", tmp_path)
+    a = ("a", "Lilu is a spirit. In Akkadian texts the lilu were wind demons of the night.")
+    b = ("b", "Gallu is a demon of the underworld, one of the seven who drag souls below.")
+    reqs = [Request("Hi.", [a, b], "Lilu?"), Request("", [b, a], "Gallu, and who else?")]
+    index = write_index(tmp_path / "index", model, fingerprint(tmp_path / "model"), doc_ids(tokenizer, reqs),
+                        tile=16, prefix_ids=[tokenizer.bos_token_id])
+    out = {}
+    for backend in ("triton", "torch"):
+        store = KVStore(hbm_bytes=8 << 20)
+        engine = SiftEngine(model, tokenizer, index, backend=backend, kv_store=store, hybrid_fraction=0.5)
+        out[backend] = [engine.generate(reqs, max_new_tokens=3, mode=m) for m in ("reuse", "hybrid:bits")]
+    for g, c in zip(out["triton"], out["torch"]):
+        assert g.prefill.backend == "triton"
+        assert (g.prefill.logits - c.prefill.logits).abs().max().item() <= 1e-4
+        assert g.token_ids == c.token_ids

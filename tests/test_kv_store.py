@@ -28,26 +28,26 @@ def pattern(doc: int, layer: int) -> float:
     return float(doc * 100 + layer)
 
 
+def token_slots(lease, key: str, n_tokens: int):
+    """(layer, pool slots of the document's real tokens in one of its pages) for every layer and page."""
+    for layer in range(GEOM.n_layers):
+        for p, page in enumerate(lease.doc_pages[key].tolist()):
+            valid = min(GEOM.block, n_tokens - p * GEOM.block)
+            yield layer, slice(page * GEOM.block, page * GEOM.block + valid)
+
+
 def compute(store: KVStore, lease, key: str, doc: int, n_tokens: int) -> None:
     """What the engine's cold forward does: write the document's KV into its pages."""
-    pages = lease.doc_pages[key]
-    for layer in range(GEOM.n_layers):
-        for p, page in enumerate(pages.tolist()):
-            valid = min(GEOM.block, n_tokens - p * GEOM.block)
-            sl = slice(page * GEOM.block, page * GEOM.block + valid)
-            store.k_pool[layer, :, sl] = pattern(doc, layer)
-            store.v_pool[layer, :, sl] = -pattern(doc, layer)
+    for layer, sl in token_slots(lease, key, n_tokens):
+        store.k_pool[layer, sl] = pattern(doc, layer)
+        store.v_pool[layer, sl] = -pattern(doc, layer)
 
 
 def check_bytes(store: KVStore, lease, key: str, doc: int, n_tokens: int) -> None:
-    pages = lease.doc_pages[key]
-    for layer in range(GEOM.n_layers):
-        for p, page in enumerate(pages.tolist()):
-            valid = min(GEOM.block, n_tokens - p * GEOM.block)
-            sl = slice(page * GEOM.block, page * GEOM.block + valid)
-            assert torch.all(store.k_pool[layer, :, sl] == pattern(doc, layer)), (key, layer, page)
-            assert torch.all(store.v_pool[layer, :, sl] == -pattern(doc, layer)), (key, layer, page)
-    valid = store.page_valid[pages].tolist()
+    for layer, sl in token_slots(lease, key, n_tokens):
+        assert torch.all(store.k_pool[layer, sl] == pattern(doc, layer)), (key, layer, sl)
+        assert torch.all(store.v_pool[layer, sl] == -pattern(doc, layer)), (key, layer, sl)
+    valid = store.page_valid[lease.doc_pages[key]].tolist()
     assert sum(valid) == n_tokens and all(v == GEOM.block for v in valid[:-1])
 
 
