@@ -7,6 +7,7 @@ PIP     := $(BIN)/python -m pip
 STAMP   := $(VENV)/.installed
 INDEX   ?= index/sample
 CORPUS  ?= pipeline/sample_corpus
+PLOTS   ?= index/sample-plots
 
 .PHONY: demo test install clean
 
@@ -22,9 +23,11 @@ $(STAMP): pyproject.toml constraints.txt
 
 install: $(STAMP)
 
+# The last lines printed are the index's tile fraction (LA tiles kept: what prefill computes of dense) and the
+# figures; density_vs_length.png shows where the skipping is: the long documents of wiki_vital_topics.jsonl.
 demo: $(STAMP)
 	$(BIN)/sift-build $(CORPUS) --out $(INDEX); rc=$$?; test $$rc -le 1 || exit $$rc
-	$(BIN)/sift-inspect $(INDEX)
+	$(BIN)/sift-inspect $(INDEX) --plot $(PLOTS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q --durations=15

@@ -6,6 +6,13 @@ each block against the full key row (so each row's softmax reduces over exactly 
 attention reduces over).
 
 Thresholds are compared in float32 (alpha, beta, gamma are rounded to float32 first), as the GPU kernel does.
+
+LA criteria (`criterion`): "threshold" (SPEC section 2: a tile is kept if some probability in it is >= alpha)
+or "mass": each document row keeps the smallest set of key tiles of its own document that holds at least
+`coverage` of the row's attention mass on the document (tiles taken in decreasing order of mass), and a tile
+is kept if some row of its query tile keeps it. Under "mass" alpha is not read; the diagonal, the sink page,
+CA (beta, gamma) and dense heads are unchanged. Only this reference implements "mass" (the builder refuses
+the Triton backend for it).
 """
 from __future__ import annotations
 
@@ -19,6 +26,7 @@ from sift.format import TILES, n_pages
 from .bits import pack_msb, square_to_tril
 
 CA_NORMALIZE = ("causal", "key_index")
+CRITERIA = ("threshold", "mass")
 
 
 @dataclass(frozen=True)
@@ -71,17 +79,19 @@ def finish_bits(
     ca_normalize: str,
     force_sink_page: bool,
     dense_heads: Sequence[int] = (),
+    kept: torch.Tensor | None = None,
 ) -> LayerBits:
     """Statistics -> packed bits.
 
     tile_max: [Hq, P, P] fp32, max A over each tile's causal cells (upper triangle ignored).
     key_counts: [Hq, L] int, number of document queries q >= k with A[q, k] >= beta.
+    kept: [Hq, P, P] bool, the LA tiles another criterion chose ("mass"); None: tile_max >= alpha.
     """
     hq, p, _ = tile_max.shape
     dev = tile_max.device
     alpha32 = torch.tensor(alpha, dtype=torch.float32, device=dev)
     gamma32 = torch.tensor(gamma, dtype=torch.float32, device=dev)
-    tiles = tile_max >= alpha32
+    tiles = tile_max >= alpha32 if kept is None else kept.clone()
     eye = torch.eye(p, dtype=torch.bool, device=dev)
     tiles |= eye
     if force_sink_page:
@@ -95,6 +105,23 @@ def finish_bits(
         tiles[h] = True
         hot[h] = True
     return LayerBits(la=pack_msb(square_to_tril(tiles)), ca=pack_msb(hot))
+
+
+def mass_tiles(ad: torch.Tensor, *, tile: int, p: int, coverage: float) -> torch.Tensor:
+    """The "mass" criterion on one block of document rows.
+
+    ad: [Hq, rows, L] fp32 probabilities of rows that start a query tile, over the document's keys (L tokens).
+    -> [Hq, ceil(rows / T), P] bool: per query tile, the key tiles some row of it needs to hold `coverage` of
+    its mass on the document (the smallest such set per row, tiles in decreasing order of mass)."""
+    hq, rows, n_doc = ad.shape
+    row_mass = torch.nn.functional.pad(ad, (0, p * tile - n_doc)).reshape(hq, rows, p, tile).sum(dim=-1)
+    ordered, order = torch.sort(row_mass, dim=-1, descending=True)
+    before = torch.cumsum(ordered, dim=-1) - ordered  # mass of the heavier tiles before each one
+    need = (before < coverage * row_mass.sum(dim=-1, keepdim=True)) & (ordered > 0)
+    keep = torch.zeros_like(need).scatter_(-1, order, need)
+    row_tiles = -(-rows // tile)
+    keep = torch.nn.functional.pad(keep, (0, 0, 0, row_tiles * tile - rows))
+    return keep.reshape(hq, row_tiles, tile, p).any(dim=2)
 
 
 def profile_layer_ref(
@@ -113,6 +140,8 @@ def profile_layer_ref(
     dense_heads: Sequence[int] = (),
     v: torch.Tensor | None = None,
     block_bytes: int = 64 << 20,
+    criterion: str = "threshold",
+    coverage: float = 0.95,
 ) -> tuple[LayerBits, torch.Tensor | None]:
     """One layer's SIFT bits for every query head.
 
@@ -121,10 +150,16 @@ def profile_layer_ref(
     v: [Hkv, Lp, D] optional; when given the layer's attention output [Hq, Lp, D] is returned too, computed
        from the same probabilities (the CPU builder uses it to continue the forward pass).
     block_bytes: scratch budget for one query block's probabilities (sets the block height).
+    criterion, coverage: the LA criterion ("threshold" or "mass", module docstring) and the mass criterion's
+       share of each row's mass, in (0, 1].
     Returns (LayerBits, output or None).
     """
     validate_profile_args(q, k, n_prefix=n_prefix, tile=tile, alpha=alpha, beta=beta, gamma=gamma,
                           ca_normalize=ca_normalize)
+    if criterion not in CRITERIA:
+        raise ValueError(f"criterion={criterion!r} must be one of {CRITERIA}")
+    if not 0.0 < coverage <= 1.0:
+        raise ValueError(f"coverage={coverage} must lie in (0, 1]")
     hq, lp, _ = q.shape
     groups = hq // k.shape[0]
     n_doc = lp - n_prefix
@@ -136,6 +171,7 @@ def profile_layer_ref(
 
     tile_max = torch.zeros(hq, p, p, dtype=torch.float32, device=q.device)
     key_counts = torch.zeros(hq, n_doc, dtype=torch.int64, device=q.device)
+    kept = torch.zeros(hq, p, p, dtype=torch.bool, device=q.device) if criterion == "mass" else None
     key_pos = torch.arange(lp, device=q.device)
     rows_per_block = max(tile, (block_bytes // (hq * lp * 4)) // tile * tile)
 
@@ -160,7 +196,10 @@ def profile_layer_ref(
         tmax = padded.reshape(hq, row_tiles, tile, p, tile).amax(dim=(2, 4))
         i0 = (r0 - n_prefix) // tile
         tile_max[:, i0:i0 + row_tiles] = tmax
+        if kept is not None:
+            kept[:, i0:i0 + row_tiles] = mass_tiles(ad, tile=tile, p=p, coverage=coverage)
 
     bits = finish_bits(tile_max, key_counts, n_doc, tile=tile, alpha=alpha, gamma=gamma,
-                       ca_normalize=ca_normalize, force_sink_page=force_sink_page, dense_heads=dense_heads)
+                       ca_normalize=ca_normalize, force_sink_page=force_sink_page, dense_heads=dense_heads,
+                       kept=kept)
     return bits, out

@@ -2,7 +2,8 @@
 boundary (unknown keys are an error), hashed, and written into the index it produced.
 
     model = "smollm2-135m-instruct"       # or a local transformers folder
-    [profile]   tile, alpha, beta, gamma, ca_normalize, force_sink_page, dense_heads, prefix_text, dtype
+    [profile]   tile, alpha, beta, gamma, la_criterion ("threshold" | "mass"), la_coverage, ca_normalize,
+                force_sink_page, dense_heads, prefix_text, dtype
     [corpus]    id_field, text_field, too_long ("error" | "split"), max_tokens (0: the model's context),
                 follow_symlinks (read files whose symlink leads outside the corpus folder)
     [build]     shard_rows, backend ("auto" | "torch" | "triton"), actors (0: sized from Ray's resources)
@@ -32,6 +33,8 @@ class ProfileConfig:
     alpha: float = 0.001
     beta: float = 0.01
     gamma: float = 0.1
+    la_criterion: str = "threshold"  # "mass": per row, the fewest LA tiles holding la_coverage of its mass
+    la_coverage: float = 0.95        # read by the "mass" criterion only (sift.kernels.profile_ref)
     ca_normalize: str = "causal"
     force_sink_page: bool = True
     dense_heads: tuple[tuple[int, int], ...] = ()
@@ -45,6 +48,10 @@ class ProfileConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
                 raise SiftError(f"profile.{name} = {value!r} must be a number in [0, 1]")
+        if self.la_criterion not in ("threshold", "mass"):
+            raise SiftError(f"profile.la_criterion = {self.la_criterion!r} must be 'threshold' or 'mass'")
+        if not isinstance(self.la_coverage, (int, float)) or not 0.0 < self.la_coverage <= 1.0:
+            raise SiftError(f"profile.la_coverage = {self.la_coverage!r} must be a number in (0, 1]")
         if self.ca_normalize not in ("causal", "key_index"):
             raise SiftError(f"profile.ca_normalize = {self.ca_normalize!r} must be 'causal' or 'key_index'")
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -99,8 +106,12 @@ class BuildConfig:
         return json.loads(json.dumps(dataclasses.asdict(self)))
 
     def profile_key(self, model_fingerprint: str, format_version: int) -> str:
-        """Hash of everything that decides the bits: equal keys mean reusable rows."""
-        payload = {"profile": dataclasses.asdict(self.profile), "model": model_fingerprint,
+        """Hash of everything that decides the bits: equal keys mean reusable rows. The threshold criterion
+        does not read la_coverage, so neither criterion field enters a threshold config's key."""
+        profile = dataclasses.asdict(self.profile)
+        if profile["la_criterion"] == "threshold":
+            del profile["la_criterion"], profile["la_coverage"]
+        payload = {"profile": profile, "model": model_fingerprint,
                    "format_version": format_version}
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 

@@ -6,6 +6,7 @@ as usual, and our attention function receives exactly the q/k its attention woul
 
 Backends: "torch" (the reference of `sift.kernels.profile_ref`, which also produces the layer's output from
 the same probabilities) and "triton" (the fused statistics kernel; the output comes from the model's SDPA).
+The "mass" LA criterion (profile.la_criterion) exists in the torch backend only; "triton" refuses it.
 """
 from __future__ import annotations
 
@@ -104,7 +105,8 @@ def _profile_attention(module, query, key, value, attention_mask, scaling=None, 
                 softcap=softcap, ca_normalize=p.ca_normalize, force_sink_page=p.force_sink_page,
                 dense_heads=c.dense.get(module.layer_idx, ()))
     if c.backend == "torch":
-        bits, out = profile_layer_ref(query[0], key[0], v=value[0], **args)
+        bits, out = profile_layer_ref(query[0], key[0], v=value[0], criterion=p.la_criterion,
+                                      coverage=p.la_coverage, **args)
         out = out.transpose(0, 1).unsqueeze(0)
     else:
         from ..kernels.profile import profile_layer
@@ -128,6 +130,9 @@ class Profiler:
 
         if backend not in ("torch", "triton"):
             raise SiftError(f"profiling backend {backend!r} must be 'torch' or 'triton'")
+        if backend == "triton" and profile.la_criterion != "threshold":
+            raise SiftError(f"profile.la_criterion = {profile.la_criterion!r} runs on the torch backend only: set "
+                            f"build.backend = \"torch\" (or use la_criterion = \"threshold\")")
         if lse_source not in LSE_CHOICES:
             raise SiftError(f"lse_source {lse_source!r} must be one of {LSE_CHOICES}")
         self.forward = AttentionWithLse(lse_source)

@@ -13,12 +13,31 @@
 
 `--format auto` picks the format from the first row's fields. A title that occurs twice in one question with
 two texts gets "#2", "#3", ... appended, in order, so every document of a question has its own doc_id.
+
+Long documents (`long_documents`, `python -m sift.runtime.qa long-docs OUT.jsonl`): HotpotQA paragraphs are
+~130 tokens, too short for SIFT to skip tiles, while RAG documents are often 1-2K. The long-document set
+embeds each of a question's paragraphs in a document of Wikipedia lead sections on one topic:
+    - per question (official HotpotQA JSON, distractor setting): its two gold paragraphs (supporting facts) and
+      its first distractor paragraph, in the question's context order;
+    - per paragraph: a topic of the Wikipedia vital-article leads (wiki_vital_summaries_en.json.gz, "topic"),
+      picked by a hash of the paragraph's title; that topic's leads in title order from a hashed start,
+      skipping leads whose title is one of the question's titles or whose text contains the gold answer
+      (so the answer comes from the HotpotQA paragraphs only), appended until the document holds
+      `doc_chars` characters (5400 by default: ~1.0-1.5K SmolLM2 tokens); the paragraph is inserted between
+      two leads at a hashed position. Texts are joined with blank lines;
+    - doc_id "<title> (long)"; the same title always gives the same document, so questions share documents.
+With doc_chars = 0 the paragraphs are kept as they are (doc_id = title): the short twin of the set, the same
+questions over the same three paragraphs. Deterministic: the same inputs give the same file byte for byte.
 """
 from __future__ import annotations
 
+import gzip
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
+
+import click
 
 from sift.errors import SiftError
 
@@ -195,3 +214,103 @@ def write_corpus(items: list[QAItem], path: str | Path) -> list[str]:
             f.write(json.dumps({"id": doc_id, "text": text}, ensure_ascii=False) + "\n")
     return conflicts
 
+
+
+# ------------------------------------------------------------------------------------- long documents
+
+
+def _hash(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big")
+
+
+def _embed(title: str, paragraph: str, leads_by_topic: dict[str, list[tuple[str, str]]], excluded: set[str],
+           answer: str, doc_chars: int) -> str:
+    """The paragraph among leads of one topic (module docstring), about doc_chars characters long."""
+    topics = sorted(leads_by_topic)
+    leads = leads_by_topic[topics[_hash(title) % len(topics)]]
+    start = _hash("start:" + title) % len(leads)
+    chosen, size = [], len(paragraph)
+    for k in range(len(leads)):
+        lead_title, text = leads[(start + k) % len(leads)]
+        if lead_title in excluded or (answer and answer.lower() in text.lower()):
+            continue
+        if size >= doc_chars:
+            break
+        chosen.append(text)
+        size += len(text) + 2
+    chosen.insert(_hash("at:" + title) % (len(chosen) + 1), paragraph)
+    return "\n\n".join(chosen)
+
+
+def long_documents(hotpotqa: str | Path, wiki: str | Path, *, limit: int | None = None,
+                   doc_chars: int = 5400) -> list[QAItem]:
+    """HotpotQA questions over long documents (module docstring; doc_chars 0: the paragraphs as they are).
+    hotpotqa: the official JSON (a list of questions with context and supporting_facts); wiki:
+    wiki_vital_summaries_en.json.gz (title -> {extract, topic})."""
+    try:
+        questions = json.loads(Path(hotpotqa).read_text())
+        with gzip.open(wiki, "rt") as f:
+            leads = json.load(f)
+    except (OSError, ValueError) as e:
+        raise SiftError(f"cannot read the long-document sources ({e}): give the HotpotQA JSON and "
+                        f"wiki_vital_summaries_en.json.gz") from None
+    leads_by_topic: dict[str, list[tuple[str, str]]] = {}
+    for title in sorted(leads):
+        entry = leads[title]
+        leads_by_topic.setdefault(entry.get("topic") or "Uncategorized", []).append((title, entry["extract"]))
+    items = []
+    for row, q in enumerate(questions[:limit], 1):
+        pairs = _context_pairs(q["context"], row, "hotpotqa", "")
+        gold = {title for title, _ in q["supporting_facts"]}
+        distractor = next((t for t, _ in pairs if t not in gold), None)
+        excluded = {t for t, _ in pairs}
+        kept = [(t, text) for t, text in pairs if t in gold or t == distractor]
+        if doc_chars:
+            docs = [(f"{t} (long)", _embed(t, text, leads_by_topic, excluded, q["answer"], doc_chars))
+                    for t, text in kept]
+        else:
+            docs = kept
+        items.append(QAItem(id=str(q["_id"]), question=q["question"], answers=(q["answer"],), docs=tuple(docs)))
+    return items
+
+
+def write_jsonl(items: list[QAItem], path: str | Path) -> None:
+    """Write questions as the eval's JSONL ({"id", "question", "answers", "docs": [{"id", "text"}], "prefix"?})."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for item in items:
+            row = dict(id=item.id, question=item.question, answers=list(item.answers),
+                       docs=[dict(id=d, text=t) for d, t in item.docs])
+            if item.prefix is not None:
+                row["prefix"] = item.prefix
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+
+@click.group()
+def main():
+    """QA-set tools."""
+
+
+@main.command("long-docs")
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--hotpotqa", type=click.Path(path_type=Path), default=Path("../shared/data/hotpotqa_train.json"),
+              show_default=True, help="Official HotpotQA JSON (distractor setting).")
+@click.option("--wiki", type=click.Path(path_type=Path), default=Path("../shared/data/wiki_vital_summaries_en.json.gz"),
+              show_default=True, help="Wikipedia vital-article leads (title -> {extract, topic}).")
+@click.option("--limit", type=click.IntRange(1), default=None, help="The first N questions only.")
+@click.option("--doc-chars", type=click.IntRange(0), default=5400, show_default=True,
+              help="Characters per long document (~4 per SmolLM2 token); 0: the paragraphs as they are.")
+def long_docs(out, hotpotqa, wiki, limit, doc_chars):
+    """Write HotpotQA questions over ~1-2K-token documents (gold paragraphs inside topic-grouped Wikipedia
+    leads) as the eval's JSONL."""
+    try:
+        items = long_documents(hotpotqa, wiki, limit=limit, doc_chars=doc_chars)
+    except SiftError as e:
+        raise click.ClickException(str(e)) from None
+    write_jsonl(items, out)
+    click.echo(f"{len(items)} questions, {sum(len(i.docs) for i in items)} documents -> {out}")
+
+
+if __name__ == "__main__":
+    main()

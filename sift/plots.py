@@ -6,6 +6,8 @@
                     OUT_DIR/doc_fractions.png       the distribution of per-document LA tile / CA page fractions
                     OUT_DIR/density_vs_length.png   the same fractions against document length
     mode_summary    sift-eval's per-mode means with their intervals
+    recall_by_layer sift-eval --recall: LA / CA recall and sparsity per layer beside the paper's figures
+    pareto_front    sift-calibrate: agreement with dense against tiles computed per setting, and the front
 
 Figures are drawn on `matplotlib.figure.Figure` (no pyplot), which renders PNGs with Agg and keeps no global
 backend state, so a server process can call this. The module imports nothing of the builder or the runtime
@@ -176,5 +178,60 @@ def mode_summary(path: Path, modes: dict[str, dict[str, dict]], rates: list[tupl
     left.set_ylabel("mean over questions")
     right.set_ylabel("seconds")
     left.legend()
+    fig.suptitle(title)
+    fig.savefig(path, dpi=100)
+
+
+def recall_by_layer(path: Path, recall: dict) -> None:
+    """sift-eval --recall: LA / CA recall and sparsity per layer, the paper's figures as dashed lines.
+    recall: the report's `recall` section ("layers": [{"layer", "la_recall", ...}], "paper": {...})."""
+    from matplotlib.figure import Figure
+
+    layers = [row["layer"] for row in recall["layers"]]
+    fig = Figure(figsize=(11, 4), layout="constrained")
+    axes = fig.subplots(1, 2, sharey=True)
+    for ax, kind in zip(axes, ("la", "ca")):
+        for metric, style in (("recall", "o-"), ("sparsity", "s-")):
+            key = f"{kind}_{metric}"
+            values = [np.nan if row[key] is None else row[key] for row in recall["layers"]]
+            line = ax.plot(layers, values, style, markersize=3, label=f"{kind.upper()} {metric}")[0]
+            if recall["paper"].get(key) is not None:
+                ax.axhline(recall["paper"][key], linestyle="--", color=line.get_color(), linewidth=1,
+                           label=f"paper {kind.upper()} {metric}")
+        ax.set_xlabel("layer")
+        ax.set_ylim(0, 1.05)
+        ax.legend(fontsize=8)
+    axes[0].set_ylabel("share")
+    fig.suptitle(f"In-context recall of the bits: {recall['prompts']} prompts, alpha {recall['alpha']:g}, "
+                 f"beta {recall['beta']:g}, tile {recall['tile']}")
+    fig.savefig(path, dpi=100)
+
+
+def pareto_front(path: Path, points: list[dict], front: list[dict], title: str, *, target: float | None = None,
+                 chosen: dict | None = None) -> None:
+    """sift-calibrate: agreement with dense against tiles computed, one point per setting, the Pareto front
+    joined, grouped by criterion. points / front: {"label", "criterion", "tile_fraction", "agreement"}."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 5), layout="constrained")
+    ax = fig.subplots()
+    for criterion in sorted({p["criterion"] for p in points}):
+        group = [p for p in points if p["criterion"] == criterion]
+        ax.scatter([p["tile_fraction"] for p in group], [p["agreement"] for p in group], s=25, label=criterion)
+    for p in points:
+        ax.annotate(p["label"], (p["tile_fraction"], p["agreement"]), fontsize=6, xytext=(3, 2),
+                    textcoords="offset points")
+    ordered = sorted(front, key=lambda p: p["tile_fraction"])
+    ax.plot([p["tile_fraction"] for p in ordered], [p["agreement"] for p in ordered], "k--", linewidth=1,
+            label="Pareto front")
+    if target is not None:
+        ax.axhline(target, color="grey", linewidth=1, linestyle=":", label=f"target {target:.0%}")
+    if chosen is not None:
+        ax.scatter([chosen["tile_fraction"]], [chosen["agreement"]], s=120, facecolors="none", edgecolors="red",
+                   label="chosen")
+    ax.set_xlabel("tiles computed (fraction of dense)")
+    ax.set_ylabel("whole-answer agreement with dense")
+    ax.set_ylim(-0.02, 1.05)
+    ax.legend(fontsize=8)
     fig.suptitle(title)
     fig.savefig(path, dpi=100)

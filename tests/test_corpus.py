@@ -365,10 +365,11 @@ def test_sample_corpus_reads_without_errors():
     per_file = Counter(d.source.split("#")[0] for d in docs)
     assert per_file["wiki_vital_leads.jsonl"] == 300
     assert per_file["hotpotqa_passages.jsonl"] == 200
+    assert per_file["wiki_vital_topics.jsonl"] == 12
     notes = sorted(d.doc_id for d in docs if d.doc_id.startswith("notes/"))
     assert notes == ["notes/about_this_corpus.md", "notes/how_sift_works.md",
                      "notes/runtime/position_free_kv.md", "notes/tiles_and_pages.txt"]
-    assert len(docs) == 504 and len({d.doc_id for d in docs}) == 504
+    assert len(docs) == 516 and len({d.doc_id for d in docs}) == 516
     wiki = [json.loads(line) for line in (SAMPLE_CORPUS / "wiki_vital_leads.jsonl").read_text().splitlines()]
     assert all(set(r) == {"id", "text", "topic"} and len(r["text"]) <= 2000 for r in wiki)
     assert not (SAMPLE_CORPUS / "SAMPLE_CORPUS.md").exists()  # attribution lives outside the indexed folder

@@ -1,0 +1,331 @@
+"""`sift-calibrate`: choose the profile thresholds for a model and a corpus from answers, not from the paper.
+
+    sift-calibrate QA_FILE --out DIR [--held-in N] [--limit N] [--target-agreement 0.95] [--sweep-only]
+                   [--reuse-sweep] [--setting "tile=16,alpha=0.001,beta=0.01,gamma=0.1" ...] [--model M]
+                   [--max-new-tokens T]
+
+1. The first --held-in questions of QA_FILE are held in, the rest (up to --limit) held out.
+2. Sweep: for every setting (tile, alpha, beta, gamma, LA criterion and coverage; `DEFAULT_GRID` unless
+   --setting is given), build an index of the held-in questions' documents with `sift-build --config` (a
+   generated TOML, as an operator would: serving code never imports the builder) and run the held-in questions
+   densely and with SIFT: whole-answer and first-token agreement with dense, and the tiles computed.
+3. The Pareto front of agreement against tiles computed -> DIR/front.json and DIR/front.png.
+4. Unless --sweep-only: the sparsest setting whose held-in agreement meets --target-agreement is chosen and
+   written as DIR/calibrated.toml (`sift-build --config DIR/calibrated.toml` takes it); it and the paper's
+   defaults (`DEFAULT`) are then built over the held-out questions' documents and evaluated on them with
+   `sift-eval`'s full report -> DIR/held_out/<setting>/report.{json,md}, summarised in front.json.
+   --reuse-sweep takes the points of an earlier run's front.json instead of sweeping again (to choose for
+   another target without rebuilding).
+
+Settings are compared on the same questions, the same model and the same greedy decoding; tile fraction is the
+engine's (head, query block, key block) triples computed over dense (CPU: blocks of the index tile).
+Exit codes: 0 done (also when no setting met the target: then no TOML is written and front.json says so),
+2 bad usage or input (one line on stderr).
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import click
+import torch
+
+from sift.errors import SiftError
+from sift.plots import pareto_front
+
+from .eval import REFERENCE, aggregate, evaluate, skip_reason, write_report
+from .qa import FORMATS, QAItem, load_qa, write_corpus
+
+EXIT_OK, EXIT_ERROR = 0, 2
+CRITERIA = ("threshold", "mass")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One point of the sweep: the [profile] keys that decide the bits."""
+
+    tile: int = 64
+    alpha: float = 0.001
+    beta: float = 0.01
+    gamma: float = 0.1
+    la_criterion: str = "threshold"
+    la_coverage: float = 0.95
+
+    @property
+    def label(self) -> str:
+        la = f"a{self.alpha:g}" if self.la_criterion == "threshold" else f"mass{self.la_coverage:g}"
+        return f"t{self.tile}-{la}-b{self.beta:g}-g{self.gamma:g}"
+
+    def toml(self, model: str) -> str:
+        """A complete `sift-build --config` file: this setting, the other keys at their defaults."""
+        return (f'model = "{model}"\n\n[profile]\ntile = {self.tile}\nalpha = {self.alpha!r}\nbeta = {self.beta!r}\n'
+                f'gamma = {self.gamma!r}\nla_criterion = "{self.la_criterion}"\nla_coverage = {self.la_coverage!r}\n')
+
+
+DEFAULT = Setting()  # the paper's thresholds at the default tile (configs/default.toml)
+# Around the paper's point: finer tiles, looser and tighter thresholds, and the mass criterion.
+DEFAULT_GRID = (
+    DEFAULT,
+    Setting(tile=32),
+    Setting(tile=16),
+    Setting(tile=16, alpha=0.0001, beta=0.005, gamma=0.05),
+    Setting(tile=32, alpha=0.0003, beta=0.005, gamma=0.05),
+    Setting(tile=16, la_criterion="mass", la_coverage=0.99, beta=0.005, gamma=0.05),
+    Setting(tile=32, la_criterion="mass", la_coverage=0.99, beta=0.005, gamma=0.05),
+)
+
+
+def parse_setting(text: str) -> Setting:
+    """"tile=16,alpha=0.001,beta=0.01,gamma=0.1,criterion=mass,coverage=0.99" -> Setting (unset keys: defaults)."""
+    values: dict = {}
+    names = {"criterion": "la_criterion", "coverage": "la_coverage"}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, _, value = part.partition("=")
+        key = names.get(key.strip(), key.strip())
+        if key not in Setting.__dataclass_fields__ or not value:
+            raise SiftError(f"--setting {text!r}: {part!r} is not key=value with key one of tile, alpha, beta, "
+                            f"gamma, criterion, coverage")
+        try:
+            values[key] = value.strip() if key == "la_criterion" else (int(value) if key == "tile" else float(value))
+        except ValueError:
+            raise SiftError(f"--setting {text!r}: {key} = {value!r} is not a number") from None
+    setting = Setting(**values)
+    if setting.la_criterion not in CRITERIA:
+        raise SiftError(f"--setting {text!r}: criterion must be one of {', '.join(CRITERIA)}")
+    return setting
+
+
+# --------------------------------------------------------------------------------------- the pure part
+
+
+def pareto(rows: list[dict]) -> list[dict]:
+    """The rows no other row dominates (at most as many tiles and at least the agreement, one of them strictly
+    better), in increasing tile fraction. rows: {"tile_fraction", "agreement", ...}."""
+    def dominated(r):
+        return any(o["tile_fraction"] <= r["tile_fraction"] and o["agreement"] >= r["agreement"]
+                   and (o["tile_fraction"] < r["tile_fraction"] or o["agreement"] > r["agreement"]) for o in rows)
+    return sorted((r for r in rows if not dominated(r)), key=lambda r: r["tile_fraction"])
+
+
+def choose(rows: list[dict], target: float) -> dict | None:
+    """The sparsest row whose agreement meets the target (ties: the higher agreement, then the label); None when
+    no row does."""
+    meeting = [r for r in rows if r["agreement"] >= target]
+    if not meeting:
+        return None
+    return min(meeting, key=lambda r: (r["tile_fraction"], -r["agreement"], r["label"]))
+
+
+# --------------------------------------------------------------------------------------------- running
+
+
+class _Runner:
+    """The model once; one engine per index; dense answers once per (question, block)."""
+
+    def __init__(self, model: str, device: str, max_new_tokens: int, echo):
+        from sift.model import load_model
+
+        self.device = device
+        self.hf, self.tokenizer, _ = load_model(model, device=device)
+        self.max_new_tokens, self.echo = max_new_tokens, echo
+        self._dense: dict[tuple[str, int], list[int]] = {}
+
+    def engine(self, index_path: Path):
+        from .engine import SiftEngine
+        from .store import SiftIndex
+
+        return SiftEngine(self.hf, self.tokenizer, SiftIndex.open(index_path, device=self.device))
+
+    def agreement(self, index_path: Path, items: list[QAItem]) -> dict:
+        """Held-in questions over one index -> {"agreement", "agreement_first_token", "tile_fraction", "n",
+        "skipped"}; questions the index cannot serve (a document missing or stale) are skipped."""
+        engine = self.engine(index_path)
+        runnable = [item for item in items if skip_reason(engine, item) is None]
+        if not runnable:
+            raise SiftError(f"the index {index_path} serves none of the held-in questions: see `sift-inspect`")
+        same, first, tiles = [], [], []
+        for item in runnable:
+            request = item.request()
+            key = (item.id, engine.block)
+            if key not in self._dense:
+                self._dense[key] = engine.generate([request], self.max_new_tokens, mode=REFERENCE).token_ids[0]
+            sift = engine.generate([request], self.max_new_tokens, mode="sift")
+            dense = self._dense[key]
+            same.append(float(sift.token_ids[0] == dense))
+            first.append(float(sift.token_ids[0][:1] == dense[:1]))
+            tiles.append(sift.prefill.tile_fraction)
+        n = len(runnable)
+        return dict(n=n, skipped=len(items) - n, agreement=sum(same) / n, agreement_first_token=sum(first) / n,
+                    tile_fraction=sum(tiles) / n)
+
+
+def _build(setting: Setting, corpus: Path, index: Path, model: str) -> None:
+    """`sift-build CORPUS --out INDEX --config INDEX.toml` (incremental when the index exists)."""
+    index.parent.mkdir(parents=True, exist_ok=True)
+    config = index.parent / f"{index.name}.toml"
+    config.write_text(setting.toml(model))
+    cmd = [str(Path(sys.executable).with_name("sift-build")), str(corpus), "--out", str(index), "--config", str(config)]
+    if not Path(cmd[0]).exists():
+        raise SiftError(f"{cmd[0]} not found: install the package (`make install`) to build indexes")
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if proc.returncode not in (0, 1):  # 1: some documents are error rows; the eval reports them as skipped
+        tail = " | ".join(proc.stdout.strip().splitlines()[-3:])
+        raise SiftError(f"`{' '.join(cmd)}` failed with exit code {proc.returncode}: {tail}")
+
+
+def sweep(runner: _Runner, settings, items: list[QAItem], out: Path, model: str, echo) -> list[dict]:
+    """Build and measure every setting on the held-in questions -> one row per setting."""
+    corpus = out / "corpus" / "held_in"
+    conflicts = write_corpus(items, corpus / "docs.jsonl")
+    if conflicts:
+        echo(f"held-in documents with two texts (the later questions are skipped as stale): {conflicts[:5]}")
+    rows = []
+    for k, setting in enumerate(settings, 1):
+        echo(f"[{k}/{len(settings)}] {setting.label}: building")
+        index = out / "indexes" / setting.label
+        _build(setting, corpus, index, model)
+        row = dict(label=setting.label, criterion=setting.la_criterion, setting=asdict(setting),
+                   index=str(index), **runner.agreement(index, items))
+        echo(f"[{k}/{len(settings)}] {setting.label}: agreement {row['agreement']:.0%}, first token "
+             f"{row['agreement_first_token']:.0%}, tiles computed {row['tile_fraction']:.1%}")
+        rows.append(row)
+    return rows
+
+
+def held_out(runner: _Runner, settings, items: list[QAItem], out: Path, model: str, echo) -> dict:
+    """The chosen and the default settings over the held-out questions: sift-eval's report for each."""
+    corpus = out / "corpus" / "held_out"
+    write_corpus(items, corpus / "docs.jsonl")
+    results = {}
+    for setting in dict.fromkeys(settings):
+        folder = out / "held_out" / setting.label
+        echo(f"held out: {setting.label}: building")
+        _build(setting, corpus, folder / "index", model)
+        engine = runner.engine(folder / "index")
+        rows, skipped = evaluate(engine, items, [REFERENCE, "sift"], max_new_tokens=runner.max_new_tokens)
+        modes = aggregate(rows, [REFERENCE, "sift"])
+        report = dict(settings=dict(index=str(folder / "index"), qa_file=str(out / "held_out.jsonl"), format="jsonl",
+                                    model=model, backend=engine.backend, block=engine.block, tile=setting.tile,
+                                    modes=[REFERENCE, "sift"], max_new_tokens=runner.max_new_tokens, batch=1,
+                                    limit=None),
+                      questions=len(items), evaluated=len(rows), modes=modes, rows=rows, skipped=skipped)
+        write_report(report, folder)
+        sift = modes["sift"]
+        results[setting.label] = dict(setting=asdict(setting), n=len(rows), report=str(folder / "report.json"),
+                                      **{k: sift[k]["mean"] for k in ("agreement_answer", "agreement_first_token",
+                                                                      "tile_fraction", "em", "f1", "containment")},
+                                      dense_em=modes[REFERENCE]["em"]["mean"],
+                                      dense_containment=modes[REFERENCE]["containment"]["mean"])
+        echo(f"held out: {setting.label}: agreement {results[setting.label]['agreement_answer']:.0%}, tiles "
+             f"computed {results[setting.label]['tile_fraction']:.1%} ({len(rows)} questions)")
+    return results
+
+
+def _write_items(items: list[QAItem], path: Path) -> None:
+    with open(path, "w") as f:
+        for item in items:
+            f.write(json.dumps(dict(id=item.id, question=item.question, answers=list(item.answers),
+                                    docs=[dict(id=d, text=t) for d, t in item.docs], prefix=item.prefix),
+                               ensure_ascii=False) + "\n")
+
+
+def _previous_sweep(out: Path, qa_file: Path, held_in: int, model: str, max_new_tokens: int) -> list[dict]:
+    """The points of DIR/front.json, checked to come from the same questions, model and decoding."""
+    try:
+        previous = json.loads((out / "front.json").read_text())
+    except (OSError, ValueError) as e:
+        raise SiftError(f"--reuse-sweep: cannot read {out / 'front.json'} ({e}): run the sweep first") from None
+    same = (previous.get("qa_file"), previous.get("held_in"), previous.get("model"), previous.get("max_new_tokens"))
+    if same != (str(qa_file), held_in, model, max_new_tokens):
+        raise SiftError(f"--reuse-sweep: {out / 'front.json'} was swept with (QA file, held-in, model, max new "
+                        f"tokens) = {same}, not {(str(qa_file), held_in, model, max_new_tokens)}: rerun the sweep")
+    return previous["points"]
+
+
+def calibrate(qa_file: Path, out: Path, *, settings, held_in: int, limit: int | None, target: float | None,
+              model: str, fmt: str = "auto", device: str = "auto", max_new_tokens: int = 24, reuse_sweep=False,
+              echo=lambda m: None):
+    """The whole calibration -> the front.json content (target None: sweep only; reuse_sweep: the points of the
+    previous run's front.json instead of a new sweep, e.g. to choose again for another target)."""
+    items, fmt = load_qa(qa_file, fmt, limit)
+    if len(items) <= held_in and target is not None:
+        raise SiftError(f"{qa_file} has {len(items)} questions (--limit {limit}): more than --held-in {held_in} are "
+                        f"needed to hold some out; lower --held-in or use --sweep-only")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    out.mkdir(parents=True, exist_ok=True)
+    inside, outside = items[:held_in], items[held_in:]
+    _write_items(inside, out / "held_in.jsonl")
+    _write_items(outside, out / "held_out.jsonl")
+    runner = _Runner(model, device, max_new_tokens, echo)
+    if reuse_sweep:
+        rows = _previous_sweep(out, qa_file, len(inside), model, max_new_tokens)
+    else:
+        rows = sweep(runner, settings, inside, out, model, echo)
+    front = pareto(rows)
+    result = dict(qa_file=str(qa_file), model=model, held_in=len(inside), held_out=len(outside),
+                  max_new_tokens=max_new_tokens, target_agreement=target, points=rows, front=front)
+    chosen = choose(rows, target) if target is not None else None
+    if target is not None:
+        result["chosen"] = chosen
+        if chosen is None:
+            echo(f"no setting reaches {target:.0%} agreement on the held-in questions: no TOML written")
+        else:
+            setting = Setting(**chosen["setting"])
+            (out / "calibrated.toml").write_text(
+                f"# sift-calibrate: the sparsest setting with >= {target:.0%} whole-answer agreement with dense on "
+                f"{len(inside)} held-in questions of {qa_file.name}\n" + setting.toml(model))
+            result["held_out_results"] = held_out(runner, [setting, DEFAULT], outside, out, model, echo)
+    pareto_front(out / "front.png", rows, front, f"{qa_file.name}: {len(inside)} held-in questions, {model}",
+                 target=target, chosen=chosen)
+    (out / "front.json").write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("qa_file", type=click.Path(path_type=Path))
+@click.option("--out", type=click.Path(path_type=Path), required=True,
+              help="Folder for front.json, front.png, calibrated.toml, the indexes and the held-out reports.")
+@click.option("--held-in", type=click.IntRange(1), default=10, show_default=True,
+              help="The first N questions are held in (the sweep); the rest are held out.")
+@click.option("--limit", type=click.IntRange(1), default=None, help="Use the first N questions only.")
+@click.option("--target-agreement", type=click.FloatRange(0, 1), default=0.95, show_default=True,
+              help="Whole-answer agreement with dense the chosen setting must reach on the held-in questions.")
+@click.option("--sweep-only", is_flag=True, help="Only the sweep and its front: choose nothing.")
+@click.option("--reuse-sweep", is_flag=True,
+              help="Take the points of DIR/front.json (same QA file, held-in, model) instead of sweeping again.")
+@click.option("--setting", "settings", multiple=True,
+              help='A setting to sweep, e.g. "tile=16,alpha=0.001,beta=0.01,gamma=0.1" or "tile=16,criterion=mass,'
+                   'coverage=0.99" (repeatable; default: the built-in grid).')
+@click.option("--model", default=None, help="The model (default: the builder's default model).")
+@click.option("--format", "fmt", type=click.Choice(FORMATS), default="auto", show_default=True)
+@click.option("--max-new-tokens", type=click.IntRange(1, 512), default=24, show_default=True)
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+def main(qa_file, out, held_in, limit, target_agreement, sweep_only, reuse_sweep, settings, model, fmt, max_new_tokens,
+         device):
+    """Sweep profile settings on held-in questions of QA_FILE, draw the Pareto front of agreement with dense
+    against tiles computed, and write the sparsest setting meeting the target as a `sift-build` config."""
+    from sift.model import DEFAULT_MODEL
+
+    log = lambda msg: click.echo(msg, err=True)  # noqa: E731
+    try:
+        grid = [parse_setting(s) for s in settings] or list(DEFAULT_GRID)
+        result = calibrate(qa_file, out, settings=grid, held_in=held_in, limit=limit,
+                           target=None if sweep_only else target_agreement, model=model or DEFAULT_MODEL, fmt=fmt,
+                           device=device, max_new_tokens=max_new_tokens, reuse_sweep=reuse_sweep, echo=log)
+    except SiftError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(EXIT_ERROR)
+    for row in result["front"]:
+        click.echo(f"front: {row['label']}: agreement {row['agreement']:.0%}, "
+                   f"tiles computed {row['tile_fraction']:.1%}")
+    if result.get("chosen"):
+        click.echo(f"chosen: {result['chosen']['label']} -> {out / 'calibrated.toml'}")
+    sys.exit(EXIT_OK)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,169 @@
+"""sift-calibrate (runtime/calibrate.py): the Pareto front and the choice on hand-made fronts, settings parsed
+and written as TOML the builder takes, the mass LA criterion of the profiling reference against a brute force on
+full attention matrices, and the long-document QA construction on small hand-written sources."""
+import gzip
+import json
+
+import pytest
+import torch
+
+from sift.errors import SiftError
+from sift.kernels.bits import tril_to_square, unpack_msb
+from sift.kernels.profile_ref import profile_layer_ref
+from sift.pipeline.config import load_config
+from sift.runtime.calibrate import DEFAULT, DEFAULT_GRID, Setting, choose, pareto, parse_setting
+from sift.runtime.qa import load_qa, long_documents, write_jsonl
+
+
+def _row(label, tiles, agreement):
+    return dict(label=label, tile_fraction=tiles, agreement=agreement)
+
+
+# A toy front: "b" is the sparsest at >= 95%; "c" is sparser but below the target; "d" is dominated by "b";
+# "e" ties "b" on tiles with lower agreement.
+TOY = [_row("a", 0.99, 1.00), _row("b", 0.80, 0.96), _row("c", 0.50, 0.70), _row("d", 0.85, 0.95),
+       _row("e", 0.80, 0.95), _row("f", 0.30, 0.40)]
+
+
+def test_choose_picks_sparsest_meeting_target():
+    assert choose(TOY, 0.95)["label"] == "b"
+    assert choose(TOY, 0.97)["label"] == "a"
+    assert choose(TOY, 0.5)["label"] == "c"
+    assert choose(TOY, 1.01) is None
+
+
+def test_pareto_front():
+    assert [r["label"] for r in pareto(TOY)] == ["f", "c", "b", "a"]
+    assert pareto([_row("x", 0.5, 0.5), _row("y", 0.5, 0.5)]) == [_row("x", 0.5, 0.5), _row("y", 0.5, 0.5)]
+
+
+def test_parse_setting_and_toml_taken_by_the_builder(tmp_path):
+    s = parse_setting("tile=16, alpha=0.0003,beta=0.005,gamma=0.05")
+    assert s == Setting(tile=16, alpha=0.0003, beta=0.005, gamma=0.05)
+    m = parse_setting("tile=32,criterion=mass,coverage=0.99")
+    assert (m.la_criterion, m.la_coverage, m.alpha) == ("mass", 0.99, DEFAULT.alpha)
+    assert m.label == "t32-mass0.99-b0.01-g0.1" and s.label == "t16-a0.0003-b0.005-g0.05"
+    for bad in ("tile=16,delta=1", "tile=x", "criterion=median", "alpha"):
+        with pytest.raises(SiftError):
+            parse_setting(bad)
+    for setting in (s, m, *DEFAULT_GRID):
+        path = tmp_path / f"{setting.label}.toml"
+        path.write_text(setting.toml("smollm2-135m-instruct"))
+        profile = load_config(path).profile
+        assert (profile.tile, profile.alpha, profile.beta, profile.gamma, profile.la_criterion,
+                profile.la_coverage) == (setting.tile, setting.alpha, setting.beta, setting.gamma,
+                                         setting.la_criterion, setting.la_coverage)
+    assert DEFAULT == Setting(**{k: getattr(load_config().profile, k) for k in Setting.__dataclass_fields__})
+
+
+# ------------------------------------------------------------------------------------ the mass criterion
+
+
+def _mass_brute_force(q, k, *, n_prefix, tile, coverage, scale):
+    """Full softmax, then per document row the smallest set of key tiles holding `coverage` of its document
+    mass, found by trying sets in decreasing order of tile mass; OR over the rows of each query tile."""
+    hq, lp, _ = q.shape
+    k = k.repeat_interleave(hq // k.shape[0], dim=0)
+    s = (q @ k.transpose(-1, -2)) * scale
+    s = s.masked_fill(torch.ones(lp, lp, dtype=torch.bool).triu(1), float("-inf"))
+    a = torch.softmax(s, dim=-1)[:, n_prefix:, n_prefix:]
+    n = lp - n_prefix
+    p = -(-n // tile)
+    kept = torch.zeros(hq, p, p, dtype=torch.bool)
+    for h in range(hq):
+        for row in range(n):
+            masses = [float(a[h, row, j * tile:(j + 1) * tile].sum()) for j in range(p)]
+            total, held = sum(masses), 0.0
+            for j in sorted(range(p), key=lambda j: -masses[j]):
+                if held >= coverage * total or masses[j] == 0:
+                    break
+                kept[h, row // tile, j] = True
+                held += masses[j]
+    return kept | torch.eye(p, dtype=torch.bool) | (torch.arange(p) == 0)[None, :]
+
+
+@pytest.mark.parametrize("n_doc,tile,coverage", [(70, 16, 0.9), (64, 32, 0.5), (45, 16, 0.99)])
+def test_mass_criterion_equals_brute_force(n_doc, tile, coverage):
+    g = torch.Generator().manual_seed(n_doc)
+    n_prefix = 1
+    q = torch.randn(4, n_prefix + n_doc, 16, generator=g) * 2
+    k = torch.randn(2, n_prefix + n_doc, 16, generator=g) * 2
+    bits, _ = profile_layer_ref(q, k, scale=0.25, n_prefix=n_prefix, tile=tile, alpha=0.5, beta=0.01, gamma=0.1,
+                                criterion="mass", coverage=coverage, block_bytes=4 * 4 * (n_prefix + n_doc) * tile)
+    p = -(-n_doc // tile)
+    got = tril_to_square(unpack_msb(bits.la, p * (p + 1) // 2), p)
+    want = _mass_brute_force(q, k, n_prefix=n_prefix, tile=tile, coverage=coverage, scale=0.25) & torch.ones(
+        p, p, dtype=torch.bool).tril()
+    print(f"kept {int(got.sum())} of {4 * p * (p + 1) // 2} tiles, brute force {int(want.sum())}")
+    assert torch.equal(got, want)
+    threshold, _ = profile_layer_ref(q, k, scale=0.25, n_prefix=n_prefix, tile=tile, alpha=0.5, beta=0.01,
+                                     gamma=0.1)
+    assert torch.equal(threshold.ca, bits.ca)  # CA does not depend on the LA criterion
+
+
+def test_mass_criterion_refused_by_triton_and_bad_values():
+    from sift.pipeline.config import ProfileConfig
+    from sift.pipeline.profiler import Profiler
+
+    from .helpers import smollm2
+
+    model, tokenizer = smollm2()
+    with pytest.raises(SiftError, match="torch backend only"):
+        Profiler(model, tokenizer, ProfileConfig(la_criterion="mass"), "triton")
+    assert model.config._attn_implementation == "sdpa"  # refused before touching the shared model
+
+    with pytest.raises(SiftError, match="la_criterion"):
+        ProfileConfig(la_criterion="median")
+    with pytest.raises(SiftError, match="la_coverage"):
+        ProfileConfig(la_coverage=0.0)
+    q = torch.randn(2, 20, 8)
+    with pytest.raises(ValueError, match="criterion"):
+        profile_layer_ref(q, q, scale=1.0, n_prefix=1, tile=16, alpha=0.1, beta=0.1, gamma=0.1, criterion="x")
+
+
+def test_profile_key_ignores_coverage_under_threshold():
+    from dataclasses import replace
+
+    base = load_config()
+    same = replace(base, profile=replace(base.profile, la_coverage=0.5))
+    mass = replace(base, profile=replace(base.profile, la_criterion="mass"))
+    mass_other = replace(mass, profile=replace(mass.profile, la_coverage=0.5))
+    keys = {c.profile_key("fp", 1) for c in (base, same, mass, mass_other)}
+    assert base.profile_key("fp", 1) == same.profile_key("fp", 1) and len(keys) == 3
+
+
+# -------------------------------------------------------------------------------------- long documents
+
+
+def test_long_documents_construction(tmp_path):
+    context = [["Gold A", ["Alpha is ", "the first."]], ["Other", ["A distractor."]], ["Gold B", ["Beta."]],
+               ["Other 2", ["Unused."]]]
+    hotpot = [{"_id": "q1", "question": "Which?", "answer": "Alpha", "context": context,
+               "supporting_facts": [["Gold A", 0], ["Gold B", 0]]}]
+    leads = {f"Lead {i}": {"extract": f"Lead text number {i}. " * 5, "topic": "T1" if i % 2 else "T2"}
+             for i in range(40)}
+    leads["Lead 3"]["extract"] = "This lead mentions Alpha and must be skipped."
+    leads["Other"] = {"extract": "A lead titled like a question paragraph.", "topic": "T1"}
+    (tmp_path / "h.json").write_text(json.dumps(hotpot))
+    with gzip.open(tmp_path / "w.json.gz", "wt") as f:
+        json.dump(leads, f)
+    items = long_documents(tmp_path / "h.json", tmp_path / "w.json.gz", doc_chars=400)
+    assert len(items) == 1 and items[0].answers == ("Alpha",)
+    docs = dict(items[0].docs)
+    assert list(docs) == ["Gold A (long)", "Other (long)", "Gold B (long)"]  # two gold, first distractor, in order
+    for title, paragraph in (("Gold A", "Alpha is the first."), ("Other", "A distractor."), ("Gold B", "Beta.")):
+        text = docs[f"{title} (long)"]
+        assert paragraph in text.split("\n\n") and 400 <= len(text) < 400 + 200
+        assert "must be skipped" not in text and "titled like" not in text
+    write_jsonl(items, tmp_path / "long.jsonl")
+    again = load_qa(tmp_path / "long.jsonl")[0]
+    assert again == items
+    assert long_documents(tmp_path / "h.json", tmp_path / "w.json.gz", doc_chars=400) == items  # deterministic
+
+
+def test_long_documents_sample_in_repository():
+    from pathlib import Path
+
+    items, fmt = load_qa(Path(__file__).parent / "data" / "long_docs_sample.jsonl")
+    assert fmt == "jsonl" and len(items) == 3
+    assert all(len(text) >= 5400 for item in items for _, text in item.docs)

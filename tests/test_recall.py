@@ -1,0 +1,100 @@
+"""The paper's recall (runtime/recall.py) against a brute-force construction: the real SmolLM2's full eager
+attention matrices (transformers, attn_implementation="eager", output_attentions) of a tiny multi-document prompt,
+every cell compared with the thresholds and looked up in bits expanded to one flag per cell, counted with numpy.
+"""
+import numpy as np
+import pytest
+import torch
+
+from sift.runtime.recall import DocMasks, measure_prompt
+
+from .helpers import smollm2, wiki_texts
+
+TILE = 16
+ALPHA, BETA = 0.01, 0.02
+
+
+def _prompt(tokenizer):
+    prefix = tokenizer("Read the passages.\n", add_special_tokens=True).input_ids
+    docs = [tokenizer(t[:160], add_special_tokens=False).input_ids for t in wiki_texts(3)]
+    query = tokenizer("\nQuestion: which one is oldest?", add_special_tokens=False).input_ids
+    return [("prefix", prefix)] + [("doc", d) for d in docs] + [("query", query)]
+
+
+def _random_masks(segments, n_layers, n_heads):
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for kind, ids in segments:
+        if kind == "doc":
+            p = -(-len(ids) // TILE)
+            la = torch.tril(torch.rand(n_layers, n_heads, p, p, generator=g) < 0.6)
+            out.append(DocMasks(la=la, ca=torch.rand(n_layers, n_heads, p, generator=g) < 0.4))
+    return out
+
+
+def _cell_flags(segments, masks, layer):
+    """Brute force: per (head, query, key) of the prompt, is the cell own-document / cross-document, and is it
+    kept -> (own, cross, kept) bool [H, N, N]."""
+    bounds, pos = [], 0
+    for kind, ids in segments:
+        if kind == "doc":
+            bounds.append((pos, pos + len(ids)))
+        pos += len(ids)
+    n_heads = masks[0].la.shape[1]
+    own = np.zeros((n_heads, pos, pos), bool)
+    cross = np.zeros((n_heads, pos, pos), bool)
+    kept = np.zeros((n_heads, pos, pos), bool)
+    for m, (s, e) in enumerate(bounds):
+        la = masks[m].la[layer].numpy()
+        for q in range(s, e):
+            for k in range(s, q + 1):
+                own[:, q, k] = True
+                kept[:, q, k] = la[:, (q - s) // TILE, (k - s) // TILE]
+            for i, (s_i, e_i) in enumerate(bounds[:m]):
+                ca = masks[i].ca[layer].numpy()
+                for k in range(s_i, e_i):
+                    cross[:, q, k] = True
+                    kept[:, q, k] = ca[:, (k - s_i) // TILE]
+    return own, cross, kept
+
+
+def test_recall_equals_brute_force_eager_attention():
+    model, tokenizer = smollm2("eager")
+    segments = _prompt(tokenizer)
+    cfg = model.config
+    masks = _random_masks(segments, cfg.num_hidden_layers, cfg.num_attention_heads)
+    got = measure_prompt(model, segments, masks, tile=TILE, alpha=ALPHA, beta=BETA)
+
+    ids = torch.tensor([[t for _, seg in segments for t in seg]])
+    with torch.inference_mode():
+        attentions = model(input_ids=ids, output_attentions=True).attentions
+    for layer in range(0, cfg.num_hidden_layers, 7):
+        a = attentions[layer][0].float().numpy()
+        own, cross, kept = _cell_flags(segments, masks, layer)
+        la_high, ca_high = own & (a >= ALPHA), cross & (a >= BETA)
+        # Cells within float rounding of a threshold may fall either side in two exact computations.
+        near = int((own & (np.abs(a - ALPHA) < 1e-6)).sum() + (cross & (np.abs(a - BETA) < 1e-6)).sum())
+        expected = dict(la_high=la_high.sum(), la_high_kept=(la_high & kept).sum(), ca_high=ca_high.sum(),
+                        ca_high_kept=(ca_high & kept).sum())
+        for name, value in expected.items():
+            print(f"layer {layer} {name}: {getattr(got, name)[layer]:.0f} measured, {value} brute force")
+            assert abs(getattr(got, name)[layer] - value) <= near
+        assert expected["la_high"] > 100 and expected["ca_high"] > 100 and 0 < expected["ca_high_kept"]
+        rows = own.any(axis=2)  # document rows
+        n_prefix = len(segments[0][1])
+        prefix = np.zeros_like(kept)
+        prefix[:, :, :n_prefix] = True
+        mass = (a * ((kept | prefix) & rows[:, :, None])).sum()
+        assert got.mass[layer] == rows.sum()
+        assert got.mass_kept[layer] == pytest.approx(mass, rel=1e-5)
+        la = [m.la[layer] for m in masks]
+        assert got.la_tiles[layer] == sum(x.shape[0] * x.shape[1] * (x.shape[1] + 1) / 2 for x in la)
+        assert got.la_tiles_kept[layer] == sum(int(x.sum()) for x in la)
+    pages = [m.ca.shape[-1] for m in masks]
+    for layer in (0, cfg.num_hidden_layers - 1):
+        pairs = sum(cfg.num_attention_heads * pages[i] * sum(pages[i + 1:]) for i in range(len(pages)))
+        pairs_kept = sum(int(masks[i].ca[layer].sum()) * sum(pages[i + 1:]) for i in range(len(pages)))
+        assert (got.ca_pairs[layer], got.ca_pairs_kept[layer]) == (pairs, pairs_kept)
+    total = got.summary()["total"]
+    assert total["la_recall"] == pytest.approx(got.la_high_kept.sum() / got.la_high.sum())
+    assert total["ca_sparsity"] == pytest.approx(1 - got.ca_pairs_kept.sum() / got.ca_pairs.sum())
