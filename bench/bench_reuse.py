@@ -14,7 +14,8 @@ warm-up (emptying the store for "cold", or its HBM tier for "DRAM", happens befo
     reuse_cold      mode "reuse" with an empty store (every document computed on its own, then inserted)
     reuse_hbm       mode "reuse", every document in HBM
     reuse_dram      mode "reuse", every document in pinned DRAM only (promoted layer by layer on a side stream)
-    hybrid_hbm      mode "hybrid" (the default policy and fraction), every document in HBM
+    hybrid_hbm      mode "hybrid:<--hybrid-policy>" (default bits: the policy with no extra pass), every document
+                    in HBM
 
 First, the engine-level check on a two-document prompt: "reuse" and "hybrid" prefill and generation with the
 Triton kernels against the torch backend on the same model. Also reported: the store's bookkeeping time (lookups,
@@ -125,7 +126,7 @@ def timed_after(setup, fn, reps: int) -> tuple[float, object]:
     return statistics.median(times), out
 
 
-def measure(model, engine: SiftEngine, store: KVStore, req: Request, reps: int) -> dict:
+def measure(model, engine: SiftEngine, store: KVStore, req: Request, reps: int, policy: str) -> dict:
     prompt = torch.tensor([engine.prompt_ids(req)], device=engine.device)
 
     @torch.inference_mode()
@@ -153,7 +154,7 @@ def measure(model, engine: SiftEngine, store: KVStore, req: Request, reps: int) 
     row["reuse_dram_s"], res_dram = timed_after(lambda: store.clear(dram=False), reuse, reps)
     moved = [(store.stats()["bytes_h2d"] - before) // (reps + 1)]
     assert res_dram.store["dram"] == len(req.docs), res_dram.store
-    row["hybrid_hbm_s"], res_hyb = timed(lambda: engine.prefill([req], mode="hybrid"), reps)
+    row["hybrid_hbm_s"], res_hyb = timed(lambda: engine.prefill([req], mode=f"hybrid:{policy}"), reps)
     for name in ("hf_cache", "sift", "reuse_cold", "reuse_hbm", "reuse_dram", "hybrid_hbm"):
         row[f"{name}_speedup"] = row["dense_s"] / row[f"{name}_s"]
     row["reuse_cold_over_sift"] = row["reuse_cold_s"] / row["sift_s"]
@@ -178,6 +179,7 @@ def main() -> None:
     ap.add_argument("--doc-tokens", type=int, default=2048)
     ap.add_argument("--query-tokens", type=int, default=512)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--hybrid-policy", default="bits", help="policy of the hybrid row")
     ap.add_argument("--hbm-gib", type=float, default=24.0, help="the store's HBM pool")
     ap.add_argument("--dram-gib", type=float, default=24.0, help="the store's pinned DRAM tier")
     args = ap.parse_args()
@@ -201,7 +203,8 @@ def main() -> None:
         for ctx in contexts:
             names = list(docs)[: ctx // args.doc_tokens]
             req = Request("", [(d, " ".join(map(str, docs[d]))) for d in names], query)
-            row = dict(context=ctx, documents=len(names), **measure(model, engine, store, req, args.reps))
+            row = dict(context=ctx, documents=len(names),
+                       **measure(model, engine, store, req, args.reps, args.hybrid_policy))
             print(json.dumps(row), flush=True)
             rows.append(row)
             store.clear()
@@ -211,7 +214,8 @@ def main() -> None:
         stats = store.stats()
     setup = dict(model="llama-8B-shape random bf16" if not args.smoke else "tiny llama fp32 cpu",
                  doc_tokens=args.doc_tokens, query_tokens=args.query_tokens, reps=args.reps, tile=TILE,
-                 hbm_gib=args.hbm_gib, dram_gib=args.dram_gib, block=engine.block, smoke=args.smoke)
+                 hbm_gib=args.hbm_gib, dram_gib=args.dram_gib, block=engine.block, smoke=args.smoke,
+                 hybrid_policy=args.hybrid_policy)
     common.write_result("reuse", dict(setup=setup, seconds=time.perf_counter() - t0, check=check, rows=rows,
                                       store=stats),
                         common.out_dir(args))

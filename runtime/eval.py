@@ -1,15 +1,23 @@
 """`sift-eval`: what skipping tiles costs in answers. An index and a QA set in; for every mode, greedy answers
 compared with dense and with the gold answers, aggregated with bootstrap confidence intervals; a report out.
 
-    sift-eval INDEX QA_FILE --modes dense,sift [--model M] [--limit N] [--batch B] [--max-new-tokens T] --out DIR
+    sift-eval INDEX QA_FILE --modes dense,sift [--model M] [--limit N] [--batch B] [--max-new-tokens T]
+              [--recall [--recall-limit N]] [--kv-store-gib G] --out DIR
+
+INDEX is a folder or an object-store URI. Modes: dense, sift, and the KV-reuse modes reuse, hybrid,
+hybrid:<policy> (runtime/reuse.py; they run with a KVStore of --kv-store-gib).
 
 writes
     DIR/report.json   settings; `modes.<mode>`: `n` and, for each metric below, {"mean": x, "ci95": [lo, hi]}
                       (percentile bootstrap of the mean over questions; null when no question ran); `rows`: one
                       per question with each mode's answer and metrics; `skipped`: {"id", "question", "reason"}
                       for questions not run (a document missing from the index or stale, a prompt too long)
-    DIR/report.md     the summary table
+                      With --recall, `recall`: the SIFT paper's in-context recall of the index's bits on the
+                      evaluated prompts (runtime/recall.py): LA / CA recall, LA / CA sparsity and the attention
+                      mass the sparse pattern keeps, per layer and in total, beside the paper's figures
+    DIR/report.md     the summary table (and the recall table)
     DIR/summary.png   the per-mode means with their intervals
+    DIR/recall.png    with --recall: recall and sparsity per layer
 
 Metrics per question and mode (dense is always run: it is the reference):
     agreement_first_token   1 if the first greedy token equals dense's
@@ -40,10 +48,12 @@ import torch
 
 from sift.errors import SiftError
 from sift.format import content_hash
-from sift.plots import mode_summary
+from sift.plots import mode_summary, recall_by_layer
 
 from .engine import MODES, GenerateResult, SiftEngine
+from .reuse import POLICIES, parse_mode
 from .qa import FORMATS, QAItem, load_qa
+from .recall import measure as measure_recall
 
 EXIT_OK, EXIT_ERROR = 0, 2
 REFERENCE = "dense"
@@ -243,10 +253,36 @@ def markdown(report: dict) -> str:
     for mode, stats in report["modes"].items():
         cells = [_cell(stats[key], fmt) for key, _, fmt in _COLUMNS]
         lines.append(f"| {mode} | {stats['n']} | " + " | ".join(cells) + " |")
+    if report.get("recall"):
+        lines += ["", *recall_markdown(report["recall"])]
     if report["skipped"]:
         lines += ["", f"Skipped ({len(report['skipped'])}):", ""]
         lines += [f"- `{s['id']}`: {s['reason']}" for s in report["skipped"]]
     return "\n".join(lines) + "\n"
+
+
+_RECALL_COLUMNS = (("la_recall", "LA recall"), ("la_sparsity", "LA sparsity"), ("ca_recall", "CA recall"),
+                   ("ca_sparsity", "CA sparsity"), ("mass_kept", "attention mass kept"))
+
+
+def _pct(x) -> str:
+    return "-" if x is None else f"{x:.1%}"
+
+
+def recall_markdown(recall: dict) -> list[str]:
+    """The recall section: the total beside the paper's figures, then one row per layer."""
+    lines = [f"## In-context recall of the bits ({recall['prompts']} prompts, alpha {recall['alpha']:g}, "
+             f"beta {recall['beta']:g}, tile {recall['tile']})", "",
+             "| | " + " | ".join(title for _, title in _RECALL_COLUMNS) + " |",
+             "|---|" + "---:|" * len(_RECALL_COLUMNS),
+             "| this index | " + " | ".join(_pct(recall["total"][k]) for k, _ in _RECALL_COLUMNS) + " |",
+             "| SIFT paper (Llama-3-8B, LongBench) | " + " | ".join(_pct(recall["paper"].get(k))
+                                                                    for k, _ in _RECALL_COLUMNS) + " |",
+             "", "| layer | " + " | ".join(title for _, title in _RECALL_COLUMNS) + " |",
+             "|---:|" + "---:|" * len(_RECALL_COLUMNS)]
+    for row in recall["layers"]:
+        lines.append(f"| {row['layer']} | " + " | ".join(_pct(row[k]) for k, _ in _RECALL_COLUMNS) + " |")
+    return lines
 
 
 def plot(report: dict, path: Path) -> None:
@@ -262,6 +298,8 @@ def write_report(report: dict, out: Path) -> None:
     (out / "report.json").write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
     (out / "report.md").write_text(markdown(report))
     plot(report, out / "summary.png")
+    if report.get("recall"):
+        recall_by_layer(out / "recall.png", report["recall"])
 
 
 # ------------------------------------------------------------------------------------------------------ CLI
@@ -269,46 +307,68 @@ def write_report(report: dict, out: Path) -> None:
 
 def _parse_modes(text: str) -> list[str]:
     modes = list(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))
-    bad = [m for m in modes if m not in MODES]
+    bad = [m for m in modes if m.partition(":")[0] not in MODES
+           or (m.partition(":")[0] in ("reuse", "hybrid") and not _reuse_mode_ok(m))]
     if not modes or bad:
-        raise SiftError(f"--modes {text!r}: each mode must be one of {', '.join(MODES)} (comma-separated)")
+        raise SiftError(f"--modes {text!r}: each mode must be one of {', '.join(MODES)} or hybrid:<policy> with a "
+                        f"policy in {', '.join(POLICIES)} (comma-separated)")
     return [REFERENCE, *(m for m in modes if m != REFERENCE)]
 
 
-def _engine(index_path: Path, model: str | None, device: str, backend: str) -> SiftEngine:
+def _reuse_mode_ok(mode: str) -> bool:
+    try:
+        parse_mode(mode)
+    except SiftError:
+        return False
+    return True
+
+
+def _engine(index_path: str, model: str | None, device: str, backend: str,
+            kv_store_gib: float = 0.0) -> SiftEngine:
+    """The engine over the index at `index_path` (a folder or an object-store URI); with a KV store of
+    kv_store_gib (modes reuse / hybrid)."""
     from sift.model import load_model
 
+    from .kv_store import KVStore
     from .store import SiftIndex
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    if not (index_path / "manifest.json").is_file():
-        raise SiftError(f"{index_path} is not a SIFT index (no manifest.json): build one with `sift-build`")
     index = SiftIndex.open(index_path, device=device)
     hf, tokenizer, _ = load_model(model or index.model_name, device=device)
-    return SiftEngine(hf, tokenizer, index, backend=backend)
+    store = KVStore(hbm_bytes=int(kv_store_gib * 2**30)) if kv_store_gib > 0 else None
+    return SiftEngine(hf, tokenizer, index, backend=backend, kv_store=store)
 
 
 def run(index_path: Path, qa_file: Path, *, modes: list[str], model: str | None = None, fmt: str = "auto",
         limit: int | None = None, batch: int = 1, max_new_tokens: int = 24, device: str = "auto",
-        backend: str = "auto", resamples: int = 2000, seed: int = 0, echo=lambda msg: None) -> dict:
-    """The whole eval -> the report (as report.json holds it)."""
+        backend: str = "auto", resamples: int = 2000, seed: int = 0, recall: bool = False,
+        recall_limit: int | None = None, kv_store_gib: float = 4.0, echo=lambda msg: None) -> dict:
+    """The whole eval -> the report (as report.json holds it). recall: also measure the bits' in-context recall
+    on the first `recall_limit` (None: all) evaluated questions. kv_store_gib: the KV store of the reuse modes
+    (created only when one is asked for)."""
     items, fmt = load_qa(qa_file, fmt, limit)
-    engine = _engine(index_path, model, device, backend)
+    reusing = any(m.partition(":")[0] in ("reuse", "hybrid") for m in modes)
+    engine = _engine(index_path, model, device, backend, kv_store_gib if reusing else 0.0)
     echo(f"{len(items)} questions ({fmt}); index {index_path}: {len(engine.index)} documents, tile "
          f"{engine.index.tile}; backend {engine.backend}, block {engine.block}; modes {', '.join(modes)}")
     rows, skipped = evaluate(engine, items, modes, batch=batch, max_new_tokens=max_new_tokens, echo=echo)
-    settings = dict(index=str(index_path), qa_file=str(qa_file), format=fmt, model=model or engine.index.model_name,
+    settings = dict(index=str(engine.index.path), qa_file=str(qa_file), format=fmt, model=model or engine.index.model_name,
                     backend=engine.backend, block=engine.block, tile=engine.index.tile, modes=modes,
                     max_new_tokens=max_new_tokens, batch=batch, limit=limit,
                     ci=dict(method="percentile bootstrap of the mean", level=CI_LEVEL, resamples=resamples,
                             seed=seed))
-    return dict(settings=settings, questions=len(items), evaluated=len(rows),
-                modes=aggregate(rows, modes, resamples=resamples, seed=seed), rows=rows, skipped=skipped)
+    report = dict(settings=settings, questions=len(items), evaluated=len(rows),
+                  modes=aggregate(rows, modes, resamples=resamples, seed=seed), rows=rows, skipped=skipped)
+    if recall:
+        evaluated = {r["id"] for r in rows}
+        requests = [item.request() for item in items if item.id in evaluated][:recall_limit]
+        report["recall"] = measure_recall(engine, requests, echo=echo)
+    return report
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("index_path", metavar="INDEX", type=click.Path(path_type=Path))
+@click.argument("index_path", metavar="INDEX")
 @click.argument("qa_file", type=click.Path(path_type=Path))
 @click.option("--modes", default="dense,sift", show_default=True,
               help=f"Comma-separated modes to compare ({', '.join(MODES)}); dense is always run, as the reference.")
@@ -323,9 +383,16 @@ def run(index_path: Path, qa_file: Path, *, modes: list[str], model: str | None 
               show_default=True)
 @click.option("--resamples", type=click.IntRange(100), default=2000, show_default=True,
               help="Bootstrap resamples of each interval.")
+@click.option("--recall", is_flag=True,
+              help="Also measure the bits' in-context LA / CA recall and sparsity (the SIFT paper's way).")
+@click.option("--recall-limit", type=click.IntRange(1), default=None,
+              help="Measure recall on the first N evaluated questions only (default: all).")
+@click.option("--kv-store-gib", type=click.FloatRange(0.01), default=4.0, show_default=True,
+              help="HBM (host memory on CPU) of the KV store the reuse / hybrid modes use.")
 @click.option("--out", type=click.Path(path_type=Path), required=True,
               help="Folder for report.json, report.md and summary.png.")
-def main(index_path, qa_file, modes, model, fmt, limit, batch, max_new_tokens, device, backend, resamples, out):
+def main(index_path, qa_file, modes, model, fmt, limit, batch, max_new_tokens, device, backend, resamples, recall,
+         recall_limit, kv_store_gib, out):
     """Evaluate the answers of each mode against dense and the gold answers of a QA set over INDEX.
 
     QA_FILE: JSONL of {"id", "question", "answers": [...], "docs": [{"id", "text"}], "prefix"?}, or the
@@ -337,7 +404,8 @@ def main(index_path, qa_file, modes, model, fmt, limit, batch, max_new_tokens, d
     log = lambda msg: click.echo(msg, err=True)  # noqa: E731
     try:
         report = run(index_path, qa_file, modes=_parse_modes(modes), model=model, fmt=fmt, limit=limit, batch=batch,
-                     max_new_tokens=max_new_tokens, device=device, backend=backend, resamples=resamples, echo=log)
+                     max_new_tokens=max_new_tokens, device=device, backend=backend, resamples=resamples,
+                     recall=recall, recall_limit=recall_limit, kv_store_gib=kv_store_gib, echo=log)
         write_report(report, out)
     except SiftError as e:
         click.echo(f"error: {e}", err=True)

@@ -29,7 +29,7 @@ from sift.format import ca_nbytes, n_pages
 from ..kernels.bits import unpack_msb
 
 POLICIES = ("first", "deviation", "bits", "none")
-DEFAULT_POLICY = "bits"
+DEFAULT_POLICY = "deviation"
 DEFAULT_FRACTION = 0.15
 DEVIATION_LAYER = 1
 

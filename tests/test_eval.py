@@ -232,8 +232,11 @@ def test_cli_bad_usage(eval_setup):
     result = runner.invoke(main, [str(index), str(qa), "--modes", "dense,bogus", "--out", str(root / "bad")])
     assert result.exit_code == 2 and result.stderr.startswith("error: --modes"), result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+    result = runner.invoke(main, [str(index), str(qa), "--modes", "dense,hybrid:magic", "--out", str(root / "bad")])
+    assert result.exit_code == 2 and "hybrid:<policy>" in result.stderr, result.stderr
     result = runner.invoke(main, [str(root / "no-index"), str(qa), "--out", str(root / "bad")])
-    assert result.exit_code == 2 and "not a SIFT index" in result.stderr and "Traceback" not in result.stderr
+    assert result.exit_code == 2 and "sift-build" in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
     result = runner.invoke(main, [str(index), str(qa), "--limit", "0", "--out", str(root / "bad")])
     assert result.exit_code == 2  # click's usage error
     assert not (root / "bad").exists()
@@ -276,3 +279,22 @@ def test_refused_batch_is_rerun_one_by_one():
                                            ttft_s=0.5)
     # batches [a, refuse] (refused, then a alone and refuse alone), [c]; dense first in each
     assert engine.calls == [(2, "dense"), (1, "dense"), (1, "sift"), (1, "dense"), (1, "dense"), (1, "sift")]
+
+
+def test_cli_recall_all_ones(eval_setup):
+    """--recall over an all-ones index: every own- and cross-document cell falls in a kept tile or page, nothing is
+    skipped, and document rows keep all their attention mass."""
+    index, qa, root = eval_setup
+    out = root / "out-recall"
+    proc = _run(index, qa, "--modes", "dense", "--max-new-tokens", "1", "--recall", "--out", out)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    recall = json.loads((out / "report.json").read_text())["recall"]
+    assert recall["prompts"] == 3 and (recall["alpha"], recall["beta"], recall["tile"]) == (0.001, 0.01, 16)
+    total = recall["total"]
+    assert total["la_recall"] == 1.0 and total["ca_recall"] == 1.0
+    assert total["la_sparsity"] == 0.0 and total["ca_sparsity"] == 0.0
+    assert total["mass_kept"] == pytest.approx(1.0, abs=1e-6)
+    assert total["la_high_cells"] > 0 and total["ca_high_cells"] > 0  # q1 and q2 have two documents
+    assert len(recall["layers"]) == 30 and recall["paper"]["la_recall"] == 0.939
+    assert "In-context recall" in (out / "report.md").read_text()
+    assert (out / "recall.png").stat().st_size > 1000

@@ -1,0 +1,334 @@
+"""What document KV reuse costs in answers: dense, sift, reuse and each hybrid recovery policy on the same
+questions with the real SmolLM2-135M-Instruct, greedy, scored against dense and the gold answers.
+
+Two multi-hop sets (both HotpotQA questions, CC BY-SA 4.0):
+
+    hotpotqa   runtime/data/hotpotqa_train_100.jsonl.gz: each question over its 10 paragraphs (~130 tokens each)
+    long       the long-document set of runtime/qa.py (`long_documents`): each question's two gold paragraphs
+               and first distractor, each embedded in ~1-1.5K tokens of Wikipedia leads on one topic
+               (../shared/data/hotpotqa_train.json and wiki_vital_summaries_en.json.gz)
+
+Per set: the questions' documents are written as a corpus (`runtime.qa.write_corpus`) and indexed with the
+`sift-build` CLI in a subprocess (default profile thresholds, tile --tile, 16 by default so that ~130-token
+paragraphs have tiles to skip; the config TOML is written next to the index), or an existing index is reused
+(--index, one set only). Then every mode runs on every question through `runtime.eval.evaluate`, one
+question per call (batch 1; the call warms each mode up on its question first, which keeps one-off costs out of
+TTFT and lets the result be written after every question), with one KVStore for the whole set (--store-gib,
+large enough to hold every document): a question's documents are in the store after the first reuse mode's
+warm-up, so every timed reuse / hybrid run is warm. The reuse modes give the same logits warm or cold
+(tests/test_kv_reuse.py), so the store's state changes TTFT only.
+
+Modes: dense (the reference), sift, reuse, hybrid:first (EPIC-like), hybrid:deviation (CacheBlend-like),
+hybrid:bits (the index's CA bits), hybrid:none (a check: must equal reuse token for token). Hybrid policies
+recompute --hybrid-fraction of each reused document's blocks (at least one) in the request's context.
+
+Per mode: agreement with dense (first token, whole answer), EM / F1 / gold containment, KL of the first-token
+distribution, tile fraction, the share of the documents' tokens recomputed in context (`recomputed_fraction`:
+1 for dense and sift, which compute every document in context), TTFT; each the mean over questions with a 95%
+percentile-bootstrap interval. Writes bench/results/eval_reuse.json (after each question) and prints a
+Markdown table per set. On CPU the sparse modes apply their pattern as a mask over dense attention and decode
+through the torch reference kernels, so TTFT there measures correctness paths, not speed.
+
+    python bench/eval_reuse.py [--sets hotpotqa,long] [--limit-hotpotqa 40] [--limit-long 15]
+    python bench/eval_reuse.py --sets hotpotqa --index DIR   # an index of the questions' paragraphs
+    python bench/eval_reuse.py --smoke     # 2 questions per set, 4 new tokens: checks the script runs
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import common  # bench/common.py (the script's folder is on sys.path)
+
+import torch  # noqa: E402
+
+from sift.errors import SiftError  # noqa: E402
+from sift.runtime import KVStore, SiftEngine, SiftIndex  # noqa: E402
+from sift.runtime.eval import aggregate, evaluate, summarise  # noqa: E402
+from sift.runtime.qa import QAItem, load_qa, long_documents, write_corpus  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+HOTPOTQA = ROOT / "runtime" / "data" / "hotpotqa_train_100.jsonl.gz"
+SHARED = ROOT.parent / "shared" / "data"
+SETS = ("hotpotqa", "long")
+MODES = ("dense", "sift", "reuse", "hybrid:first", "hybrid:deviation", "hybrid:bits", "hybrid:none")
+HYBRID = tuple(m for m in MODES if m.startswith("hybrid:") and m != "hybrid:none")
+
+
+def parse_args():
+    ap = common.parser(__doc__.split("\n\n")[0])
+    ap.add_argument("--sets", default=",".join(SETS), help=f"comma-separated QA sets among {', '.join(SETS)}")
+    ap.add_argument("--limit-hotpotqa", type=int, default=40, help="questions of the hotpotqa set")
+    ap.add_argument("--limit-long", type=int, default=15, help="questions of the long-document set")
+    ap.add_argument("--doc-chars", type=int, default=5400, help="characters per long document")
+    ap.add_argument("--hotpotqa-json", type=Path, default=SHARED / "hotpotqa_train.json",
+                    help="official HotpotQA JSON the long set is built from")
+    ap.add_argument("--wiki", type=Path, default=SHARED / "wiki_vital_summaries_en.json.gz",
+                    help="Wikipedia vital-article leads the long set embeds paragraphs in")
+    ap.add_argument("--index", type=Path, default=None, help="an existing index of the set's documents "
+                    "(only with one set in --sets); default: build one under --work")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/sift-eval-reuse"),
+                    help="folder for the corpora and indexes built (updated incrementally by sift-build)")
+    ap.add_argument("--tile", type=int, default=16, help="tile of the indexes built")
+    ap.add_argument("--hybrid-fraction", type=float, default=0.15, help="share of each document's blocks "
+                    "the hybrid policies recompute")
+    ap.add_argument("--max-new-tokens", type=int, default=24)
+    ap.add_argument("--store-gib", type=float, default=4.0, help="KV store budget (host memory on CPU)")
+    ap.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples of each interval")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (Triton kernels)")
+    ap.add_argument("--block", type=int, default=None, help="kernel block (default: the tile, as on CPU)")
+    ap.add_argument("--model-dir", type=Path, default=None,
+                    help="a plain transformers folder of the default model (where the GGUF package is not "
+                         "installed); the index is then built in this process (Profiler, no Ray)")
+    args = ap.parse_args()
+    args.sets = [s.strip() for s in args.sets.split(",") if s.strip()]
+    bad = [s for s in args.sets if s not in SETS]
+    if not args.sets or bad:
+        ap.error(f"--sets {bad or '(empty)'}: each set must be one of {', '.join(SETS)}")
+    if args.index is not None and len(args.sets) != 1:
+        ap.error("--index names one set's index: give exactly one set in --sets")
+    if args.smoke:
+        args.limit_hotpotqa, args.limit_long, args.max_new_tokens, args.resamples = 2, 2, 4, 200
+    return args
+
+
+# ------------------------------------------------------------------------------------------- questions, index
+
+
+def load_set(name: str, args) -> list[QAItem]:
+    if name == "hotpotqa":
+        try:
+            import datasets  # noqa: F401 (load_qa reads through it)
+        except ImportError:  # a GPU machine without it: the file is plain gzipped JSONL
+            import gzip
+            import json
+
+            from sift.runtime.qa import _READERS
+            with gzip.open(HOTPOTQA, "rt") as f:
+                rows = [json.loads(line) for _, line in zip(range(args.limit_hotpotqa), f)]
+            return [_READERS["hotpotqa"](r, i) for i, r in enumerate(rows, 1)]
+        return load_qa(HOTPOTQA, "hotpotqa", args.limit_hotpotqa)[0]
+    return long_documents(args.hotpotqa_json, args.wiki, limit=args.limit_long, doc_chars=args.doc_chars)
+
+
+def build_index_in_process(items: list[QAItem], folder: Path, tile: int, model, tokenizer, model_dir: Path) -> Path:
+    """The same index built here, without Ray: the builder's Profiler on the model's device, the builder's
+    shard and manifest writers (for a machine with the model folder but not the builder's cluster stack)."""
+    import pyarrow as pa
+
+    from sift import format as fmt
+    from sift.format import content_hash
+    from sift.model import fingerprint
+    from sift.pipeline import index as idx
+    from sift.pipeline.config import ProfileConfig
+    from sift.pipeline.profiler import Profiler
+
+    docs = {}
+    for item in items:
+        for doc_id, text in item.docs:
+            docs.setdefault(doc_id, list(tokenizer(text, add_special_tokens=False).input_ids))
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    cfg = ProfileConfig(tile=tile, dtype=dtype)
+    backend = "triton" if next(model.parameters()).is_cuda else "torch"
+    previous = model.config._attn_implementation
+    profiler = Profiler(model, tokenizer, cfg, backend)
+    rows, t = [], time.perf_counter()
+    try:
+        for doc_id, ids in docs.items():
+            b = profiler.profile(ids)
+            rows.append(dict(doc_id=doc_id, content_hash=content_hash(ids), n_tokens=len(ids), la_bits=b.la,
+                             ca_bits=b.ca, source="eval_reuse", la_density=[], ca_density=[]))
+    finally:
+        model.set_attn_implementation(previous)
+    print(f"  profiled {len(rows)} documents in {time.perf_counter() - t:.0f} s", flush=True)
+    root = folder / "index"
+    idx.prepare_dir(root)
+    info = idx.write_table(root, pa.Table.from_pylist(rows, schema=fmt.DOCS_SCHEMA), kind="part",
+                           profile_key="eval_reuse", backend=backend)
+    c = model.config
+    idx.commit_manifest(root, fmt.Manifest.from_dict({
+        "format": fmt.FORMAT, "format_version": fmt.FORMAT_VERSION, "generation": 1, "created_at": idx.now_iso(),
+        "model": {"name": str(model_dir), "fingerprint": fingerprint(model_dir), "model_type": c.model_type,
+                  "n_layers": c.num_hidden_layers, "n_heads": c.num_attention_heads,
+                  "n_kv_heads": c.num_key_value_heads, "head_dim": c.hidden_size // c.num_attention_heads,
+                  "rope": {}, "max_position_embeddings": c.max_position_embeddings},
+        "profile": {"tile": tile, "alpha": cfg.alpha, "beta": cfg.beta, "gamma": cfg.gamma, "dtype": dtype,
+                    "prefix_token_ids": list(profiler.prefix_ids), "profile_key": "eval_reuse"},
+        "shards": [info.to_dict()], "errors": None, "documents": len(rows)}))
+    return root
+
+
+def build_index(items: list[QAItem], folder: Path, tile: int) -> Path:
+    """Write the questions' documents as a corpus and (incrementally) index them with `sift-build`."""
+    corpus = folder / "corpus" / "docs.jsonl"
+    conflicts = write_corpus(items, corpus)
+    if conflicts:
+        print(f"  {len(conflicts)} doc_ids with two texts keep their first (later questions are skipped)")
+    config = folder / "config.toml"
+    config.write_text(f'model = "smollm2-135m-instruct"\n\n[profile]\ntile = {tile}\n')
+    index = folder / "index"
+    cmd = [str(Path(sys.executable).with_name("sift-build")), str(corpus.parent), "--out", str(index),
+           "--config", str(config), "-q"]
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    print(proc.stdout.rstrip())
+    if proc.returncode != 0:
+        raise SiftError(f"`{' '.join(cmd)}` failed with exit code {proc.returncode} (its output is above)")
+    print(f"  index {index} built in {time.perf_counter() - t:.0f} s", flush=True)
+    return index
+
+
+# ------------------------------------------------------------------------------------------------- running
+
+
+def _key(mode: str, request) -> tuple:
+    return mode, request.prefix, tuple(doc_id for doc_id, _ in request.docs), request.query
+
+
+def record_generations(engine: SiftEngine) -> dict:
+    """Wrap engine.generate (on this instance) to keep what the eval's rows lack: per (mode, request) of a
+    one-request call, the share of documents' tokens recomputed, the store's hits and the generated ids."""
+    seen: dict[tuple, dict] = {}
+    generate = engine.generate
+
+    def recording(requests, max_new_tokens=32, mode="sift"):
+        out = generate(requests, max_new_tokens, mode=mode)
+        for i, request in enumerate(requests):
+            seen[_key(mode, request)] = dict(recomputed_fraction=out.prefill.recomputed_fraction,
+                                             store=dict(out.prefill.store), token_ids=list(out.token_ids[i]))
+        return out
+
+    engine.generate = recording
+    return seen
+
+
+def run_set(name: str, items: list[QAItem], index_path: Path, model, tokenizer, args, write) -> dict:
+    """Evaluate the set one question at a time (`runtime.eval.evaluate` per question, which warms each mode up
+    first), calling write(result so far) after each, so that a long run leaves its partial result behind."""
+    index = SiftIndex.open(index_path, device=args.device)
+    store = KVStore(hbm_bytes=int(args.store_gib * 2**30), dram_bytes=0)
+    engine = SiftEngine(model, tokenizer, index, kv_store=store, hybrid_fraction=args.hybrid_fraction,
+                        block=args.block or args.tile)
+    seen = record_generations(engine)
+    rows, skipped, none_equals_reuse = [], [], []
+    t = time.perf_counter()
+    for k, item in enumerate(items, 1):
+        r, s = evaluate(engine, [item], MODES, max_new_tokens=args.max_new_tokens)
+        skipped += s
+        for row in r:
+            request = item.request()
+            for mode in MODES:
+                extra = seen[_key(mode, request)]
+                row["modes"][mode]["recomputed_fraction"] = extra["recomputed_fraction"]
+                row["modes"][mode]["store"] = extra["store"]
+            none_equals_reuse.append(seen[_key("hybrid:none", request)]["token_ids"]
+                                     == seen[_key("reuse", request)]["token_ids"])
+        rows += r
+        print(f"  {name}: {k}/{len(items)} questions ({time.perf_counter() - t:.0f} s)", flush=True)
+        write(_result(rows, skipped, none_equals_reuse, len(items), index, engine, store, args,
+                      time.perf_counter() - t))
+    return _result(rows, skipped, none_equals_reuse, len(items), index, engine, store, args, time.perf_counter() - t)
+
+
+def _result(rows, skipped, none_equals_reuse, questions, index, engine, store, args, seconds) -> dict:
+    modes = aggregate(rows, MODES, resamples=args.resamples)
+    for mode in MODES:
+        modes[mode]["recomputed_fraction"] = summarise([r["modes"][mode]["recomputed_fraction"] for r in rows],
+                                                       resamples=args.resamples)
+    return dict(questions=questions, evaluated=len(rows), index=str(index.path), tile=index.tile,
+                documents=len(index), block=engine.block, backend=engine.backend,
+                mean_prompt_tokens=sum(r["n_tokens"] for r in rows) / max(1, len(rows)),
+                hybrid_none_equals_reuse=f"{sum(none_equals_reuse)}/{len(none_equals_reuse)}",
+                store=store.stats(), seconds=seconds, modes=modes, rows=rows, skipped=skipped)
+
+
+# -------------------------------------------------------------------------------------------------- report
+
+COLUMNS = (("agreement_first_token", "first token = dense", "{:.0%}"),
+           ("agreement_answer", "answer = dense", "{:.0%}"), ("em", "EM", "{:.0%}"), ("f1", "F1", "{:.2f}"),
+           ("containment", "gold contained", "{:.0%}"), ("tile_fraction", "tiles computed", "{:.1%}"),
+           ("recomputed_fraction", "doc tokens recomputed", "{:.1%}"), ("ttft_s", "TTFT s", "{:.2f}"))
+
+
+def _cell(stat: dict, fmt: str) -> str:
+    if stat["mean"] is None:
+        return "-"
+    lo, hi = stat["ci95"]
+    return f"{fmt.format(stat['mean'])} [{fmt.format(lo)}, {fmt.format(hi)}]"
+
+
+def verdict(modes: dict) -> str:
+    """Which hybrid policy agrees best with dense (whole answer, then first token), and whether it agrees at
+    least as often as sift."""
+    score = lambda m: (modes[m]["agreement_answer"]["mean"], modes[m]["agreement_first_token"]["mean"])  # noqa
+    best = max(HYBRID, key=score)
+    (answer, first), (sift_answer, sift_first) = score(best), score("sift")
+    ok = answer >= sift_answer
+    return (f"best hybrid policy: {best} (answer = dense {answer:.0%}, first token {first:.0%}); sift: "
+            f"{sift_answer:.0%} / {sift_first:.0%}; best hybrid agrees with dense at least as often as sift: "
+            f"{'yes' if ok else 'no'}")
+
+
+def markdown(name: str, res: dict, args) -> str:
+    lines = [f"### {name}: {res['evaluated']} of {res['questions']} questions, {res['documents']} documents, "
+             f"mean prompt {res['mean_prompt_tokens']:.0f} tokens, tile {res['tile']}, block {res['block']}, "
+             f"backend {res['backend']}, hybrid fraction {args.hybrid_fraction:g}, {args.max_new_tokens} new "
+             f"tokens, greedy; mean [95% bootstrap interval]", "",
+             "| mode | " + " | ".join(title for _, title, _ in COLUMNS) + " |",
+             "|---|" + "---:|" * len(COLUMNS)]
+    for mode, stats in res["modes"].items():
+        lines.append(f"| {mode} | " + " | ".join(_cell(stats[key], fmt) for key, _, fmt in COLUMNS) + " |")
+    lines += ["", f"hybrid:none equals reuse token for token on {res['hybrid_none_equals_reuse']} questions; "
+              + verdict(res["modes"])]
+    if res["skipped"]:
+        lines += [f"skipped {len(res['skipped'])}: " + "; ".join(f"{s['id']}: {s['reason']}"
+                                                              for s in res["skipped"])]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    args = parse_args()
+    from sift.model import DEFAULT_MODEL, load_model
+
+    torch.manual_seed(0)
+    if args.model_dir is None:
+        model, tokenizer, _ = load_model(DEFAULT_MODEL, device=args.device)
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+        model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=dtype, attn_implementation="sdpa")
+        model = model.to(args.device).eval()
+        tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+    settings = dict(model=DEFAULT_MODEL, device=args.device, block=args.block or args.tile, modes=list(MODES), hybrid_fraction=args.hybrid_fraction,
+                    max_new_tokens=args.max_new_tokens, tile=args.tile, store_gib=args.store_gib,
+                    limits=dict(hotpotqa=args.limit_hotpotqa, long=args.limit_long), doc_chars=args.doc_chars,
+                    ci=dict(method="percentile bootstrap of the mean", level=0.95, resamples=args.resamples),
+                    command=" ".join(["python", "bench/eval_reuse.py", *sys.argv[1:]]))
+    results, tables = {}, []
+    for name in args.sets:
+        items = load_set(name, args)
+        print(f"{name}: {len(items)} questions", flush=True)
+        if args.index:
+            index = args.index
+        elif args.model_dir is not None:
+            index = build_index_in_process(items, args.work / name, args.tile, model, tokenizer, args.model_dir)
+        else:
+            index = build_index(items, args.work / name, args.tile)
+        def write(partial: dict) -> None:
+            results[name] = dict(settings=settings, **partial)
+            common.write_result("eval_reuse", dict(sets=results), common.out_dir(args))
+
+        write(run_set(name, items, index, model, tokenizer, args, write))
+        tables.append(markdown(name, results[name], args))
+    print("\n" + "\n".join(tables))
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except SiftError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
