@@ -67,6 +67,7 @@ def test_recall_equals_brute_force_eager_attention():
 
     ids = torch.tensor([[t for _, seg in segments for t in seg]])
     with torch.inference_mode():
+        model.set_attn_implementation("eager")  # the shared model may still route to another test's profiler
         attentions = model(input_ids=ids, output_attentions=True).attentions
     for layer in range(0, cfg.num_hidden_layers, 7):
         a = attentions[layer][0].float().numpy()
