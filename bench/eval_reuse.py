@@ -46,7 +46,7 @@ import torch  # noqa: E402
 
 from sift.errors import SiftError  # noqa: E402
 from sift.runtime import KVStore, SiftEngine, SiftIndex  # noqa: E402
-from sift.runtime.eval import aggregate, evaluate, summarise  # noqa: E402
+from sift.runtime.eval import aggregate, cell, evaluate, summarise  # noqa: E402
 from sift.runtime.qa import QAItem, load_qa, long_documents, write_corpus  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -252,13 +252,6 @@ COLUMNS = (("agreement_first_token", "first token = dense", "{:.0%}"),
            ("recomputed_fraction", "doc tokens recomputed", "{:.1%}"), ("ttft_s", "TTFT s", "{:.2f}"))
 
 
-def _cell(stat: dict, fmt: str) -> str:
-    if stat["mean"] is None:
-        return "-"
-    lo, hi = stat["ci95"]
-    return f"{fmt.format(stat['mean'])} [{fmt.format(lo)}, {fmt.format(hi)}]"
-
-
 def verdict(modes: dict) -> str:
     """Which hybrid policy agrees best with dense (whole answer, then first token), and whether it agrees at
     least as often as sift."""
@@ -279,7 +272,7 @@ def markdown(name: str, res: dict, args) -> str:
              "| mode | " + " | ".join(title for _, title, _ in COLUMNS) + " |",
              "|---|" + "---:|" * len(COLUMNS)]
     for mode, stats in res["modes"].items():
-        lines.append(f"| {mode} | " + " | ".join(_cell(stats[key], fmt) for key, _, fmt in COLUMNS) + " |")
+        lines.append(f"| {mode} | " + " | ".join(cell(stats[key], fmt) for key, _, fmt in COLUMNS) + " |")
     lines += ["", f"hybrid:none equals reuse token for token on {res['hybrid_none_equals_reuse']} questions; "
               + verdict(res["modes"])]
     if res["skipped"]:

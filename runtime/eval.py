@@ -233,7 +233,8 @@ _COLUMNS = (("tile_fraction", "tiles computed", "{:.1%}"), ("agreement_first_tok
             ("ttft_s", "TTFT s", "{:.3f}"))
 
 
-def _cell(stat: dict, fmt: str) -> str:
+def cell(stat: dict, fmt: str) -> str:
+    """A metric's `mean [lo, hi]` for a table, '-' when no question ran."""
     if stat["mean"] is None:
         return "-"
     lo, hi = stat["ci95"]
@@ -251,7 +252,7 @@ def markdown(report: dict) -> str:
              "| mode | n | " + " | ".join(title for _, title, _ in _COLUMNS) + " |",
              "|---|---:|" + "---:|" * len(_COLUMNS)]
     for mode, stats in report["modes"].items():
-        cells = [_cell(stats[key], fmt) for key, _, fmt in _COLUMNS]
+        cells = [cell(stats[key], fmt) for key, _, fmt in _COLUMNS]
         lines.append(f"| {mode} | {stats['n']} | " + " | ".join(cells) + " |")
     if report.get("recall"):
         lines += ["", *recall_markdown(report["recall"])]
