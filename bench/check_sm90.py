@@ -7,11 +7,13 @@ bench/results/check-sm90.json (mask b: check-sm90-mask-b.json).
 Needs an sm_90 GPU; run it under `timeout` (a barrier bug hangs rather than fails). Checks: the padded layout
 (many short segments, NaN in padding, offsets past 65,535, an empty row, GQA 4) with and without RoPE; K / V as
 the first slots of longer per-head buffers (the engine's cache); q and out in token order (the engine's call);
-a subset of query blocks (q_blocks, a reuse prefill's call), padded and in token order, other rows untouched;
+a subset of query blocks (q_blocks, a reuse prefill's call), padded and in token order, other rows untouched,
+and with K / V read in place from a token-major pool of shuffled pages (kv_pages);
 mask (a) at 16K against the tl kernel. Timings per length: both kernels with RoPE (sparse_rope), pre-rotated
 (sparse_none) and dense causal (dense_rope); the Gluon kernel's RoPE overhead as PAIRS pairs timed A B B A as CUDA
 graph replays (GPU time; a drift of the clocks over a pair cancels), the median of the per-pair ratios kept; the
-host time of one call; the key pass alone; cuDNN dense causal.
+host time of one call; the key pass alone; cuDNN dense causal; a reuse prefill's attention (4 query blocks over
+every key block) reading the pool's pages in place against gathering them first.
 """
 from __future__ import annotations
 
@@ -51,10 +53,11 @@ def check(name, out, ref, tol=1.5e-2):
     return ok
 
 
-def gluon(q, k, v, ptr, idx, block_valid, block_offset, inv_freq, out, q_block_start=None, q_blocks=None):
+def gluon(q, k, v, ptr, idx, block_valid, block_offset, inv_freq, out, q_block_start=None, q_blocks=None,
+          kv_pages=None):
     torch.cuda.synchronize()
     sm90.launch(q, k, v, ptr, idx, block_valid, block_offset, inv_freq, scale=SCALE, out=out,
-                q_block_start=q_block_start, q_blocks=q_blocks)
+                q_block_start=q_block_start, q_blocks=q_blocks, kv_pages=kv_pages)
     torch.cuda.synchronize()
     return out
 
@@ -130,7 +133,70 @@ def check_q_blocks(lay, q, k, v, mask, offset, real, ref, inv_freq) -> bool:
     q_tok = q[:, sel].transpose(0, 1).contiguous()
     out_tok = torch.full_like(q_tok, float("nan"))
     gluon(q_tok.transpose(0, 1), k, v, *args, out_tok.transpose(0, 1), q_block_start=tok_start, q_blocks=q_blocks)
-    return ok & untouched & check("q_blocks/token_order", out_tok.transpose(0, 1), ref[:, sel])
+    ok &= untouched & check("q_blocks/token_order", out_tok.transpose(0, 1), ref[:, sel])
+    # The reuse prefill's call: K / V read in place from a token-major pool (the KV store's layer), the blocks at
+    # shuffled pages among pages of NaN (kv_pages).
+    k_pool, v_pool, pages = paged_pool(k, v)
+    takes = sm90.supports(q_tok.transpose(0, 1), k_pool, v_pool, BLOCK, None)
+    print(f"check kv_pages taken by the Gluon kernel: {takes}", flush=True)
+    out_tok = torch.full_like(q_tok, float("nan"))
+    gluon(q_tok.transpose(0, 1), k_pool, v_pool, *args, out_tok.transpose(0, 1), q_block_start=tok_start,
+          q_blocks=q_blocks, kv_pages=pages)
+    ok &= takes & check("kv_pages/q_blocks/token_order", out_tok.transpose(0, 1), ref[:, sel])
+    out = gluon(q, k_pool, v_pool, *csr(mask), lay.block_valid, offset, None, torch.full_like(q, float("nan")),
+                kv_pages=pages)   # pre-rotated keys: K read from its pages too
+    want = sa.sparse_attention_ref(q, k, v, *csr(mask), lay.block_valid, offset, None, scale=SCALE, block=BLOCK)
+    return ok & check("kv_pages/padded/none", out, want)
+
+
+def paged_pool(k, v, spare: int = 7):
+    """k, v [Hkv, NB * BLOCK, D] -> token-major pools [Hkv, slots, D] (views of [slots, Hkv, D]) holding the blocks
+    at shuffled pages among `spare` pages of NaN, and kv_pages int32 [NB]."""
+    hkv, n, _ = k.shape
+    nb = n // BLOCK
+    pages = torch.randperm(nb + spare, device=k.device)[:nb]
+    pools = []
+    for x in (k, v):
+        pool = torch.full(((nb + spare) * BLOCK, hkv, D), float("nan"), dtype=x.dtype, device=x.device)
+        pool.view(nb + spare, BLOCK, hkv, D)[pages] = x.transpose(0, 1).reshape(nb, BLOCK, hkv, D)
+        pools.append(pool.transpose(0, 1))
+    return pools[0], pools[1], pages.to(torch.int32)
+
+
+def time_reuse_call(L, gen) -> dict:
+    """A reuse prefill's attention at L tokens: 4 query blocks (512 tokens, token order) over every key block, K / V
+    in a token-major pool at shuffled pages. Read in place (kv_pages: the key pass gathers K, the kernel reads V's
+    pages) against gathering both into head-major logical order first (one index_select each, then the kernel
+    on contiguous K / V). Median ms."""
+    inv_freq = rope_freq()
+    nb = L // BLOCK
+    lay = mask_a_layout(L)
+    q_blocks = torch.arange(nb - 4, nb, device="cuda", dtype=torch.int32)
+    rows = csr(torch.ones(32, 4, nb, dtype=torch.bool, device="cuda").tril(nb - 4))
+    k, v = (torch.randn(8, L, D, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    k_pool, v_pool, pages = paged_pool(k, v)
+    q = torch.randn(4 * BLOCK, 32, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+    out = torch.empty_like(q)
+    start = torch.full((nb,), 1 << 30, dtype=torch.int32, device="cuda")
+    start[nb - 4:] = torch.arange(4, device="cuda", dtype=torch.int32) * BLOCK
+    common_args = dict(scale=SCALE, out=out.transpose(0, 1), q_block_start=start, q_blocks=q_blocks)
+    lv = (lay.block_valid, lay.block_offset, inv_freq)
+
+    def in_place():
+        sm90.launch(q.transpose(0, 1), k_pool, v_pool, *rows, *lv, kv_pages=pages, **common_args)
+
+    def gathered():
+        kg = k_pool.unflatten(1, (-1, BLOCK)).index_select(1, pages.long()).flatten(1, 2).contiguous()
+        vg = v_pool.unflatten(1, (-1, BLOCK)).index_select(1, pages.long()).flatten(1, 2).contiguous()
+        sm90.launch(q.transpose(0, 1), kg, vg, *rows, *lv, **common_args)
+
+    in_place()
+    ref = out.clone()
+    gathered()
+    same = check(f"reuse_call_{L}/in_place_vs_gathered", ref.transpose(0, 1), out.transpose(0, 1), tol=1e-3)
+    ms = {name: round(triton.testing.do_bench(f, warmup=25, rep=100, return_mode="median"), 4)
+          for name, f in (("in_place", in_place), ("gathered", gathered))}
+    return dict(L=L, reuse_call_ms=ms, same=same)
 
 
 def layer(kind, L, gen):
@@ -209,6 +275,9 @@ def main():
     for L in [int(x) for x in args.lengths.split(",")]:
         rows.append(time_length(args.mask, L, args.rounds, args.pairs, gen))
         print(json.dumps(rows[-1]), flush=True)
+        rows[-1]["reuse_call"] = time_reuse_call(L, gen)
+        ok &= rows[-1]["reuse_call"]["same"]
+        print(json.dumps(rows[-1]["reuse_call"]), flush=True)
         torch.cuda.empty_cache()
     write_result("check-sm90" if args.mask == "a" else f"check-sm90-mask-{args.mask}",
                  dict(ok=ok, settings=dict(mask=args.mask, rounds=args.rounds, pairs=args.pairs, pair_order="ABBA"),

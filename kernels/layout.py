@@ -250,3 +250,9 @@ def build_layout(
         token_logical_pos=token_logical.to(dev),
         token_local_pos=token_local.to(dev),
     )
+
+
+def gather_blocks(x: torch.Tensor, pages: torch.Tensor, block: int) -> torch.Tensor:
+    """x [H, P * block, D] (any strides: a pool of pages) -> [H, NB * block, D], block b = page pages[b]
+    (int [NB]): a pool's pages in logical order, as the paged kernels read them."""
+    return x.unflatten(1, (-1, block)).index_select(1, pages.to(x.device).long()).flatten(1, 2)

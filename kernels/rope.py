@@ -18,6 +18,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from .layout import gather_blocks
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -156,16 +158,21 @@ def _store_cos_sin(CosSin, b, offs_h, cos, sin, HALF: tl.constexpr):
 
 
 @triton.jit
-def _rotate_blocks_kernel(K, Out, BlockOffset, InvFreq, CosSin, stride_kh, stride_kn, stride_kd, stride_oh,
+def _rotate_blocks_kernel(K, Out, BlockOffset, InvFreq, CosSin, Pages, stride_kh, stride_kn, stride_kd, stride_oh,
                           stride_on, stride_od, BLOCK: tl.constexpr, HALF: tl.constexpr, FAST_TRIG: tl.constexpr,
-                          WRITE_CS: tl.constexpr):
-    """Rows of block b of head h rotated by block_offset[b] (local -> logical positions). WRITE_CS: the head-0
-    programs also store the angles they used, row b of the table CosSin [NB, 2 * HALF] fp32 (cos | sin)."""
+                          WRITE_CS: tl.constexpr, PAGED: tl.constexpr):
+    """Rows of block b of head h rotated by block_offset[b] (local -> logical positions). PAGED: block b is read
+    from page Pages[b] of K (a pool of pages) and written to block b of Out. WRITE_CS: the head-0 programs also
+    store the angles they used, row b of the table CosSin [NB, 2 * HALF] fp32 (cos | sin)."""
     h = tl.program_id(0)
     b = tl.program_id(1)
     rows = (b * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+    if PAGED:
+        src_rows = (tl.load(Pages + b).to(tl.int64) * BLOCK + tl.arange(0, BLOCK))
+    else:
+        src_rows = rows
     offs_h = tl.arange(0, HALF)
-    src = K + h.to(tl.int64) * stride_kh + rows[:, None] * stride_kn
+    src = K + h.to(tl.int64) * stride_kh + src_rows[:, None] * stride_kn
     dst = Out + h.to(tl.int64) * stride_oh + rows[:, None] * stride_on
     x1 = tl.load(src + offs_h[None, :] * stride_kd)
     x2 = tl.load(src + (offs_h + HALF)[None, :] * stride_kd)
@@ -188,31 +195,40 @@ def _cos_sin_kernel(BlockOffset, InvFreq, CosSin, HALF: tl.constexpr, FAST_TRIG:
 
 
 def rotate_key_blocks(k: torch.Tensor, block_offset: torch.Tensor, inv_freq: torch.Tensor, *, block: int,
-                      out: torch.Tensor | None = None, cos_sin: torch.Tensor | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None, cos_sin: torch.Tensor | None = None,
+                      pages: torch.Tensor | None = None) -> torch.Tensor:
     """The key pass: k [Hkv, NB * block, D] at segment-local positions -> the same keys at logical positions
     (every row of block b rotated by block_offset[b], int32 [NB]), in `out` (any strides) or a new contiguous
     tensor. inv_freq: [D/2] float. cos_sin: optional fp32 [NB, D] that receives each block's angles (cos | sin,
-    the `cos_sin_table`), written by the same launch. Runs on CUDA or in the Triton interpreter.
+    the `cos_sin_table`), written by the same launch. pages: optional int32 [NB]: k is a pool of pages
+    [Hkv, P * block, D] and block b is its page pages[b] (the KV store's pool, gathered into logical order by
+    the same pass that rotates it). Runs on CUDA or in the Triton interpreter.
 
     The attention kernels take keys from this pass rather than rotating them per (query tile, key block): that
     rotation costs a share of what the tensor cores need for the block's two products, once per (tile, block),
     where the pass rotates each key block once per layer and costs about one copy of K."""
     hkv, n, d = k.shape
-    if n % block or block_offset.shape != (n // block,) or inv_freq.shape != (d // 2,):
+    nb = n // block if pages is None else pages.numel()
+    if n % block or block_offset.shape != (nb,) or inv_freq.shape != (d // 2,) or (
+            pages is not None and pages.dtype != torch.int32):
         raise ValueError(f"k {tuple(k.shape)}, block_offset {tuple(block_offset.shape)}, inv_freq "
-                         f"{tuple(inv_freq.shape)} do not fit block={block}")
+                         f"{tuple(inv_freq.shape)}, pages {None if pages is None else tuple(pages.shape)} do not "
+                         f"fit block={block}")
     if out is None:
-        out = torch.empty((hkv, n, d), dtype=k.dtype, device=k.device)
-    _rotate_blocks_kernel[(hkv, n // block)](
-        k, out, block_offset, inv_freq.to(k.device), out if cos_sin is None else cos_sin, *k.stride(),
-        *out.stride(), BLOCK=block, HALF=d // 2, FAST_TRIG=k.device.type == "cuda", WRITE_CS=cos_sin is not None,
-        num_warps=4)
+        out = torch.empty((hkv, nb * block, d), dtype=k.dtype, device=k.device)
+    _rotate_blocks_kernel[(hkv, nb)](
+        k, out, block_offset, inv_freq.to(k.device), out if cos_sin is None else cos_sin,
+        block_offset if pages is None else pages, *k.stride(), *out.stride(), BLOCK=block, HALF=d // 2,
+        FAST_TRIG=k.device.type == "cuda", WRITE_CS=cos_sin is not None, PAGED=pages is not None, num_warps=4)
     return out
 
 
 def rotate_key_blocks_ref(k: torch.Tensor, block_offset: torch.Tensor, inv_freq: torch.Tensor, *, block: int,
-                          out: torch.Tensor | None = None, cos_sin: torch.Tensor | None = None) -> torch.Tensor:
+                          out: torch.Tensor | None = None, cos_sin: torch.Tensor | None = None,
+                          pages: torch.Tensor | None = None) -> torch.Tensor:
     """Torch twin of `rotate_key_blocks` (same signature and result up to rounding; fp64 angles)."""
+    if pages is not None:
+        k = gather_blocks(k, pages, block)
     positions = block_offset.long().repeat_interleave(block)
     result = apply_rope_ref(k, positions, inv_freq)
     if cos_sin is not None:

@@ -17,6 +17,11 @@ the prefix and query tokens through the model, and their queries attend to every
 row per (head, computed block), row `h * NQ + i` for query block `q_blocks[i]`, and the rows of other blocks
 are not written. Key block ids, the causal diagonal (kb == q_blocks[i]) and the per-block tables stay as above.
 
+K and V may be pools of pages read in place (`kv_pages`: logical key block b is page kv_pages[b] of k / v): a
+prompt assembled from the KV store's pages (shared documents, the call's own scratch pages) is attended with no
+gathered copy of the layer. Only the memory address of a block changes; its id, valid slots, offset and the CSR
+stay logical.
+
 `sparse_attention` validates the arguments and picks the backend (`attention_backend`), in one place:
   "gluon": the warp-specialised Hopper kernel (`sparse_attention_sm90`; sm_90, block 128, head_dim 128, 16-bit);
   "tl":    the kernel in Triton's tile language (`sparse_attention_tl`; any CUDA GPU, or the Triton interpreter);
@@ -35,7 +40,7 @@ from sift.format import TILES
 
 from . import sparse_attention_sm90 as sm90
 from . import sparse_attention_tl as tl_kernel
-from .layout import BatchLayout
+from .layout import BatchLayout, gather_blocks
 from .numerics import check_heads_and_blocks, check_scale
 from .rope import apply_rope_ref
 
@@ -72,7 +77,7 @@ def check_rows(hq: int, nb: int, indptr, row_end=None, q_blocks=None) -> int:
 
 
 def _validate(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, scale, block, out,
-              q_block_start=None, row_end=None, q_blocks=None) -> None:
+              q_block_start=None, row_end=None, q_blocks=None, kv_pages=None) -> None:
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor) or x.dim() != 3:
             raise ValueError(f"{name} must be a 3-D tensor [H, N, D]; got {getattr(x, 'shape', type(x))}")
@@ -83,8 +88,19 @@ def _validate(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, sca
     hkv = k.shape[0]
     if k.shape != v.shape or k.shape[2] != d:
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must both be [Hkv, N, D={d}] like q")
+    if kv_pages is not None:
+        if not isinstance(kv_pages, torch.Tensor) or kv_pages.dtype != torch.int32 or kv_pages.dim() != 1:
+            raise ValueError(f"kv_pages must be None or int32 [NB] (the page of k / v holding each key block); got "
+                             f"{_describe(kv_pages)}")
+        if isinstance(block_valid, torch.Tensor) and kv_pages.numel() != block_valid.numel():
+            raise ValueError(f"kv_pages has {kv_pages.numel()} entries: give one page per block of the layout "
+                             f"(NB={block_valid.numel()})")
+        n = kv_pages.numel() * block   # logical slots; k / v hold the pool's pages
+        if k.shape[1] % block:
+            raise ValueError(f"k / v pools have {k.shape[1]} slots: a whole number of pages of block={block}")
     if q_block_start is None and n_q != n:
-        raise ValueError(f"q has {n_q} rows and k {n} slots: without q_block_start q must be in the padded layout")
+        raise ValueError(f"q has {n_q} rows and the layout {n} slots: without q_block_start q must be in the "
+                         f"padded layout")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q, k, v must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
     if d not in HEAD_DIMS:
@@ -105,15 +121,16 @@ def _validate(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, sca
     if out is not None and (tuple(out.shape) != (hq, n_q, d) or out.dtype != q.dtype):
         raise ValueError(f"out must be {q.dtype} [{hq}, {n_q}, {d}]; got {out.dtype} {tuple(out.shape)}")
     tensors = [q, k, v, indptr, indices, block_valid, block_offset] + [
-        x for x in (out, q_block_start, row_end, q_blocks) if x is not None]
+        x for x in (out, q_block_start, row_end, q_blocks, kv_pages) if x is not None]
     devices = {x.device for x in tensors}
     if len(devices) != 1:
         raise ValueError(f"all tensors must be on one device; got {sorted(map(str, devices))}")
 
 
-def check_layout(indptr, indices, block_valid, block_offset, *, block: int, q_blocks=None) -> None:
-    """Value checks of the CSR and layout, and of q_blocks (distinct block ids) when given (reads them on the
-    host; call it where a sync is affordable)."""
+def check_layout(indptr, indices, block_valid, block_offset, *, block: int, q_blocks=None, kv_pages=None,
+                 n_pages: int = 0) -> None:
+    """Value checks of the CSR and layout, of q_blocks (distinct block ids) and of kv_pages (pages in
+    [0, n_pages)) when given (reads them on the host; call it where a sync is affordable)."""
     nb = block_valid.numel()
     ptr = indptr.cpu().long()
     idx = indices.cpu().long()
@@ -131,6 +148,11 @@ def check_layout(indptr, indices, block_valid, block_offset, *, block: int, q_bl
         qb = q_blocks.cpu().long()
         if int(qb.min()) < 0 or int(qb.max()) >= nb or torch.unique(qb).numel() != qb.numel():
             raise ValueError(f"q_blocks must be distinct block ids in [0, NB={nb}); got {qb.tolist()[:16]}")
+    if kv_pages is not None and kv_pages.numel():
+        kp = kv_pages.cpu().long()
+        if int(kp.min()) < 0 or int(kp.max()) >= n_pages:
+            raise ValueError(f"kv_pages must be pages of k / v in [0, {n_pages}); got [{int(kp.min())}, "
+                             f"{int(kp.max())}]")
 
 
 def attention_backend(q, k, v, block: int, out=None) -> str:
@@ -144,7 +166,7 @@ def attention_backend(q, k, v, block: int, out=None) -> str:
 
 
 def sparse_attention(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, *, scale, block, out=None,
-                     q_block_start=None, row_end=None, q_blocks=None):
+                     q_block_start=None, row_end=None, q_blocks=None, kv_pages=None):
     """Block-sparse causal attention with RoPE by block offsets (forward), on the backend `attention_backend`
     picks.
 
@@ -163,14 +185,18 @@ def sparse_attention(q, k, v, indptr, indices, block_valid, block_offset, inv_fr
     Hq * NQ rows (indptr [Hq * NQ + 1], row_end [Hq * NQ]), row h * NQ + i for block q_blocks[i]; out rows of
     other blocks are not written (a new out holds whatever torch.empty left there). With q_block_start, q / out
     hold the tokens of the computed blocks only and q_block_start is read at those blocks only.
+    kv_pages: optional int32 [NB]: k and v are pools of pages [Hkv, P * block, D] (any strides: the KV store's
+    token-major pool seen through a transpose) and key block b is page kv_pages[b]; the kernels read the pages in
+    place, so a prompt assembled from cached documents needs no gathered copy. block_valid / block_offset stay
+    per logical block.
 
     Layout values are not checked here (that needs a device sync); see `check_layout`.
     """
     _validate(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, scale, block, out, q_block_start,
-              row_end, q_blocks)
+              row_end, q_blocks, kv_pages)
     backend = attention_backend(q, k, v, block, out)
     args = (q, k, v, indptr, indices, block_valid, block_offset, inv_freq)
-    rows = dict(q_block_start=q_block_start, row_end=row_end, q_blocks=q_blocks)
+    rows = dict(q_block_start=q_block_start, row_end=row_end, q_blocks=q_blocks, kv_pages=kv_pages)
     if backend == "torch":
         return sparse_attention_ref(*args, scale=scale, block=block, out=out, **rows)
     if out is None:
@@ -181,16 +207,19 @@ def sparse_attention(q, k, v, indptr, indices, block_valid, block_offset, inv_fr
 
 
 def sparse_attention_ref(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, *, scale, block, out=None,
-                         q_block_start=None, row_end=None, q_blocks=None):
+                         q_block_start=None, row_end=None, q_blocks=None, kv_pages=None):
     """Torch twin of `sparse_attention` (same signature and result; out=None: rows not computed are 0); fp32
     softmax, fp64 RoPE angles.
 
     Loops over (head, query block): meant for tests, debugging and small CPU prefill, not for speed.
     """
     _validate(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, scale, block, out, q_block_start,
-              row_end, q_blocks)
+              row_end, q_blocks, kv_pages)
     indptr, indices = _compact_csr(indptr, indices, row_end)
-    check_layout(indptr, indices, block_valid, block_offset, block=block, q_blocks=q_blocks)
+    check_layout(indptr, indices, block_valid, block_offset, block=block, q_blocks=q_blocks, kv_pages=kv_pages,
+                 n_pages=k.shape[1] // block)
+    if kv_pages is not None:
+        k, v = gather_blocks(k, kv_pages, block), gather_blocks(v, kv_pages, block)
     nb = k.shape[1] // block
     blocks = list(range(nb)) if q_blocks is None else q_blocks.tolist()
     target = q.new_zeros(q.shape) if out is None else out

@@ -41,6 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from .layout import gather_blocks
 from .numerics import LOG2E
 from .rope import rotate_key_blocks
 
@@ -169,9 +170,10 @@ def _next_tile(tcount, q_raws, q_rots, sched, cs_smem, q_ready, q_empty, Indptr,
 
 @gluon.jit
 def _consumer(q_desc, k_desc, v_desc, bufs, bars, Out, Indptr, RowEnd, Indices, BlockValid, BlockOffset, QBlocks,
-              QTokStart, CosSin, Counter, n_heads, NQ, n_q, n_k, stride_oh, stride_on, qk_scale,
+              QTokStart, KVPages, CosSin, Counter, n_heads, NQ, n_q, n_k, stride_oh, stride_on, qk_scale,
               GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, ROPE: gl.constexpr, Q_TOKENS: gl.constexpr,
-              Q_BLOCKS: gl.constexpr, QHR: gl.constexpr, KHR: gl.constexpr, WG: gl.constexpr):
+              Q_BLOCKS: gl.constexpr, QHR: gl.constexpr, KHR: gl.constexpr, K_PAGED: gl.constexpr,
+              V_PAGED: gl.constexpr, WG: gl.constexpr):
     q_raws, q_rots, k_bufs, v_bufs, kinfo, sched, cs_smem = bufs
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
     dtype: gl.constexpr = q_desc.dtype
@@ -270,9 +272,10 @@ def _load_v(v_desc, v_bufs, v_ready, v_empty, pos, row, col):
 
 @gluon.jit
 def _producer(q_desc, k_desc, v_desc, bufs, bars, Out, Indptr, RowEnd, Indices, BlockValid, BlockOffset, QBlocks,
-              QTokStart, CosSin, Counter, n_heads, NQ, n_q, n_k, stride_oh, stride_on, qk_scale,
+              QTokStart, KVPages, CosSin, Counter, n_heads, NQ, n_q, n_k, stride_oh, stride_on, qk_scale,
               GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, ROPE: gl.constexpr, Q_TOKENS: gl.constexpr,
-              Q_BLOCKS: gl.constexpr, QHR: gl.constexpr, KHR: gl.constexpr, WG: gl.constexpr):
+              Q_BLOCKS: gl.constexpr, QHR: gl.constexpr, KHR: gl.constexpr, K_PAGED: gl.constexpr,
+              V_PAGED: gl.constexpr, WG: gl.constexpr):
     q_raws, q_rots, k_bufs, v_bufs, kinfo, sched, cs_smem = bufs
     q_ready, q_empty, k_ready, k_empty, v_ready, v_empty = bars
     layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
@@ -309,21 +312,27 @@ def _producer(q_desc, k_desc, v_desc, bufs, bars, Out, Indptr, RowEnd, Indices, 
         tma.async_copy_global_to_shared(q_desc, [q_r + ROWS, q_c], q_ready, q_raws.index(1))
         # K runs one block ahead of V inside a row: K_{j+1} is requested before V_j's slot is free (that waits
         # for P_{j-2} V_{j-2}), so it lands before the consumers reach it.
-        kb_prev = 0
+        v_prev = 0
         for e in range(start, end):
             kb = gl.load(Indices + e)
+            # K_PAGED / V_PAGED: the block's keys / values sit in page KVPages[kb] (the KV store's pool).
+            if K_PAGED or V_PAGED:
+                page = gl.load(KVPages + kb)
+            else:
+                page = kb
+            k_at = page if K_PAGED else kb
             idx = it % K_STAGES
             mbarrier.wait(k_empty.index(idx), ((it // K_STAGES) & 1) ^ 1)
             # The block's id and valid slots travel with it (released by the expect's arrive).
             kinfo.index(idx).store(gl.where(r2 == 0, kb, gl.load(BlockValid + kb)))
             mbarrier.expect(k_ready.index(idx), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [k_r + kb * BLOCK, k_c], k_ready.index(idx), k_bufs.index(idx))
+            tma.async_copy_global_to_shared(k_desc, [k_r + k_at * BLOCK, k_c], k_ready.index(idx), k_bufs.index(idx))
             if e > start:
-                _load_v(v_desc, v_bufs, v_ready, v_empty, it - 1, k_r + kb_prev * BLOCK, k_c)
-            kb_prev = kb
+                _load_v(v_desc, v_bufs, v_ready, v_empty, it - 1, k_r + v_prev * BLOCK, k_c)
+            v_prev = page if V_PAGED else kb
             it += 1
         if end > start:
-            _load_v(v_desc, v_bufs, v_ready, v_empty, it - 1, k_r + kb_prev * BLOCK, k_c)
+            _load_v(v_desc, v_bufs, v_ready, v_empty, it - 1, k_r + v_prev * BLOCK, k_c)
         tcount += 1
         # Next tile from the global counter: a CTA that drew long rows takes fewer tiles.
         t = gl.num_programs(0) + gl.atomic_add(Counter, 1)
@@ -334,9 +343,10 @@ def _producer(q_desc, k_desc, v_desc, bufs, bars, Out, Indptr, RowEnd, Indices, 
 
 @gluon.jit
 def _sparse_attn_fwd_sm90(q_desc, k_desc, v_desc, Out, Indptr, RowEnd, Indices, BlockValid, BlockOffset, QBlocks,
-                          QTokStart, CosSin, Counter, n_heads, NQ, n_q, n_k, stride_oh, stride_on, qk_scale,
+                          QTokStart, KVPages, CosSin, Counter, n_heads, NQ, n_q, n_k, stride_oh, stride_on, qk_scale,
                           GROUP: gl.constexpr, HEAD_DIM: gl.constexpr, ROPE: gl.constexpr, Q_TOKENS: gl.constexpr,
-                          Q_BLOCKS: gl.constexpr, QHR: gl.constexpr, KHR: gl.constexpr):
+                          Q_BLOCKS: gl.constexpr, QHR: gl.constexpr, KHR: gl.constexpr, K_PAGED: gl.constexpr,
+                          V_PAGED: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
     q_raws = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], q_desc.layout)   # as loaded, per half
     q_rots = gl.allocate_shared_memory(dtype, [2, ROWS, HEAD_DIM], q_desc.layout)   # at logical positions
@@ -365,14 +375,14 @@ def _sparse_attn_fwd_sm90(q_desc, k_desc, v_desc, Out, Indptr, RowEnd, Indices, 
     bars = (q_ready, q_empty, k_ready, k_empty, v_ready, v_empty)
     gl.warp_specialize([
         (_consumer, (q_desc, k_desc, v_desc, bufs, bars, Out, Indptr, RowEnd, Indices, BlockValid, BlockOffset,
-                     QBlocks, QTokStart, CosSin, Counter, n_heads, NQ, n_q, n_k, stride_oh, stride_on, qk_scale,
-                     GROUP, HEAD_DIM, ROPE, Q_TOKENS, Q_BLOCKS, QHR, KHR, 0)),
+                     QBlocks, QTokStart, KVPages, CosSin, Counter, n_heads, NQ, n_q, n_k, stride_oh, stride_on,
+                     qk_scale, GROUP, HEAD_DIM, ROPE, Q_TOKENS, Q_BLOCKS, QHR, KHR, K_PAGED, V_PAGED, 0)),
         (_consumer, (q_desc, k_desc, v_desc, bufs, bars, Out, Indptr, RowEnd, Indices, BlockValid, BlockOffset,
-                     QBlocks, QTokStart, CosSin, Counter, n_heads, NQ, n_q, n_k, stride_oh, stride_on, qk_scale,
-                     GROUP, HEAD_DIM, ROPE, Q_TOKENS, Q_BLOCKS, QHR, KHR, 1)),
+                     QBlocks, QTokStart, KVPages, CosSin, Counter, n_heads, NQ, n_q, n_k, stride_oh, stride_on,
+                     qk_scale, GROUP, HEAD_DIM, ROPE, Q_TOKENS, Q_BLOCKS, QHR, KHR, K_PAGED, V_PAGED, 1)),
         (_producer, (q_desc, k_desc, v_desc, bufs, bars, Out, Indptr, RowEnd, Indices, BlockValid, BlockOffset,
-                     QBlocks, QTokStart, CosSin, Counter, n_heads, NQ, n_q, n_k, stride_oh, stride_on, qk_scale,
-                     GROUP, HEAD_DIM, ROPE, Q_TOKENS, Q_BLOCKS, QHR, KHR, 0)),
+                     QBlocks, QTokStart, KVPages, CosSin, Counter, n_heads, NQ, n_q, n_k, stride_oh, stride_on,
+                     qk_scale, GROUP, HEAD_DIM, ROPE, Q_TOKENS, Q_BLOCKS, QHR, KHR, K_PAGED, V_PAGED, 0)),
     ], [4, 1], [240, 24])
 
 
@@ -427,19 +437,26 @@ def _descriptors(q, k, v):
 
 
 def launch(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, *, scale, out, q_block_start=None,
-           row_end=None, q_blocks=None):
+           row_end=None, q_blocks=None, kv_pages=None):
     """Run the kernel: the arguments of `sparse_attention.sparse_attention` (validated there, `supports` true),
     out allocated. With inv_freq, one pass over K (`rope.rotate_key_blocks`) moves the keys to logical positions
     into a buffer laid out as v, and writes each block's cos | sin, with which the kernel rotates the query tiles
-    (no other launch: the pass forms the fp64 angles from inv_freq itself). Returns out."""
+    (no other launch: the pass forms the fp64 angles from inv_freq itself). With kv_pages the pass also gathers
+    K's pages into logical order, and the kernel reads V's pages in place. Returns out."""
     hq, _, d = q.shape
-    nb = k.shape[1] // BLOCK.value
+    nb = block_valid.numel()
     nq = nb if q_blocks is None else q_blocks.numel()
     dev = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    if kv_pages is not None and inv_freq is not None and v.stride(0) != d:
+        # Pages of a head-major pool: the rotated keys' buffer cannot share V's row pitch (one TMA coordinate
+        # rule for both), so both are gathered into logical order (the engine's pools are token-major).
+        k, v, kv_pages = gather_blocks(k, kv_pages, BLOCK.value), gather_blocks(v, kv_pages, BLOCK.value), None
+    k_paged = kv_pages is not None
     if inv_freq is not None:
         cos_sin = torch.empty((nb, d), dtype=torch.float32, device=q.device)
-        k = rotate_key_blocks(k, block_offset, inv_freq, block=BLOCK.value, cos_sin=cos_sin, out=torch.empty_strided(
-            v.shape, v.stride(), dtype=k.dtype, device=k.device))
+        k = rotate_key_blocks(k, block_offset, inv_freq, block=BLOCK.value, cos_sin=cos_sin, pages=kv_pages,
+                              out=_like_v(v, nb * BLOCK.value))
+        k_paged = False
     else:   # not read (ROPE is off); any fp32 pointer
         if dev not in _NO_TABLE:
             _NO_TABLE[dev] = torch.zeros(1, dtype=torch.float32, device=q.device)
@@ -450,20 +467,34 @@ def launch(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, *, sca
     _sparse_attn_fwd_sm90[(min(_SM_COUNT[dev], hq * nq),)](
         q_desc, k_desc, v_desc, out, indptr, indptr[1:] if row_end is None else row_end, indices, block_valid,
         block_offset, block_valid if q_blocks is None else q_blocks,   # QBlocks: not read without Q_BLOCKS
-        block_valid if q_block_start is None else q_block_start, cos_sin,
+        block_valid if q_block_start is None else q_block_start,
+        block_valid if kv_pages is None else kv_pages,         # KVPages: not read unpaged
+        cos_sin,
         torch.zeros(1, dtype=torch.int32, device=q.device),   # the tile counter
         hq, nq, q_pitch, k_pitch, out.stride(0), out.stride(1), float(scale) * LOG2E,
         GROUP=hq // k.shape[0], HEAD_DIM=d, ROPE=inv_freq is not None, Q_TOKENS=q_block_start is not None,
-        Q_BLOCKS=q_blocks is not None, QHR=q_rows, KHR=k_rows, num_warps=NUM_WARPS, maxnreg=MAXNREG)
+        Q_BLOCKS=q_blocks is not None, QHR=q_rows, KHR=k_rows, K_PAGED=k_paged, V_PAGED=kv_pages is not None,
+        num_warps=NUM_WARPS, maxnreg=MAXNREG)
     return out
 
 
+def _like_v(v: torch.Tensor, n: int) -> torch.Tensor:
+    """A new [Hkv, n, D] buffer laid out as v (heads along rows or along columns), so that K and V share one TMA
+    coordinate rule (`_descriptors`): a pool's token-major pages give a token-major buffer."""
+    h, _, d = v.shape
+    if v.stride(0) == d:
+        return torch.empty((n, h, d), dtype=v.dtype, device=v.device).transpose(0, 1)
+    return torch.empty_strided((h, n, d), v.stride(), dtype=v.dtype, device=v.device)
+
+
 def compile_for_sm90(*, rope: bool = True, q_tokens: bool = True, q_rows: bool = False, k_rows: bool = True,
-                     q_blocks: bool = False, group: int = 4, dtype: torch.dtype = torch.bfloat16):
+                     q_blocks: bool = False, k_paged: bool = False, v_paged: bool = False, group: int = 4,
+                     dtype: torch.dtype = torch.bfloat16):
     """Compile the kernel for sm_90 on any machine (no GPU needed: Triton's bundled ptxas) and return the
     CompiledKernel (`.metadata.shared` bytes, `.asm["ptx"]`, `.asm["cubin"]`). Used by CI to keep the kernel
     compiling and within shared memory, and by bench/aot_sm90.py for register / spill reports. q_blocks: the
-    variant that computes only the query blocks the caller lists (`launch(..., q_blocks=...)`)."""
+    variant that computes only the query blocks the caller lists (`launch(..., q_blocks=...)`); k_paged /
+    v_paged: the variants that read K / V from a pool's pages (`launch(..., kv_pages=...)`)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -475,11 +506,11 @@ def compile_for_sm90(*, rope: bool = True, q_tokens: bool = True, q_rows: bool =
            "k_desc": f"tensordesc<{name}[{BLOCK.value}, 128],{kl!r}>",
            "v_desc": f"tensordesc<{name}[{BLOCK.value}, 128],{kl!r}>", "Out": f"*{name}"}
     sig.update({p: "*i32" for p in ("Indptr", "RowEnd", "Indices", "BlockValid", "BlockOffset", "QBlocks",
-                                    "QTokStart", "Counter")})
+                                    "QTokStart", "KVPages", "Counter")})
     sig.update(CosSin="*fp32", qk_scale="fp32")
     sig.update({p: "i32" for p in ("n_heads", "NQ", "n_q", "n_k", "stride_oh", "stride_on")})
     const = dict(GROUP=group, HEAD_DIM=128, ROPE=rope, Q_TOKENS=q_tokens, Q_BLOCKS=q_blocks, QHR=q_rows,
-                 KHR=k_rows)
+                 KHR=k_rows, K_PAGED=k_paged, V_PAGED=v_paged)
     sig.update({p: "constexpr" for p in const})
     missing = set(_sparse_attn_fwd_sm90.arg_names) - set(sig)
     if missing:

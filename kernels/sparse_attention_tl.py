@@ -105,18 +105,25 @@ def _softmax_pv(s, m_i, l_i, acc, kb, qb, k_valid, v_ptr, stride_vd, qk_scale, B
 
 @triton.jit
 def _tile(j, q, q1, q2, q_off, qb, last_delta, cos, sin, m_i, l_i, acc, Indices, BlockValid, BlockOffset, InvFreq,
-          k_head, v_head, stride_kn, stride_kd, stride_vn, stride_vd, qk_scale, BLOCK: tl.constexpr,
+          KVPages, k_head, v_head, stride_kn, stride_kd, stride_vn, stride_vd, qk_scale, BLOCK: tl.constexpr,
           HEAD_DIM: tl.constexpr, ROPE: tl.constexpr, DIAG: tl.constexpr, DOT_PRECISION: tl.constexpr,
-          FAST_TRIG: tl.constexpr):
-    """Entry j of the CSR row: key block kb's scores, mask, online softmax and P @ V."""
+          FAST_TRIG: tl.constexpr, K_PAGED: tl.constexpr, V_PAGED: tl.constexpr):
+    """Entry j of the CSR row: key block kb's scores, mask, online softmax and P @ V. K_PAGED / V_PAGED: the
+    block's keys / values are in page KVPages[kb] of K / V, not in block kb."""
     kb = tl.load(Indices + j)
     k_valid = tl.load(BlockValid + kb)
     slot = (kb * BLOCK).to(tl.int64)
+    if K_PAGED or V_PAGED:
+        page = (tl.load(KVPages + kb) * BLOCK).to(tl.int64)
+    else:
+        page = slot
+    k_slot = page if K_PAGED else slot
+    v_slot = page if V_PAGED else slot
     s, last_delta, cos, sin = _key_scores(q, q1, q2, q_off, kb, last_delta, cos, sin, BlockOffset, InvFreq,
-                                          k_head + slot * stride_kn, stride_kd, HEAD_DIM, ROPE, DIAG,
+                                          k_head + k_slot * stride_kn, stride_kd, HEAD_DIM, ROPE, DIAG,
                                           DOT_PRECISION, FAST_TRIG)
-    m_i, l_i, acc = _softmax_pv(s, m_i, l_i, acc, kb, qb, k_valid, v_head + slot * stride_vn, stride_vd, qk_scale,
-                                BLOCK, HEAD_DIM, DIAG, DOT_PRECISION)
+    m_i, l_i, acc = _softmax_pv(s, m_i, l_i, acc, kb, qb, k_valid, v_head + v_slot * stride_vn, stride_vd,
+                                qk_scale, BLOCK, HEAD_DIM, DIAG, DOT_PRECISION)
     return last_delta, cos, sin, m_i, l_i, acc
 
 
@@ -128,6 +135,7 @@ def _sparse_attn_fwd(
     QBlocks,                           # int32 [NQ]: Q_BLOCKS: the block id of computed query block i
     QTokStart,                         # int32 [NB]: Q_TOKENS: row of q / out holding block b's first slot
     InvFreq,                           # float [D/2]: RoPE inverse frequencies (unused with ROPE_NONE)
+    KVPages,                           # int32 [NB]: K_PAGED / V_PAGED: the page of K / V holding key block b
     stride_qh, stride_qn, stride_qd,
     stride_kh, stride_kn, stride_kd,
     stride_vh, stride_vn, stride_vd,
@@ -141,6 +149,8 @@ def _sparse_attn_fwd(
     Q_BLOCKS: tl.constexpr,            # only the query blocks QBlocks[0 .. NQ - 1]; CSR row h * NQ + i
     DOT_PRECISION: tl.constexpr,       # "ieee" for fp32 inputs, "tf32" otherwise (ignored for 16-bit)
     FAST_TRIG: tl.constexpr,           # MUFU sin/cos (GPU); False in the interpreter
+    K_PAGED: tl.constexpr,             # K is a pool of pages: key block b at page KVPages[b]
+    V_PAGED: tl.constexpr,             # the same for V
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
     # Heads vary fastest, so programs of one kv group run together (K/V reuse in L2), and late query blocks,
@@ -214,13 +224,13 @@ def _sparse_attn_fwd(
     for j in range(start, mid):
         last_delta, cos, sin, m_i, l_i, acc = _tile(
             j, q, q1, q2, q_off, qb, last_delta, cos, sin, m_i, l_i, acc, Indices, BlockValid, BlockOffset,
-            InvFreq, k_head, v_head, stride_kn, stride_kd, stride_vn, stride_vd, qk_scale,
-            BLOCK, HEAD_DIM, ROPE, False, DOT_PRECISION, FAST_TRIG)
+            InvFreq, KVPages, k_head, v_head, stride_kn, stride_kd, stride_vn, stride_vd, qk_scale,
+            BLOCK, HEAD_DIM, ROPE, False, DOT_PRECISION, FAST_TRIG, K_PAGED, V_PAGED)
     for j in range(mid, end):
         last_delta, cos, sin, m_i, l_i, acc = _tile(
             j, q, q1, q2, q_off, qb, last_delta, cos, sin, m_i, l_i, acc, Indices, BlockValid, BlockOffset,
-            InvFreq, k_head, v_head, stride_kn, stride_kd, stride_vn, stride_vd, qk_scale,
-            BLOCK, HEAD_DIM, ROPE, True, DOT_PRECISION, FAST_TRIG)
+            InvFreq, KVPages, k_head, v_head, stride_kn, stride_kd, stride_vn, stride_vd, qk_scale,
+            BLOCK, HEAD_DIM, ROPE, True, DOT_PRECISION, FAST_TRIG, K_PAGED, V_PAGED)
 
     l_i = tl.where(l_i == 0.0, 1.0, l_i)  # rows that saw no key (empty CSR row) stay 0
     out = acc / l_i[:, None]
@@ -234,30 +244,36 @@ def _sparse_attn_fwd(
 
 
 def launch(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, *, scale, block, out, q_block_start=None,
-           row_end=None, q_blocks=None, config: AttentionConfig | None = None):
+           row_end=None, q_blocks=None, kv_pages=None, config: AttentionConfig | None = None):
     """Run the kernel: the arguments of `sparse_attention.sparse_attention` (validated there), out allocated.
-    config: launch parameters and RoPE mode (default `default_config(block)`). Returns out."""
+    config: launch parameters and RoPE mode (default `default_config(block)`). Returns out. With kv_pages, the
+    "pre" key pass gathers the pages into its buffer as it rotates them; V (and K in the other modes) is read
+    from its pages in place."""
     cfg = config or default_config(block)
     if cfg.rope_on not in ROPE_MODES:
         raise ValueError(f"rope_on={cfg.rope_on!r} is unknown; use one of {ROPE_MODES}")
     hq, d = q.shape[0], q.shape[2]
-    nq = k.shape[1] // block if q_blocks is None else q_blocks.numel()
+    nb = block_valid.numel()
+    nq = nb if q_blocks is None else q_blocks.numel()
+    k_paged = kv_pages is not None
     if inv_freq is None:
         rope, freq = ROPE_NONE.value, block_offset   # any pointer: not read
     else:
         rope = {"k": ROPE_ON_K, "pre": ROPE_PRE}[cfg.rope_on].value
         freq = inv_freq.to(q.device)
         if cfg.rope_on == "pre":  # one pass over K: keys to logical positions, in a transient buffer
-            k = rotate_key_blocks(k, block_offset, freq, block=block)
+            k = rotate_key_blocks(k, block_offset, freq, block=block, pages=kv_pages)
+            k_paged = False
     _sparse_attn_fwd[(hq, nq)](
         q, k, v, out, indptr, indptr[1:] if row_end is None else row_end, indices, block_valid, block_offset,
         block_valid if q_blocks is None else q_blocks,                   # QBlocks: not read without Q_BLOCKS
         block_valid if q_block_start is None else q_block_start, freq,   # QTokStart: not read without Q_TOKENS
+        block_valid if kv_pages is None else kv_pages,                   # KVPages: not read unpaged
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
         nq, float(scale) * LOG2E,
         GROUP=hq // k.shape[0], BLOCK=block, HEAD_DIM=d, ROPE=rope, Q_TOKENS=q_block_start is not None,
         Q_BLOCKS=q_blocks is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FAST_TRIG=q.device.type == "cuda",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        K_PAGED=k_paged, V_PAGED=kv_pages is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

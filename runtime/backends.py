@@ -46,13 +46,15 @@ class TorchBackend:
                                             tile), None)
                 for layer in range(bits.n_layers)]
 
-    def prefill(self, meta: PrefillMetadata, csr: LayerCsr, query, k, v, inv_freq, scale: float) -> torch.Tensor:
-        """query [1, Hq, n, D], the forward's tokens in token order; k / v [Hkv, NB * block, D] in the layout
-        -> [1, n, Hq, D]."""
+    def prefill(self, meta: PrefillMetadata, cache: BatchKVCache, layer: int, query, inv_freq,
+                scale: float) -> torch.Tensor:
+        """query [1, Hq, n, D], the forward's tokens in token order, over the layer's prompt KV in the cache (its
+        blocks gathered in logical order) -> [1, n, Hq, D]."""
         lay = meta.layout
+        k, v = cache.prompt_kv(layer)
         q = query.new_zeros(query.shape[1], lay.n_slots, query.shape[3])
         q[:, meta.token_phys] = query[0]
-        out = self._attend(q, k, v, csr, meta, inv_freq, scale)
+        out = self._attend(q, k, v, meta.layers[layer], meta, inv_freq, scale)
         return out[:, meta.token_phys].transpose(0, 1).unsqueeze(0)
 
     def _attend(self, q, k, v, csr: LayerCsr, meta: PrefillMetadata, inv_freq, scale: float):
@@ -93,13 +95,16 @@ class TritonBackend:
             layers += [LayerCsr(row_start, idx[g], ends[g]) for g in range(last - first)]
         return layers
 
-    def prefill(self, meta: PrefillMetadata, csr: LayerCsr, query, k, v, inv_freq, scale: float) -> torch.Tensor:
-        lay = meta.layout
+    def prefill(self, meta: PrefillMetadata, cache: BatchKVCache, layer: int, query, inv_freq,
+                scale: float) -> torch.Tensor:
+        """The kernel reads the cache's pages in place (`prompt_pages`)."""
+        lay, csr = meta.layout, meta.layers[layer]
+        k, v, pages = cache.prompt_pages(layer)
         hq, n, d = query.shape[1:]
         buf = torch.empty(n, hq, d, dtype=query.dtype, device=query.device)  # o_proj's layout
         sparse_attention(query[0], k, v, csr.indptr, csr.indices, lay.block_valid, lay.block_offset, inv_freq,
                          scale=scale, block=lay.block, out=buf.transpose(0, 1), q_block_start=meta.q_block_start,
-                         row_end=csr.row_end, q_blocks=meta.q_blocks)
+                         row_end=csr.row_end, q_blocks=meta.q_blocks, kv_pages=pages)
         return buf.unsqueeze(0)
 
     def decode(self, meta: DecodeMetadata, cache: BatchKVCache, layer: int, q, inv_freq, scale: float):

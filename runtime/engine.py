@@ -116,6 +116,7 @@ class _Timer:
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
+        self.device = device
         self.seconds: dict[str, float] = defaultdict(float)
         self._events: dict[str, list] = defaultdict(list)
 
@@ -134,7 +135,8 @@ class _Timer:
 
     def totals(self) -> dict[str, float]:
         if self.cuda:
-            torch.cuda.synchronize()
+            # The call's own stream: the KV store's write-back to DRAM runs on, and outlives the call.
+            torch.cuda.current_stream(self.device).synchronize()
             for stage, pairs in self._events.items():
                 self.seconds[stage] += sum(s.elapsed_time(e) for s, e in pairs) / 1e3
             self._events.clear()
@@ -154,9 +156,8 @@ class _PrefillAttention:
     def attend(self, layer: int, query, key, value, scale: float):
         """query [1, Hq, n_real, D], key / value [1, Hkv, n_real, D] -> [1, n_real, Hq, D]."""
         self.cache.write_prompt(layer, key[0], value[0])
-        k, v = self.cache.prompt_kv(layer)
         with self.timer("attention"):
-            out = self.backend.prefill(self.meta, self.meta.layers[layer], query, k, v, self.inv_freq, scale)
+            out = self.backend.prefill(self.meta, self.cache, layer, query, self.inv_freq, scale)
         return out, None
 
 
@@ -323,7 +324,7 @@ class SiftEngine:
 
     def _validate_requests(self, requests, mode: str) -> None:
         if mode.partition(":")[0] not in MODES:
-            raise SiftError(f"mode={mode!r} must be one of {', '.join(MODES)} (or 'hybrid:<policy>')")
+            raise SiftError(f"mode={mode!r} must be one of {', '.join(MODES)} (or 'hybrid:<policy>[@<fraction>]')")
         if mode == "sift" and self.index is None:
             raise SiftError("mode='sift' needs an index: create the engine with SiftIndex.open(path)")
         if mode not in ("sift", "dense"):
@@ -406,7 +407,7 @@ class SiftEngine:
         """-> (PrefillResult, layout, the batch's KV cache with room for new_tokens more per request)."""
         t0 = time.perf_counter()
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            torch.cuda.current_stream(self.device).synchronize()
         self._validate_requests(requests, mode)
         timer = _Timer(self.device)
         ids, layout, lengths, bits = self._plan(requests, mode, timer, new_tokens)
@@ -447,9 +448,9 @@ class SiftEngine:
         the batch's PagedKVCache, holding the store lease until `_release`)."""
         t0 = time.perf_counter()
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            torch.cuda.current_stream(self.device).synchronize()
         self._validate_requests(requests, mode)
-        _, policy = reuse.parse_mode(mode)
+        _, policy, fraction = reuse.parse_mode(mode)
         timer = _Timer(self.device)
         segs, lengths = self._segments(requests, new_tokens)
         if self.index is not None:
@@ -461,7 +462,8 @@ class SiftEngine:
         keys = [entry_key(self.kv_store.fingerprint, content_hash(ids), len(ids), dtype, self.prefix_ids, self.block)
                 for _, ids in docs]
         distinct = {k: d for k, d in zip(keys, docs)}
-        plan = _ReusePlan.make(layout, docs, policy, self.hybrid_fraction, -(-new_tokens // self.block),
+        fraction = self.hybrid_fraction if fraction is None else fraction
+        plan = _ReusePlan.make(layout, docs, policy, fraction, -(-new_tokens // self.block),
                                -(-len(self.prefix_ids) // self.block) * len(distinct))
         all_ids = torch.tensor([t for s in segs for _, seg in s for t in seg], device=self.device)
         t_store = time.perf_counter()

@@ -311,8 +311,8 @@ def _parse_modes(text: str) -> list[str]:
     bad = [m for m in modes if m.partition(":")[0] not in MODES
            or (m.partition(":")[0] in ("reuse", "hybrid") and not _reuse_mode_ok(m))]
     if not modes or bad:
-        raise SiftError(f"--modes {text!r}: each mode must be one of {', '.join(MODES)} or hybrid:<policy> with a "
-                        f"policy in {', '.join(POLICIES)} (comma-separated)")
+        raise SiftError(f"--modes {text!r}: each mode must be one of {', '.join(MODES)} or "
+                        f"hybrid:<policy>[@<fraction>] with a policy in {', '.join(POLICIES)} (comma-separated)")
     return [REFERENCE, *(m for m in modes if m != REFERENCE)]
 
 

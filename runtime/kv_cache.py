@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.layout import BatchLayout
+from ..kernels.layout import BatchLayout, gather_blocks
 
 
 class BatchKVCache:
@@ -63,6 +63,11 @@ class BatchKVCache:
         n = self.layout.n_slots
         return self._k[layer][:, :n], self._v[layer][:, :n]
 
+    def prompt_pages(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, None]:
+        """What the prefill kernels read: the prompt's blocks are the cache's first blocks, in logical order
+        (no page table)."""
+        return *self.prompt_kv(layer), None
+
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """[Hkv, slots, D]: the layer's whole cache, generated blocks included."""
         return self._k[layer], self._v[layer]
@@ -83,8 +88,9 @@ class PagedKVCache:
     page `block_pages[b]` (a document's shared page, or one of the call's scratch pages), so a document placed
     at different offsets by several requests is one physical copy. Only the tokens the forward computes
     (`token_slots`: their pool slots, in the forward's token order) are written; the others are read from the
-    pages as the store holds them. The decode kernel reads the pool in place; the prefill kernels read each
-    layer's blocks gathered in logical order (`prompt_kv`)."""
+    pages as the store holds them. The kernels read the pool in place: the decode through its block table,
+    the prefill through `prompt_pages` (the page of each logical block); `prompt_kv` gathers a layer's blocks in
+    logical order for the torch twins."""
 
     def __init__(self, layout: BatchLayout, store, lease, block_pages: torch.Tensor, token_slots: torch.Tensor,
                  gen_pages: torch.Tensor):
@@ -94,6 +100,7 @@ class PagedKVCache:
         self.gen_pages = gen_pages                  # int64 [B, gen_blocks]
         self.token_slots = token_slots              # int64 [n computed tokens]
         self.block_valid = store.page_valid         # int32 [pool pages]
+        self.kv_pages = block_pages.to(torch.int32)
         self._written: set[int] = set()
 
     @property
@@ -108,16 +115,14 @@ class PagedKVCache:
         self._written.add(layer)
 
     def prompt_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """[Hkv, NB * block, D], contiguous: the prompt's blocks in logical order, gathered from their pages in one
-        copy (head-major, the layout the prefill kernels read fastest)."""
-        blk = self.layout.block
+        """[Hkv, NB * block, D]: the prompt's blocks in logical order, gathered from their pages (a copy)."""
+        k, v, pages = self.prompt_pages(layer)
+        return gather_blocks(k, pages, self.layout.block), gather_blocks(v, pages, self.layout.block)
 
-        def gather(pool: torch.Tensor) -> torch.Tensor:
-            _, h, d = pool.shape
-            heads = pool.view(-1, blk, h, d).permute(2, 0, 1, 3)          # [Hkv, pages, blk, D] view
-            return heads.index_select(1, self.block_pages).view(h, -1, d)
-
-        return gather(self.store.k_pool[layer]), gather(self.store.v_pool[layer])
+    def prompt_pages(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[Hkv, pool slots, D] views of the layer's pool and int32 [NB], the page of each logical block: what the
+        prefill kernels read in place (`sparse_attention(..., kv_pages=)`)."""
+        return *self.layer_kv(layer), self.kv_pages
 
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """[Hkv, pool slots, D] views of the whole pool (the decode kernel reads the pages in place)."""

@@ -72,6 +72,8 @@ class _Entry:
     n_tokens: int
     n_pages: int
     pages: np.ndarray | None = None        # int64 [n_pages] HBM pages, None when not in HBM
+    pages_t: torch.Tensor | None = None    # the same on the pool's device, made once per stay in HBM (a hit
+                                           # makes no host-to-device copy)
     host: np.ndarray | None = None         # int64 [n_pages] DRAM pages, None when not in DRAM
     host_done: torch.cuda.Event | None = None  # the write-back's completion (CUDA)
     refs: int = 0
@@ -261,7 +263,9 @@ class KVStore:
                     promote.append(e)
                 else:
                     self._counts["misses"] += 1
-            lease.doc_pages[e.key] = torch.as_tensor(e.pages, device=self.geometry.device)
+            if e.pages_t is None:
+                e.pages_t = torch.as_tensor(e.pages, device=self.geometry.device)
+            lease.doc_pages[e.key] = e.pages_t
         scratch = self._allocate(scratch_pages)
         self.page_valid[torch.as_tensor(scratch, device=self.geometry.device)] = 0
         lease.scratch = torch.as_tensor(scratch, device=self.geometry.device)
@@ -296,7 +300,7 @@ class KVStore:
             # The pages are reused by work on the current stream: the write-back must have read them.
             torch.cuda.current_stream(self.geometry.device).wait_event(e.host_done)
         self._free[e.pages] = True
-        e.pages = None
+        e.pages, e.pages_t = None, None
         self._counts["evictions"] += 1
         return True
 
@@ -387,7 +391,7 @@ class KVStore:
                     # a miss whose call failed before its KV was whole: never served
                     self._hbm.pop(e.key)
                     self._free[e.pages] = True
-                    e.pages = None
+                    e.pages, e.pages_t = None, None
             if lease._scratch_np is not None:
                 self._free[lease._scratch_np] = True
 

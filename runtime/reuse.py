@@ -15,6 +15,7 @@
         none        no recomputation (equals "reuse"; the baseline of the comparison)
 
 "hybrid" alone is `DEFAULT_POLICY`, chosen by the answer-agreement measurement in the README's Quality section.
+"hybrid:<policy>@<fraction>" sets the budget of one call (default: the engine's `hybrid_fraction`).
 """
 from __future__ import annotations
 
@@ -34,17 +35,29 @@ DEFAULT_FRACTION = 0.15
 DEVIATION_LAYER = 1
 
 
-def parse_mode(mode: str) -> tuple[str, str | None]:
-    """"reuse" -> ("reuse", None); "hybrid" / "hybrid:<policy>" -> ("hybrid", policy)."""
-    base, _, policy = mode.partition(":")
-    if base == "reuse" and not policy:
-        return base, None
+def parse_mode(mode: str) -> tuple[str, str | None, float | None]:
+    """"reuse" -> ("reuse", None, None); "hybrid" / "hybrid:<policy>" -> ("hybrid", policy, None);
+    "hybrid:<policy>@<fraction>" -> ("hybrid", policy, fraction): this call's budget instead of the engine's
+    hybrid_fraction."""
+    base, _, rest = mode.partition(":")
+    policy, at, fraction = rest.partition("@")
+    if base == "reuse" and not rest:
+        return base, None, None
     if base == "hybrid":
         policy = policy or DEFAULT_POLICY
-        if policy in POLICIES:
-            return base, policy
-    raise SiftError(f"mode={mode!r} is not a reuse mode: use 'reuse', 'hybrid' or 'hybrid:<policy>' with a policy "
-                    f"in {', '.join(POLICIES)}")
+        share = _fraction(fraction) if at else None
+        if policy in POLICIES and (not at or share is not None):
+            return base, policy, share
+    raise SiftError(f"mode={mode!r} is not a reuse mode: use 'reuse', 'hybrid', 'hybrid:<policy>' or "
+                    f"'hybrid:<policy>@<fraction>' with a policy in {', '.join(POLICIES)} and a fraction in [0, 1]")
+
+
+def _fraction(text: str) -> float | None:
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if 0.0 <= value <= 1.0 else None
 
 
 def budget(n_blocks: int, fraction: float, policy: str | None) -> int:

@@ -154,7 +154,7 @@ def test_hybrid_recomputing_everything_equals_the_plain_forward(setup):
 
 def test_hybrid_policies_choose_within_budget(setup):
     _, _, _, reqs = setup
-    engine, _ = engine_with(setup, hybrid_fraction=0.2)
+    engine, _ = engine_with(setup, hbm_pages=128, hybrid_fraction=0.2)
     none = engine.prefill(reqs, mode="hybrid:none")
     reused = engine.prefill(reqs, mode="reuse")
     torch.testing.assert_close(none.logits, reused.logits, rtol=0, atol=1e-5)
@@ -162,6 +162,10 @@ def test_hybrid_policies_choose_within_budget(setup):
         res = engine.prefill(reqs, mode=f"hybrid:{policy}")
         assert 0.0 < res.recomputed_fraction < 0.5, (policy, res.recomputed_fraction)
     assert engine.prefill(reqs, mode="hybrid").mode == "hybrid"
+    # A call's own budget: "@1" recomputes every block of every document, "@0.6" more than the engine's 0.2.
+    assert engine.prefill(reqs, mode="hybrid:first@1").recomputed_fraction == 1.0
+    share = engine.prefill(reqs, mode="hybrid:first@0.6").recomputed_fraction
+    assert engine.prefill(reqs, mode="hybrid:first").recomputed_fraction < share < 1.0
 
 
 def test_budget_too_small_and_bad_modes_are_refused(setup):
@@ -172,8 +176,9 @@ def test_budget_too_small_and_bad_modes_are_refused(setup):
     assert store.stats()["misses"] == 0 and store.stats()["pinned"] == 0
     with pytest.raises(SiftError, match="needs a KV store"):
         SiftEngine(model, tokenizer, index).prefill(reqs, mode="reuse")
-    with pytest.raises(SiftError, match="hybrid:<policy>"):
-        engine.prefill(reqs, mode="hybrid:magic")
+    for bad in ("hybrid:magic", "hybrid:first@1.5", "hybrid:first@", "reuse@0.5"):
+        with pytest.raises(SiftError, match="hybrid:<policy>"):
+            engine.prefill(reqs, mode=bad)
     title, text = reqs[0].docs[0]
     stale = Request(SYSTEM, [(title, text + " Edited.")], "Why?")
     with pytest.raises(SiftError, match="stale index"):

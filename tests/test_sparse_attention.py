@@ -14,9 +14,9 @@ import torch
 
 from sift.kernels import sparse_attention_tl
 from sift.kernels.layout import DOC, build_layout
-from sift.kernels.rope import RopeSpec, apply_rope_ref, rope_inv_freq
+from sift.kernels.rope import RopeSpec, apply_rope_ref, rope_inv_freq, rotate_key_blocks, rotate_key_blocks_ref
 from sift.kernels.sparse_attention import sparse_attention, sparse_attention_ref, sparse_attention_torch
-from sift.kernels.sparse_attention_tl import AttentionConfig
+from sift.kernels.sparse_attention_tl import ROPE_MODES, AttentionConfig
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Max abs error allowed on outputs of magnitude ~1 (V ~ N(0, 1)); fp16 rounds q, k, the rotated K tile and P.
@@ -593,6 +593,85 @@ def test_q_blocks_token_order(dtype, block):
     check_close(out.cpu(), want[:, real], dtype, f"q_blocks token order kernel block={block}")
     twin = sparse_attention_ref(*args, scale=64 ** -0.5, block=block, **rows)
     check_close(twin, want[:, real], dtype, "q_blocks token order twin")
+
+
+def paged_pool(k, v, block: int, gen: torch.Generator, spare: int = 5):
+    """k, v [Hkv, NB * block, D] in logical order -> token-major pools ([slots, Hkv, D] seen as [Hkv, slots, D], as
+    the KV store holds a layer) with the blocks at shuffled pages among `spare` extra pages of NaN, and kv_pages
+    int32 [NB]: what the kernels must read in place."""
+    hkv, n, d = k.shape
+    nb = n // block
+    pages = torch.randperm(nb + spare, generator=gen)[:nb]
+    pools = []
+    for x in (k, v):
+        pool = torch.full(((nb + spare) * block, hkv, d), float("nan"), dtype=x.dtype)
+        pool.view(nb + spare, block, hkv, d)[pages] = x.transpose(0, 1).reshape(nb, block, hkv, d)
+        pools.append(pool.transpose(0, 1))
+    return pools[0], pools[1], pages.to(torch.int32)
+
+
+@pytest.mark.parametrize("dtype, block, rope_on", [
+    (torch.float32, 16, "k"), (torch.float16, 32, "pre"), (torch.float16, 16, "k"), (torch.float32, 32, "pre")])
+def test_kv_pages_read_in_place(dtype, block, rope_on):
+    """kv_pages: k / v are pools whose pages hold the layout's blocks in shuffled order (NaN elsewhere), read in
+    place with q in token order and only some query blocks computed (the reuse prefill's call): the tl kernel,
+    the twin and the key pass equal the dense reference over the logical blocks."""
+    layout, lay, inv_freq, q, k, v, want, q_blocks, (starts, indices, row_end) = q_block_case(61, block, dtype)
+    gen = torch.Generator().manual_seed(62)
+    k_pool, v_pool, pages = paged_pool(k, v, block, gen)
+    real = ((layout.pos >= 0) & computed_slots(layout, q_blocks)).nonzero()[:, 0]
+    q_start = torch.full((len(layout.block_request),), -1_000_000, dtype=torch.int32)
+    q_start[q_blocks.long()] = torch.searchsorted(real, q_blocks.long() * block).to(torch.int32)
+    q_tok = q[:, real].transpose(0, 1).contiguous().transpose(0, 1)
+    args = (q_tok, k_pool, v_pool, starts, indices, layout.block_valid, layout.block_offset, inv_freq)
+    rows = dict(q_block_start=q_start, row_end=row_end, q_blocks=q_blocks, kv_pages=pages)
+    cfg = AttentionConfig(num_warps=4, num_stages=2, rope_on=rope_on)
+    out = torch.full((real.numel(), 4, 64), float("nan"), dtype=dtype, device=DEVICE).transpose(0, 1)
+    sparse_attention_tl.launch(*on_device(*args), scale=64 ** -0.5, block=block, out=out,
+                               **{name: x.to(DEVICE) for name, x in rows.items()}, config=cfg)
+    check_close(out.cpu(), want[:, real], dtype, f"kv_pages tl block={block} rope_on={rope_on}")
+    twin = sparse_attention_ref(*args, scale=64 ** -0.5, block=block, **rows)
+    check_close(twin, want[:, real], dtype, "kv_pages twin")
+    # The key pass reads the pages and writes logical order: equal to rotating the logical keys.
+    keys = rotate_key_blocks(k_pool.to(DEVICE), layout.block_offset.to(DEVICE), inv_freq.to(DEVICE), block=block,
+                             pages=pages.to(DEVICE)).cpu()
+    ref_keys = rotate_key_blocks_ref(k, layout.block_offset, inv_freq, block=block)
+    real_slots = layout.pos >= 0
+    torch.testing.assert_close(keys[:, real_slots].float(), ref_keys[:, real_slots].float(), atol=ATOL[dtype],
+                               rtol=0)
+
+
+def test_kv_pages_without_rope():
+    """kv_pages with keys already at logical positions (inv_freq None): K and V both read from their pages."""
+    gen = torch.Generator().manual_seed(63)
+    block, d, hq, hkv, dtype = 16, 64, 4, 2, torch.float32
+    layout = make_layout([[30, 18, 41], [7, 50]], block)
+    _, _, v, q_log, k_log = make_qkv(layout, hq, hkv, d, dtype, default_inv_freq(d), gen)
+    q, k = q_log.to(dtype), k_log.to(dtype)
+    indptr, indices, mask = make_csr(layout, hq, "random", gen)
+    k_pool, v_pool, pages = paged_pool(k, v, block, gen)
+    ref = dense_reference(q.double(), k.double(), v.double(), layout, mask, d ** -0.5)
+    for rope_on in ROPE_MODES:
+        out = sparse_attention_tl.launch(*on_device(q, k_pool, v_pool, indptr, indices, layout.block_valid,
+                                                    layout.block_offset), None, scale=d ** -0.5, block=block,
+                                         out=torch.empty_like(q, device=DEVICE), kv_pages=pages.to(DEVICE),
+                                         config=AttentionConfig(num_warps=4, num_stages=2, rope_on=rope_on))
+        check_close(out.cpu(), ref, dtype, f"kv_pages without RoPE ({rope_on})")
+
+
+def test_kv_pages_rejected_when_malformed():
+    layout, lay, inv_freq, q, k, v, want, q_blocks, (starts, indices, row_end) = q_block_case(64, 16, torch.float32)
+    k_pool, v_pool, pages = paged_pool(k, v, 16, torch.Generator().manual_seed(65))
+    args = (q, k_pool, v_pool, starts, indices, layout.block_valid, layout.block_offset, inv_freq)
+    rows = dict(row_end=row_end, q_blocks=q_blocks)
+    with pytest.raises(ValueError, match="kv_pages must be None or int32"):
+        sparse_attention(*args, scale=0.125, block=16, kv_pages=pages.long(), **rows)
+    with pytest.raises(ValueError, match="give one page per block of the layout"):
+        sparse_attention(*args, scale=0.125, block=16, kv_pages=pages[:-1], **rows)
+    beyond = pages.clone()
+    beyond[0] = k_pool.shape[1] // 16
+    with pytest.raises(ValueError, match="kv_pages must be pages of k / v"):
+        sparse_attention_ref(*args, scale=0.125, block=16, kv_pages=beyond, **rows)
 
 
 def test_q_blocks_rejected_when_malformed():

@@ -26,8 +26,9 @@ SMEM_LIMIT = 227 * 1024  # bytes of shared memory one CTA may use on sm_90
 _COMPILE = """
 import json, sys, torch
 from sift.kernels import sparse_attention_sm90 as sm90
-rope, q_tokens, q_rows, q_blocks, dtype = json.loads(sys.argv[1])
+rope, q_tokens, q_rows, q_blocks, paged, dtype = json.loads(sys.argv[1])
 kernel = sm90.compile_for_sm90(rope=rope, q_tokens=q_tokens, q_rows=q_rows, q_blocks=q_blocks,
+                               k_rows=not paged, k_paged=paged and not rope, v_paged=paged,
                                dtype=getattr(torch, dtype))
 ptx = kernel.asm["ptx"]
 print(json.dumps(dict(shared=kernel.metadata.shared, cubin=len(kernel.asm["cubin"]),
@@ -36,15 +37,16 @@ print(json.dumps(dict(shared=kernel.metadata.shared, cubin=len(kernel.asm["cubin
 """
 
 
-@pytest.mark.parametrize("rope, q_tokens, q_rows, q_blocks, dtype", [
-    (True, True, False, False, "bfloat16"),   # the engine's call: q / out in token order, heads along columns
-    (False, False, True, False, "float16"),   # padded layout, pre-rotated keys
-    (True, True, False, True, "bfloat16"),    # a reuse prefill: only the listed query blocks (prefix, query)
+@pytest.mark.parametrize("rope, q_tokens, q_rows, q_blocks, paged, dtype", [
+    (True, True, False, False, False, "bfloat16"),   # the engine's call: q / out in token order, heads along columns
+    (False, False, True, False, False, "float16"),   # padded layout, pre-rotated keys
+    (True, True, False, True, True, "bfloat16"),     # a reuse prefill: the listed query blocks (prefix, query)
+                                                     # over V read in place from the store's token-major pages
 ])
-def test_compiles_for_sm90(rope, q_tokens, q_rows, q_blocks, dtype):
+def test_compiles_for_sm90(rope, q_tokens, q_rows, q_blocks, paged, dtype):
     # A fresh interpreter without TRITON_INTERPRET (set for the whole suite), which would wrap the Gluon functions.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps([rope, q_tokens, q_rows, q_blocks, dtype])], env=env,
+    r = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps([rope, q_tokens, q_rows, q_blocks, paged, dtype])], env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     info = json.loads(r.stdout.strip().splitlines()[-1])
@@ -70,6 +72,18 @@ def test_head_view_layouts():
     assert torch.equal(view[7, 3 * d:4 * d], tok[7, 3])
     assert sm90._head_view(torch.randn(h, n, 2 * d)[:, :, :d]) is None       # row stride != D
     assert sm90._head_view(torch.randn(h, d, n).transpose(1, 2)) is None      # last stride != 1
+
+
+def test_rotated_keys_buffer_laid_out_as_v():
+    """With kv_pages the key pass writes K's blocks in logical order into a buffer that shares V's TMA coordinate
+    rule: token-major for the store's token-major pool, whatever the pool's size."""
+    h, d, pool_slots, n = 2, 128, 1024, 384
+    v_pool = torch.randn(pool_slots, h, d).transpose(0, 1)
+    buf = sm90._like_v(v_pool, n)
+    assert buf.shape == (h, n, d)
+    assert sm90._head_view(buf)[1:] == sm90._head_view(v_pool)[1:] == (False, 0)
+    contiguous = torch.randn(h, n, d)
+    assert sm90._like_v(contiguous, n).stride() == contiguous.stride()
 
 
 def test_supports_only_sm90_shapes():
