@@ -455,7 +455,8 @@ class SiftEngine:
         segs, lengths = self._segments(requests, new_tokens)
         if self.index is not None:
             self._check_docs(requests, segs)
-        layout = build_layout([[(k, len(ids)) for k, ids in s] for s in segs], self.block, self.device)
+        shape = [[(k, len(ids)) for k, ids in s] for s in segs]
+        layout = build_layout(shape, self.block, self.device)
         docs = [(doc_id, ids) for r, s in zip(requests, segs)
                 for (doc_id, _), ids in zip(r.docs, [ids for k, ids in s if k == "doc"])]
         dtype = self.kv_store.geometry.dtype
@@ -470,12 +471,20 @@ class SiftEngine:
         lease = self.kv_store.lease({k: len(ids) for k, (_, ids) in distinct.items()}, plan.scratch_pages)
         store_s = time.perf_counter() - t_store
         try:
-            cold_nnz, cold_blocks = self._compute_docs(lease, distinct, plan, timer)
-            t_store = time.perf_counter()
-            lease.commit()
-            store_s += time.perf_counter() - t_store
+            # Missing documents join the request's own forward (one forward: they attend only to the profiling
+            # prefix and themselves, so their KV is what a forward of their own would give), except where the
+            # policy must read their stored KV before choosing what to recompute.
+            cold = _ColdDocs.make(self, lease, distinct, plan) if lease.misses else None
+            cold_nnz = 0.0
+            cold_blocks = cold.n_doc_blocks if cold is not None else 0
+            if cold is not None and policy == "deviation":
+                cold_nnz = self._compute_docs(cold, timer)
+                cold = None
+                store_s += self._timed(lease.commit)
             recompute = self._choose_blocks(policy, layout, all_ids, docs, keys, lease, plan, timer)
-            logits, meta, cache = self._reuse_forward(layout, all_ids, docs, keys, lease, plan, recompute, timer)
+            logits, meta, cache = self._reuse_forward(shape, layout, all_ids, docs, keys, lease, plan, recompute,
+                                                      timer, cold)
+            store_s += self._timed(lease.commit)
         except BaseException:
             lease.release()
             raise
@@ -497,35 +506,24 @@ class SiftEngine:
                                           computed=status.count("miss"), computed_blocks=cold_blocks))
         return result, layout, cache
 
-    def _compute_docs(self, lease, distinct: dict, plan: "_ReusePlan", timer: _Timer) -> tuple[float, int]:
-        """Compute the missing documents on their own, after the profiling prefix (sparse with their LA bits
-        when indexed, dense otherwise), straight into their pages. -> (computed tiles, blocks)."""
-        misses = lease.misses
-        if not misses:
-            return 0.0, 0
-        pfx = self.prefix_ids
-        layout = build_layout([[("prefix", len(pfx)), ("doc", len(distinct[k][1]))] for k in misses], self.block,
-                              self.device)
-        pages = torch.empty(layout.n_blocks, dtype=torch.int64, device=self.device)
-        is_doc = layout.block_kind == DOC
-        pages[is_doc] = torch.cat([lease.doc_pages[k] for k in misses])
-        n_pfx = int((~is_doc).sum())
-        pfx_pages = lease.scratch[plan.cold_first:plan.cold_first + n_pfx]
-        pages[~is_doc] = pfx_pages
-        self.kv_store.page_valid[pfx_pages] = layout.block_valid[~is_doc]
-        bits = None
-        if self.index is not None:
-            with timer("fetch"):
-                bits = self.index.fetch([(distinct[k][0], len(distinct[k][1])) for k in misses],
-                                        on_unknown=self.on_unknown)
-        meta = self._metadata(layout, bits, timer)
-        ids = torch.tensor([[t for k in misses for t in pfx + list(distinct[k][1])]], device=self.device)
-        slots = pages[layout.token_phys // self.block] * self.block + layout.token_phys % self.block
-        cache = PagedKVCache(layout, self.kv_store, lease, pages, slots, pages.new_empty(len(misses), 0))
-        self._forward(ids, layout.token_local_pos, meta, cache, timer)
-        n_layers, n_heads = self.model.config.num_hidden_layers, self.model.config.num_attention_heads
-        nnz = float(meta.nnz()) if bits is not None else float(n_layers * n_heads * layout.causal_block_pairs)
-        return nnz, int(is_doc.sum())
+    @staticmethod
+    def _timed(fn) -> float:
+        t = time.perf_counter()
+        fn()
+        return time.perf_counter() - t
+
+    def _compute_docs(self, cold: "_ColdDocs", timer: _Timer) -> float:
+        """Compute the missing documents in a forward of their own, straight into their pages (the policies that
+        read their stored KV before the request's forward). -> computed tiles."""
+        bits = self._bits_of(cold.layout, cold.docs, timer)
+        meta = self._metadata(cold.layout, bits, timer)
+        slots = cold.pages[cold.layout.token_phys // self.block] * self.block + cold.layout.token_phys % self.block
+        cache = PagedKVCache(cold.layout, self.kv_store, cold.lease, cold.pages, slots, cold.pages.new_empty(0, 0))
+        self._forward(cold.ids[None], cold.layout.token_local_pos, meta, cache, timer)
+        if bits is not None:
+            return float(meta.nnz())
+        config = self.model.config   # every causal pair
+        return float(config.num_hidden_layers * config.num_attention_heads * cold.layout.causal_block_pairs)
 
     def _choose_blocks(self, policy, layout, all_ids, docs, keys, lease, plan: "_ReusePlan",
                        timer: _Timer) -> torch.Tensor:
@@ -577,33 +575,43 @@ class SiftEngine:
         with timer("fetch"):
             return self.index.fetch([(doc_id, len(ids)) for doc_id, ids in docs], on_unknown=self.on_unknown)
 
-    def _reuse_forward(self, layout, all_ids, docs, keys, lease, plan: "_ReusePlan", recompute: torch.Tensor,
-                       timer: _Timer):
+    def _reuse_forward(self, shape, layout, all_ids, docs, keys, lease, plan: "_ReusePlan", recompute: torch.Tensor,
+                       timer: _Timer, cold: "_ColdDocs | None" = None):
         """The request's own forward: its prefix, query, last block and recomputed blocks through the model
-        (each in a scratch page of the call), every other document block read from its entry's pages.
-        -> (logits [B, vocab], metadata, cache)."""
+        (each in a scratch page of the call), every other document block read from its entry's pages; with
+        `cold`, the missing documents (each after the profiling prefix, as their own requests ahead of the
+        batch's) run in the same forward into their pages. -> (logits [B, vocab], metadata, the batch's cache)."""
         blk = self.block
         computed = (layout.block_kind != DOC) | recompute
         computed[(layout.req_first_block + layout.req_n_blocks - 1).long()] = True  # the logits' position
-        q_blocks = computed.nonzero().flatten()
         pages = torch.empty(layout.n_blocks, dtype=torch.int64, device=self.device)
         if docs:
             pages[layout.block_kind == DOC] = torch.cat([lease.doc_pages[k] for k in keys])
-        own = lease.scratch[:q_blocks.numel()]
-        pages[q_blocks] = own
-        self.kv_store.page_valid[own] = layout.block_valid[q_blocks]
+        own = lease.scratch[:int(computed.sum())]
+        pages[computed] = own
+        self.kv_store.page_valid[own] = layout.block_valid[computed]
         gen = lease.scratch[plan.gen_first:plan.gen_first + layout.n_requests * plan.gen_blocks]
-        bits = self._bits_of(layout, docs, timer) if bool(recompute.any()) else None
-        meta = self._metadata(layout, bits, timer, q_blocks=q_blocks)
-        sel = computed[layout.token_phys // blk]
-        slots = pages[meta.token_phys // blk] * blk + meta.token_phys % blk
-        cache = PagedKVCache(layout, self.kv_store, lease, pages, slots, gen.view(layout.n_requests, plan.gen_blocks))
-        hidden = self._forward(all_ids[sel][None], layout.token_local_pos[sel], meta, cache, timer)
-        last = layout.token_phys[(layout.req_first_token + layout.req_n_tokens - 1).long()]
+        gen = gen.view(layout.n_requests, plan.gen_blocks)
+        if cold is None:
+            run, ids, run_pages, run_computed, first_request = layout, all_ids, pages, computed, 0
+            bits = self._bits_of(layout, docs, timer) if bool(recompute.any()) else None
+        else:
+            run = build_layout(cold.shape + shape, blk, self.device)
+            ids, run_pages = torch.cat([cold.ids, all_ids]), torch.cat([cold.pages, pages])
+            run_computed = torch.cat([torch.ones_like(cold.pages, dtype=torch.bool), computed])
+            first_request = len(cold.shape)
+            bits = self._bits_of(run, cold.docs + docs, timer)
+        meta = self._metadata(run, bits, timer, q_blocks=run_computed.nonzero().flatten())
+        sel = run_computed[run.token_phys // blk]
+        slots = run_pages[meta.token_phys // blk] * blk + meta.token_phys % blk
+        cache = PagedKVCache(run, self.kv_store, lease, run_pages, slots, gen)
+        hidden = self._forward(ids[sel][None], run.token_local_pos[sel], meta, cache, timer)
+        last = run.token_phys[(run.req_first_token + run.req_n_tokens - 1).long()[first_request:]]
         rows = torch.searchsorted(meta.token_phys, last)
         logits = self.model.get_output_embeddings()(hidden[0, rows]).float()
+        if cold is not None:   # generation reads the batch's own blocks
+            cache = PagedKVCache(layout, self.kv_store, lease, pages, pages.new_empty(0), gen)
         return logits, meta, cache
-
 
     @torch.inference_mode()
     def generate(self, requests: Sequence[Request], max_new_tokens: int = 32, mode: str = "sift") -> GenerateResult:
@@ -648,6 +656,36 @@ class SiftEngine:
 
 
 # --------------------------------------------------------------------------------------- reuse helpers
+
+
+@dataclass(frozen=True, eq=False)
+class _ColdDocs:
+    """The documents a reuse call misses, each as its own request: the profiling prefix (in the call's scratch
+    pages from `cold_first`), then the document (in its entry's pages)."""
+
+    lease: object
+    shape: list                     # build_layout segments: [("prefix", n), ("doc", n)] per document
+    layout: object                  # their layout alone
+    ids: torch.Tensor               # int64 [tokens], in layout order
+    pages: torch.Tensor             # int64 [blocks of `layout`]: the page of each block
+    docs: list                      # (doc_id, ids) per document
+    n_doc_blocks: int
+
+    @classmethod
+    def make(cls, engine: "SiftEngine", lease, distinct: dict, plan: "_ReusePlan") -> "_ColdDocs":
+        misses, pfx = lease.misses, engine.prefix_ids
+        shape = [[("prefix", len(pfx)), ("doc", len(distinct[k][1]))] for k in misses]
+        layout = build_layout(shape, engine.block, engine.device)
+        pages = torch.empty(layout.n_blocks, dtype=torch.int64, device=engine.device)
+        is_doc = layout.block_kind == DOC
+        pages[is_doc] = torch.cat([lease.doc_pages[k] for k in misses])
+        n_pfx = int((~is_doc).sum())
+        pfx_pages = lease.scratch[plan.cold_first:plan.cold_first + n_pfx]
+        pages[~is_doc] = pfx_pages
+        engine.kv_store.page_valid[pfx_pages] = layout.block_valid[~is_doc]
+        docs = [distinct[k] for k in misses]
+        ids = torch.tensor([t for k in misses for t in pfx + list(distinct[k][1])], device=engine.device)
+        return cls(lease, shape, layout, ids, pages, docs, int(is_doc.sum()))
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ compared with dense and with the gold answers, aggregated with bootstrap confide
               [--recall [--recall-limit N]] [--kv-store-gib G] --out DIR
 
 INDEX is a folder or an object-store URI. Modes: dense, sift, and the KV-reuse modes reuse, hybrid,
-hybrid:<policy> (runtime/reuse.py; they run with a KVStore of --kv-store-gib).
+hybrid:<policy>, hybrid:<policy>@<fraction> (runtime/reuse.py; they run with a KVStore of --kv-store-gib).
 
 writes
     DIR/report.json   settings; `modes.<mode>`: `n` and, for each metric below, {"mean": x, "ci95": [lo, hi]}

@@ -121,6 +121,21 @@ def test_warm_equals_cold_from_hbm_and_from_dram(setup):
     assert store.stats()["pinned"] == 0
 
 
+@pytest.mark.parametrize("policy", ["first", "deviation"])
+def test_cold_hybrid_equals_warm(setup, policy):
+    """Missing documents run inside the request's forward ("first") or in a forward of their own first
+    ("deviation" reads their stored keys to choose blocks): either way the call's logits equal the warm call's,
+    and so do the entries it stored."""
+    _, _, _, reqs = setup
+    engine, store = engine_with(setup, hbm_pages=64)
+    cold = engine.prefill([reqs[0]], mode=f"hybrid:{policy}")
+    assert cold.store["computed"] == 3 and cold.recomputed_fraction > 0.0
+    warm = engine.prefill([reqs[0]], mode=f"hybrid:{policy}")
+    assert warm.store["computed"] == 0
+    torch.testing.assert_close(warm.logits, cold.logits, rtol=0, atol=1e-5)
+    assert store.stats()["pinned"] == 0
+
+
 def test_one_document_at_two_offsets_equals_each_request_alone(setup):
     _, _, _, reqs = setup
     engine, store = engine_with(setup)
