@@ -1,9 +1,11 @@
 """What document KV reuse costs in answers: dense, sift, reuse and each hybrid recovery policy on the same
 questions with the real SmolLM2-135M-Instruct, greedy, scored against dense and the gold answers.
 
-Two multi-hop sets (both HotpotQA questions, CC BY-SA 4.0):
+Three sets:
 
     hotpotqa   runtime/data/hotpotqa_train_100.jsonl.gz: each question over its 10 paragraphs (~130 tokens each)
+    2wiki      runtime/data/2wikimultihopqa_dev_200.jsonl.gz: 2WikiMultihopQA dev questions (compositional,
+               comparison, bridge-comparison, inference) over their 10 paragraphs (~90 tokens each)
     long       the long-document set of runtime/qa.py (`long_documents`): each question's two gold paragraphs
                and first distractor, each embedded in ~1-1.5K tokens of Wikipedia leads on one topic
                (../shared/data/hotpotqa_train.json and wiki_vital_summaries_en.json.gz)
@@ -19,8 +21,9 @@ warm-up, so every timed reuse / hybrid run is warm. The reuse modes give the sam
 (tests/test_kv_reuse.py), so the store's state changes TTFT only.
 
 Modes: dense (the reference), sift, reuse, hybrid:first (EPIC-like), hybrid:deviation (CacheBlend-like),
-hybrid:bits (the index's CA bits), hybrid:none (a check: must equal reuse token for token). Hybrid policies
-recompute --hybrid-fraction of each reused document's blocks (at least one) in the request's context.
+hybrid:bits (the index's CA bits), hybrid:none (a check: must equal reuse token for token). Each policy runs at
+each budget of --hybrid-fractions (mode "hybrid:<policy>@<fraction>": that share of each reused document's
+blocks, at least one, recomputed in the request's context).
 
 Per mode: agreement with dense (first token, whole answer), EM / F1 / gold containment, KL of the first-token
 distribution, tile fraction, the share of the documents' tokens recomputed in context (`recomputed_fraction`:
@@ -29,7 +32,8 @@ percentile-bootstrap interval. Writes bench/results/eval_reuse.json (after each 
 Markdown table per set. On CPU the sparse modes apply their pattern as a mask over dense attention and decode
 through the torch reference kernels, so TTFT there measures correctness paths, not speed.
 
-    python bench/eval_reuse.py [--sets hotpotqa,long] [--limit-hotpotqa 40] [--limit-long 15]
+    python bench/eval_reuse.py [--sets hotpotqa,2wiki,long] [--limit-hotpotqa 40] [--limit-2wiki 40]
+                               [--limit-long 15] [--hybrid-fractions 0.15,0.3,0.5]
     python bench/eval_reuse.py --sets hotpotqa --index DIR   # an index of the questions' paragraphs
     python bench/eval_reuse.py --smoke     # 2 questions per set, 4 new tokens: checks the script runs
 """
@@ -52,9 +56,19 @@ from sift.runtime.qa import QAItem, load_qa, long_documents, write_corpus  # noq
 ROOT = Path(__file__).resolve().parents[1]
 HOTPOTQA = ROOT / "runtime" / "data" / "hotpotqa_train_100.jsonl.gz"
 SHARED = ROOT.parent / "shared" / "data"
-SETS = ("hotpotqa", "long")
-MODES = ("dense", "sift", "reuse", "hybrid:first", "hybrid:deviation", "hybrid:bits", "hybrid:none")
-HYBRID = tuple(m for m in MODES if m.startswith("hybrid:") and m != "hybrid:none")
+TWOWIKI = ROOT / "runtime" / "data" / "2wikimultihopqa_dev_200.jsonl.gz"
+SETS = ("hotpotqa", "2wiki", "long")
+POLICIES = ("first", "deviation", "bits")
+
+
+def modes_of(fractions: list[float]) -> tuple[str, ...]:
+    """dense, sift, reuse, each policy at each budget ("hybrid:<policy>@<fraction>"), and hybrid:none."""
+    hybrid = [f"hybrid:{p}@{f:g}" for f in fractions for p in POLICIES]
+    return ("dense", "sift", "reuse", *hybrid, "hybrid:none")
+
+
+def hybrid_modes(modes) -> list[str]:
+    return [m for m in modes if m.startswith("hybrid:") and m != "hybrid:none"]
 
 
 def parse_args():
@@ -62,6 +76,7 @@ def parse_args():
     ap.add_argument("--sets", default=",".join(SETS), help=f"comma-separated QA sets among {', '.join(SETS)}")
     ap.add_argument("--limit-hotpotqa", type=int, default=40, help="questions of the hotpotqa set")
     ap.add_argument("--limit-long", type=int, default=15, help="questions of the long-document set")
+    ap.add_argument("--limit-2wiki", type=int, default=40, help="questions of the 2wiki set")
     ap.add_argument("--doc-chars", type=int, default=5400, help="characters per long document")
     ap.add_argument("--hotpotqa-json", type=Path, default=SHARED / "hotpotqa_train.json",
                     help="official HotpotQA JSON the long set is built from")
@@ -72,8 +87,8 @@ def parse_args():
     ap.add_argument("--work", type=Path, default=Path("/tmp/sift-eval-reuse"),
                     help="folder for the corpora and indexes built (updated incrementally by sift-build)")
     ap.add_argument("--tile", type=int, default=16, help="tile of the indexes built")
-    ap.add_argument("--hybrid-fraction", type=float, default=0.15, help="share of each document's blocks "
-                    "the hybrid policies recompute")
+    ap.add_argument("--hybrid-fractions", default="0.15", help="comma-separated budgets: each hybrid policy "
+                    "runs at each share of each document's blocks recomputed")
     ap.add_argument("--max-new-tokens", type=int, default=24)
     ap.add_argument("--store-gib", type=float, default=4.0, help="KV store budget (host memory on CPU)")
     ap.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples of each interval")
@@ -89,8 +104,15 @@ def parse_args():
         ap.error(f"--sets {bad or '(empty)'}: each set must be one of {', '.join(SETS)}")
     if args.index is not None and len(args.sets) != 1:
         ap.error("--index names one set's index: give exactly one set in --sets")
+    try:
+        args.fractions = [float(f) for f in args.hybrid_fractions.split(",") if f.strip()]
+    except ValueError:
+        args.fractions = []
+    if not args.fractions or not all(0.0 <= f <= 1.0 for f in args.fractions):
+        ap.error(f"--hybrid-fractions {args.hybrid_fractions!r}: give comma-separated shares in [0, 1]")
+    args.modes = modes_of(args.fractions)
     if args.smoke:
-        args.limit_hotpotqa, args.limit_long, args.max_new_tokens, args.resamples = 2, 2, 4, 200
+        args.limit_hotpotqa, args.limit_long, args.limit_2wiki, args.max_new_tokens, args.resamples = 2, 2, 2, 4, 200
     return args
 
 
@@ -99,18 +121,24 @@ def parse_args():
 
 def load_set(name: str, args) -> list[QAItem]:
     if name == "hotpotqa":
-        try:
-            import datasets  # noqa: F401 (load_qa reads through it)
-        except ImportError:  # a GPU machine without it: the file is plain gzipped JSONL
-            import gzip
-            import json
-
-            from sift.runtime.qa import _READERS
-            with gzip.open(HOTPOTQA, "rt") as f:
-                rows = [json.loads(line) for _, line in zip(range(args.limit_hotpotqa), f)]
-            return [_READERS["hotpotqa"](r, i) for i, r in enumerate(rows, 1)]
-        return load_qa(HOTPOTQA, "hotpotqa", args.limit_hotpotqa)[0]
+        return _read_gz(HOTPOTQA, "hotpotqa", args.limit_hotpotqa)
+    if name == "2wiki":
+        return _read_gz(TWOWIKI, "jsonl", args.limit_2wiki)
     return long_documents(args.hotpotqa_json, args.wiki, limit=args.limit_long, doc_chars=args.doc_chars)
+
+
+def _read_gz(path: Path, fmt: str, limit: int) -> list[QAItem]:
+    try:
+        import datasets  # noqa: F401 (load_qa reads through it)
+    except ImportError:  # a GPU machine without it: the file is plain gzipped JSONL
+        import gzip
+        import json
+
+        from sift.runtime.qa import _READERS
+        with gzip.open(path, "rt") as f:
+            rows = [json.loads(line) for _, line in zip(range(limit), f)]
+        return [_READERS[fmt](r, i) for i, r in enumerate(rows, 1)]
+    return load_qa(path, fmt, limit)[0]
 
 
 def build_index_in_process(items: list[QAItem], folder: Path, tile: int, model, tokenizer, model_dir: Path) -> Path:
@@ -209,17 +237,16 @@ def run_set(name: str, items: list[QAItem], index_path: Path, model, tokenizer, 
     first), calling write(result so far) after each, so that a long run leaves its partial result behind."""
     index = SiftIndex.open(index_path, device=args.device)
     store = KVStore(hbm_bytes=int(args.store_gib * 2**30), dram_bytes=0)
-    engine = SiftEngine(model, tokenizer, index, kv_store=store, hybrid_fraction=args.hybrid_fraction,
-                        block=args.block or args.tile)
+    engine = SiftEngine(model, tokenizer, index, kv_store=store, block=args.block or args.tile)
     seen = record_generations(engine)
     rows, skipped, none_equals_reuse = [], [], []
     t = time.perf_counter()
     for k, item in enumerate(items, 1):
-        r, s = evaluate(engine, [item], MODES, max_new_tokens=args.max_new_tokens)
+        r, s = evaluate(engine, [item], args.modes, max_new_tokens=args.max_new_tokens)
         skipped += s
         for row in r:
             request = item.request()
-            for mode in MODES:
+            for mode in args.modes:
                 extra = seen[_key(mode, request)]
                 row["modes"][mode]["recomputed_fraction"] = extra["recomputed_fraction"]
                 row["modes"][mode]["store"] = extra["store"]
@@ -233,8 +260,8 @@ def run_set(name: str, items: list[QAItem], index_path: Path, model, tokenizer, 
 
 
 def _result(rows, skipped, none_equals_reuse, questions, index, engine, store, args, seconds) -> dict:
-    modes = aggregate(rows, MODES, resamples=args.resamples)
-    for mode in MODES:
+    modes = aggregate(rows, args.modes, resamples=args.resamples)
+    for mode in args.modes:
         modes[mode]["recomputed_fraction"] = summarise([r["modes"][mode]["recomputed_fraction"] for r in rows],
                                                        resamples=args.resamples)
     return dict(questions=questions, evaluated=len(rows), index=str(index.path), tile=index.tile,
@@ -253,21 +280,27 @@ COLUMNS = (("agreement_first_token", "first token = dense", "{:.0%}"),
 
 
 def verdict(modes: dict) -> str:
-    """Which hybrid policy agrees best with dense (whole answer, then first token), and whether it agrees at
-    least as often as sift."""
+    """Which hybrid mode agrees best with dense (whole answer, then first token), whether it agrees at least as
+    often as sift, and the cheapest mode that does (fewest documents' tokens recomputed)."""
     score = lambda m: (modes[m]["agreement_answer"]["mean"], modes[m]["agreement_first_token"]["mean"])  # noqa
-    best = max(HYBRID, key=score)
+    hybrid = hybrid_modes(modes)
+    best = max(hybrid, key=score)
     (answer, first), (sift_answer, sift_first) = score(best), score("sift")
-    ok = answer >= sift_answer
-    return (f"best hybrid policy: {best} (answer = dense {answer:.0%}, first token {first:.0%}); sift: "
-            f"{sift_answer:.0%} / {sift_first:.0%}; best hybrid agrees with dense at least as often as sift: "
-            f"{'yes' if ok else 'no'}")
+    enough = [m for m in hybrid if score(m)[0] >= sift_answer]
+    cheapest = min(enough, key=lambda m: modes[m]["recomputed_fraction"]["mean"], default=None)
+    line = (f"best hybrid mode: {best} (answer = dense {answer:.0%}, first token {first:.0%}); sift: "
+            f"{sift_answer:.0%} / {sift_first:.0%}; a hybrid mode agrees with dense at least as often as sift: "
+            f"{'yes' if enough else 'no'}")
+    if cheapest:
+        line += (f" (the cheapest: {cheapest}, {modes[cheapest]['recomputed_fraction']['mean']:.0%} of documents' "
+                 f"tokens recomputed)")
+    return line
 
 
 def markdown(name: str, res: dict, args) -> str:
     lines = [f"### {name}: {res['evaluated']} of {res['questions']} questions, {res['documents']} documents, "
              f"mean prompt {res['mean_prompt_tokens']:.0f} tokens, tile {res['tile']}, block {res['block']}, "
-             f"backend {res['backend']}, hybrid fraction {args.hybrid_fraction:g}, {args.max_new_tokens} new "
+             f"backend {res['backend']}, hybrid budgets {args.hybrid_fractions}, {args.max_new_tokens} new "
              f"tokens, greedy; mean [95% bootstrap interval]", "",
              "| mode | " + " | ".join(title for _, title, _ in COLUMNS) + " |",
              "|---|" + "---:|" * len(COLUMNS)]
@@ -295,9 +328,10 @@ def main() -> None:
         model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=dtype, attn_implementation="sdpa")
         model = model.to(args.device).eval()
         tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
-    settings = dict(model=DEFAULT_MODEL, device=args.device, block=args.block or args.tile, modes=list(MODES), hybrid_fraction=args.hybrid_fraction,
-                    max_new_tokens=args.max_new_tokens, tile=args.tile, store_gib=args.store_gib,
-                    limits=dict(hotpotqa=args.limit_hotpotqa, long=args.limit_long), doc_chars=args.doc_chars,
+    settings = dict(model=DEFAULT_MODEL, device=args.device, block=args.block or args.tile, modes=list(args.modes),
+                    hybrid_fractions=args.fractions, max_new_tokens=args.max_new_tokens, tile=args.tile,
+                    store_gib=args.store_gib, doc_chars=args.doc_chars,
+                    limits={"hotpotqa": args.limit_hotpotqa, "2wiki": args.limit_2wiki, "long": args.limit_long},
                     ci=dict(method="percentile bootstrap of the mean", level=0.95, resamples=args.resamples),
                     command=" ".join(["python", "bench/eval_reuse.py", *sys.argv[1:]]))
     results, tables = {}, []
