@@ -39,6 +39,7 @@ through the torch reference kernels, so TTFT there measures correctness paths, n
 """
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -61,9 +62,9 @@ SETS = ("hotpotqa", "2wiki", "long")
 POLICIES = ("first", "deviation", "bits")
 
 
-def modes_of(fractions: list[float]) -> tuple[str, ...]:
+def modes_of(fractions: list[float], policies=POLICIES) -> tuple[str, ...]:
     """dense, sift, reuse, each policy at each budget ("hybrid:<policy>@<fraction>"), and hybrid:none."""
-    hybrid = [f"hybrid:{p}@{f:g}" for f in fractions for p in POLICIES]
+    hybrid = [f"hybrid:{p}@{f:g}" for f in fractions for p in policies]
     return ("dense", "sift", "reuse", *hybrid, "hybrid:none")
 
 
@@ -87,6 +88,11 @@ def parse_args():
     ap.add_argument("--work", type=Path, default=Path("/tmp/sift-eval-reuse"),
                     help="folder for the corpora and indexes built (updated incrementally by sift-build)")
     ap.add_argument("--tile", type=int, default=16, help="tile of the indexes built")
+    ap.add_argument("--profile-prefix", choices=("bos", "system"), default="bos",
+                    help="the profiling prefix of the indexes built (the context every stored document is computed "
+                         "after): the tokenizer's BOS token (the builder's default) or the prompts' own system "
+                         "prompt")
+    ap.add_argument("--policies", default=",".join(POLICIES), help="comma-separated hybrid policies to run")
     ap.add_argument("--hybrid-fractions", default="0.15", help="comma-separated budgets: each hybrid policy "
                     "runs at each share of each document's blocks recomputed")
     ap.add_argument("--max-new-tokens", type=int, default=24)
@@ -110,7 +116,10 @@ def parse_args():
         args.fractions = []
     if not args.fractions or not all(0.0 <= f <= 1.0 for f in args.fractions):
         ap.error(f"--hybrid-fractions {args.hybrid_fractions!r}: give comma-separated shares in [0, 1]")
-    args.modes = modes_of(args.fractions)
+    args.policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if not args.policies or not set(args.policies) <= set(POLICIES):
+        ap.error(f"--policies {args.policies}: each must be one of {', '.join(POLICIES)}")
+    args.modes = modes_of(args.fractions, args.policies)
     if args.smoke:
         args.limit_hotpotqa, args.limit_long, args.limit_2wiki, args.max_new_tokens, args.resamples = 2, 2, 2, 4, 200
     return args
@@ -141,7 +150,15 @@ def _read_gz(path: Path, fmt: str, limit: int) -> list[QAItem]:
     return load_qa(path, fmt, limit)[0]
 
 
-def build_index_in_process(items: list[QAItem], folder: Path, tile: int, model, tokenizer, model_dir: Path) -> Path:
+def prefix_text(args) -> str | None:
+    """The builder's `prefix_text` for --profile-prefix (None: its default, the BOS token)."""
+    from sift.runtime.demo import SYSTEM
+
+    return SYSTEM if args.profile_prefix == "system" else None
+
+
+def build_index_in_process(items: list[QAItem], folder: Path, tile: int, model, tokenizer, model_dir: Path,
+                           prefix: str | None = None) -> Path:
     """The same index built here, without Ray: the builder's Profiler on the model's device, the builder's
     shard and manifest writers (for a machine with the model folder but not the builder's cluster stack)."""
     import pyarrow as pa
@@ -158,7 +175,7 @@ def build_index_in_process(items: list[QAItem], folder: Path, tile: int, model, 
         for doc_id, text in item.docs:
             docs.setdefault(doc_id, list(tokenizer(text, add_special_tokens=False).input_ids))
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    cfg = ProfileConfig(tile=tile, dtype=dtype)
+    cfg = ProfileConfig(tile=tile, dtype=dtype, prefix_text=prefix)
     backend = "triton" if next(model.parameters()).is_cuda else "torch"
     previous = model.config._attn_implementation
     profiler = Profiler(model, tokenizer, cfg, backend)
@@ -188,14 +205,17 @@ def build_index_in_process(items: list[QAItem], folder: Path, tile: int, model, 
     return root
 
 
-def build_index(items: list[QAItem], folder: Path, tile: int) -> Path:
+def build_index(items: list[QAItem], folder: Path, tile: int, prefix: str | None = None) -> Path:
     """Write the questions' documents as a corpus and (incrementally) index them with `sift-build`."""
     corpus = folder / "corpus" / "docs.jsonl"
     conflicts = write_corpus(items, corpus)
     if conflicts:
         print(f"  {len(conflicts)} doc_ids with two texts keep their first (later questions are skipped)")
     config = folder / "config.toml"
-    config.write_text(f'model = "smollm2-135m-instruct"\n\n[profile]\ntile = {tile}\n')
+    lines = f'model = "smollm2-135m-instruct"\n\n[profile]\ntile = {tile}\n'
+    if prefix is not None:
+        lines += f"prefix_text = {json.dumps(prefix)}\n"   # a JSON string is a TOML basic string
+    config.write_text(lines)
     index = folder / "index"
     cmd = [str(Path(sys.executable).with_name("sift-build")), str(corpus.parent), "--out", str(index),
            "--config", str(config), "-q"]
@@ -330,6 +350,7 @@ def main() -> None:
         tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     settings = dict(model=DEFAULT_MODEL, device=args.device, block=args.block or args.tile, modes=list(args.modes),
                     hybrid_fractions=args.fractions, max_new_tokens=args.max_new_tokens, tile=args.tile,
+                    profile_prefix=args.profile_prefix,
                     store_gib=args.store_gib, doc_chars=args.doc_chars,
                     limits={"hotpotqa": args.limit_hotpotqa, "2wiki": args.limit_2wiki, "long": args.limit_long},
                     ci=dict(method="percentile bootstrap of the mean", level=0.95, resamples=args.resamples),
@@ -341,9 +362,10 @@ def main() -> None:
         if args.index:
             index = args.index
         elif args.model_dir is not None:
-            index = build_index_in_process(items, args.work / name, args.tile, model, tokenizer, args.model_dir)
+            index = build_index_in_process(items, args.work / name, args.tile, model, tokenizer, args.model_dir,
+                                           prefix_text(args))
         else:
-            index = build_index(items, args.work / name, args.tile)
+            index = build_index(items, args.work / name, args.tile, prefix_text(args))
         def write(partial: dict) -> None:
             results[name] = dict(settings=settings, **partial)
             common.write_result("eval_reuse", dict(sets=results), common.out_dir(args))

@@ -46,7 +46,8 @@ print(json.dumps(dict(shared=kernel.metadata.shared, cubin=len(kernel.asm["cubin
 def test_compiles_for_sm90(rope, q_tokens, q_rows, q_blocks, paged, dtype):
     # A fresh interpreter without TRITON_INTERPRET (set for the whole suite), which would wrap the Gluon functions.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps([rope, q_tokens, q_rows, q_blocks, paged, dtype])], env=env,
+    args = json.dumps([rope, q_tokens, q_rows, q_blocks, paged, dtype])
+    r = subprocess.run([sys.executable, "-c", _COMPILE, args], env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     info = json.loads(r.stdout.strip().splitlines()[-1])
