@@ -464,11 +464,11 @@ class SiftEngine:
                 for _, ids in docs]
         distinct = {k: d for k, d in zip(keys, docs)}
         fraction = self.hybrid_fraction if fraction is None else fraction
-        plan = _ReusePlan.make(layout, docs, policy, fraction, -(-new_tokens // self.block),
-                               -(-len(self.prefix_ids) // self.block) * len(distinct))
+        plan = _ReusePlan.make(layout, docs, policy, fraction, -(-new_tokens // self.block))
         all_ids = torch.tensor([t for s in segs for _, seg in s for t in seg], device=self.device)
         t_store = time.perf_counter()
-        lease = self.kv_store.lease({k: len(ids) for k, (_, ids) in distinct.items()}, plan.scratch_pages)
+        lease = self.kv_store.lease({k: len(ids) for k, (_, ids) in distinct.items()}, plan.scratch_pages,
+                                    per_miss_pages=-(-len(self.prefix_ids) // self.block))
         store_s = time.perf_counter() - t_store
         try:
             # Missing documents join the request's own forward (one forward: they attend only to the profiling
@@ -691,9 +691,9 @@ class _ColdDocs:
 @dataclass(frozen=True)
 class _ReusePlan:
     """How a reuse call cuts its scratch pages: [0, gen_first) its own computed blocks (an upper bound: prefix,
-    query, last and recomputed blocks), then `gen_blocks` per request for generation, then from `cold_first`
-    the profiling prefix's blocks of the documents computed on a miss. per_doc: blocks recomputed per
-    document ordinal (empty: none)."""
+    query, last and recomputed blocks), then `gen_blocks` per request for generation (`scratch_pages` in all),
+    then from `cold_first` the profiling prefix's blocks of the documents computed on a miss (the store adds
+    those per miss). per_doc: blocks recomputed per document ordinal (empty: none)."""
 
     per_doc: tuple[int, ...]
     gen_blocks: int
@@ -702,13 +702,13 @@ class _ReusePlan:
     scratch_pages: int
 
     @classmethod
-    def make(cls, layout, docs, policy, fraction: float, gen_blocks: int, cold_blocks: int) -> "_ReusePlan":
+    def make(cls, layout, docs, policy, fraction: float, gen_blocks: int) -> "_ReusePlan":
         per_doc = tuple(reuse.budget(-(-len(ids) // layout.block), fraction, policy) for _, ids in docs)
         if not any(per_doc):
             per_doc = ()
         own = int((layout.block_kind != DOC).sum()) + layout.n_requests + sum(per_doc)
         gen = layout.n_requests * gen_blocks
-        return cls(per_doc, gen_blocks, own, own + gen, own + gen + cold_blocks)
+        return cls(per_doc, gen_blocks, own, own + gen, own + gen)
 
 
 class _Stopped(Exception):

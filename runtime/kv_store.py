@@ -213,12 +213,15 @@ class KVStore:
 
     # ---------------------------------------------------------------------------------------- leasing
 
-    def lease(self, docs: dict[str, int], scratch_pages: int) -> Lease:
-        """docs: distinct document key -> n_tokens; scratch_pages: the call's own pages. Pins the documents,
+    def lease(self, docs: dict[str, int], scratch_pages: int, per_miss_pages: int = 0) -> Lease:
+        """docs: distinct document key -> n_tokens; scratch_pages: the call's own pages, plus per_miss_pages
+        more for each document the store misses (after the others in `Lease.scratch`). Pins the documents,
         allocates pages for misses and DRAM hits (evicting LRU entries) and starts the promotions. Raises
         SiftError before any work when the pool cannot hold the call."""
         g = self.geometry
         with self._lock:
+            misses = sum(key not in self._hbm and key not in self._dram for key in docs)
+            scratch_pages += per_miss_pages * misses
             need = scratch_pages + sum(-(-n // g.block) for n in docs.values())
             if need > self.n_pages:
                 raise SiftError(

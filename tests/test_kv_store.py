@@ -53,17 +53,17 @@ def check_bytes(store: KVStore, lease, key: str, doc: int, n_tokens: int) -> Non
 
 def test_miss_then_hit_and_stats():
     store = make(hbm_pages=8, dram_pages=8)
-    lease = store.lease({"a": 6, "b": 3}, scratch_pages=2)
+    lease = store.lease({"a": 6, "b": 3}, scratch_pages=2, per_miss_pages=1)
     assert lease.status == {"a": "miss", "b": "miss"} and sorted(lease.misses) == ["a", "b"]
-    assert len(lease.doc_pages["a"]) == 2 and len(lease.doc_pages["b"]) == 1 and len(lease.scratch) == 2
+    assert len(lease.doc_pages["a"]) == 2 and len(lease.doc_pages["b"]) == 1 and len(lease.scratch) == 2 + 2
     pages = torch.cat([lease.doc_pages["a"], lease.doc_pages["b"], lease.scratch]).tolist()
-    assert len(set(pages)) == 5  # disjoint
+    assert len(set(pages)) == 7  # disjoint
     compute(store, lease, "a", 1, 6)
     compute(store, lease, "b", 2, 3)
     lease.commit()
     lease.release()
-    again = store.lease({"b": 3, "a": 6}, scratch_pages=1)
-    assert again.status == {"b": "hbm", "a": "hbm"}
+    again = store.lease({"b": 3, "a": 6}, scratch_pages=1, per_miss_pages=1)
+    assert again.status == {"b": "hbm", "a": "hbm"} and len(again.scratch) == 1   # no miss: no page for a prefix
     check_bytes(store, again, "a", 1, 6)
     check_bytes(store, again, "b", 2, 3)
     again.release()
