@@ -99,3 +99,16 @@ class IdTokenizer:
 
     def decode(self, ids, skip_special_tokens: bool = True, **kwargs) -> str:
         return " ".join(map(str, ids))
+
+
+def run_main(main) -> None:
+    """Run a benchmark's main: a SiftError (bad input, a refused setting) is one line on stderr and exit code 2."""
+    import sys
+
+    from sift.errors import SiftError
+
+    try:
+        main()
+    except SiftError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

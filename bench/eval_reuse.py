@@ -1,14 +1,8 @@
 """What document KV reuse costs in answers: dense, sift, reuse and each hybrid recovery policy on the same
 questions with the real SmolLM2-135M-Instruct, greedy, scored against dense and the gold answers.
 
-Three sets:
-
-    hotpotqa   runtime/data/hotpotqa_train_100.jsonl.gz: each question over its 10 paragraphs (~130 tokens each)
-    2wiki      runtime/data/2wikimultihopqa_dev_200.jsonl.gz: 2WikiMultihopQA dev questions (compositional,
-               comparison, bridge-comparison, inference) over their 10 paragraphs (~90 tokens each)
-    long       the long-document set of runtime/qa.py (`long_documents`): each question's two gold paragraphs
-               and first distractor, each embedded in ~1-1.5K tokens of Wikipedia leads on one topic
-               (../shared/data/hotpotqa_train.json and wiki_vital_summaries_en.json.gz)
+Three sets (bench/qa_sets.py): hotpotqa (10 paragraphs of ~130 tokens per question), 2wiki (2WikiMultihopQA
+dev, 10 paragraphs of ~90 tokens) and long (gold paragraphs and a distractor inside ~1-1.5K-token documents).
 
 Per set: the questions' documents are written as a corpus (`runtime.qa.write_corpus`) and indexed with the
 `sift-build` CLI in a subprocess (default profile thresholds, tile --tile, 16 by default so that ~130-token
@@ -46,19 +40,16 @@ import time
 from pathlib import Path
 
 import common  # bench/common.py (the script's folder is on sys.path)
+import qa_sets  # bench/qa_sets.py
 
 import torch  # noqa: E402
 
 from sift.errors import SiftError  # noqa: E402
 from sift.runtime import KVStore, SiftEngine, SiftIndex  # noqa: E402
 from sift.runtime.eval import aggregate, cell, evaluate, summarise  # noqa: E402
-from sift.runtime.qa import QAItem, load_qa, long_documents, write_corpus  # noqa: E402
+from sift.runtime.qa import QAItem, write_corpus  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
-HOTPOTQA = ROOT / "runtime" / "data" / "hotpotqa_train_100.jsonl.gz"
-SHARED = ROOT.parent / "shared" / "data"
-TWOWIKI = ROOT / "runtime" / "data" / "2wikimultihopqa_dev_200.jsonl.gz"
-SETS = ("hotpotqa", "2wiki", "long")
+from qa_sets import SETS, SHARED  # noqa: E402
 POLICIES = ("first", "deviation", "bits")
 
 
@@ -129,25 +120,8 @@ def parse_args():
 
 
 def load_set(name: str, args) -> list[QAItem]:
-    if name == "hotpotqa":
-        return _read_gz(HOTPOTQA, "hotpotqa", args.limit_hotpotqa)
-    if name == "2wiki":
-        return _read_gz(TWOWIKI, "jsonl", args.limit_2wiki)
-    return long_documents(args.hotpotqa_json, args.wiki, limit=args.limit_long, doc_chars=args.doc_chars)
-
-
-def _read_gz(path: Path, fmt: str, limit: int) -> list[QAItem]:
-    try:
-        import datasets  # noqa: F401 (load_qa reads through it)
-    except ImportError:  # a GPU machine without it: the file is plain gzipped JSONL
-        import gzip
-        import json
-
-        from sift.runtime.qa import _READERS
-        with gzip.open(path, "rt") as f:
-            rows = [json.loads(line) for _, line in zip(range(limit), f)]
-        return [_READERS[fmt](r, i) for i, r in enumerate(rows, 1)]
-    return load_qa(path, fmt, limit)[0]
+    limit = {"hotpotqa": args.limit_hotpotqa, "2wiki": args.limit_2wiki, "long": args.limit_long}[name]
+    return qa_sets.load_set(name, limit, hotpotqa_json=args.hotpotqa_json, wiki=args.wiki, doc_chars=args.doc_chars)
 
 
 def prefix_text(args) -> str | None:
@@ -159,50 +133,15 @@ def prefix_text(args) -> str | None:
 
 def build_index_in_process(items: list[QAItem], folder: Path, tile: int, model, tokenizer, model_dir: Path,
                            prefix: str | None = None) -> Path:
-    """The same index built here, without Ray: the builder's Profiler on the model's device, the builder's
-    shard and manifest writers (for a machine with the model folder but not the builder's cluster stack)."""
-    import pyarrow as pa
-
-    from sift import format as fmt
-    from sift.format import content_hash
-    from sift.model import fingerprint
-    from sift.pipeline import index as idx
+    """The same index built here, without Ray (bench/qa_sets.py)."""
     from sift.pipeline.config import ProfileConfig
-    from sift.pipeline.profiler import Profiler
 
     docs = {}
     for item in items:
         for doc_id, text in item.docs:
-            docs.setdefault(doc_id, list(tokenizer(text, add_special_tokens=False).input_ids))
-    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    cfg = ProfileConfig(tile=tile, dtype=dtype, prefix_text=prefix)
-    backend = "triton" if next(model.parameters()).is_cuda else "torch"
-    previous = model.config._attn_implementation
-    profiler = Profiler(model, tokenizer, cfg, backend)
-    rows, t = [], time.perf_counter()
-    try:
-        for doc_id, ids in docs.items():
-            b = profiler.profile(ids)
-            rows.append(dict(doc_id=doc_id, content_hash=content_hash(ids), n_tokens=len(ids), la_bits=b.la,
-                             ca_bits=b.ca, source="eval_reuse", la_density=[], ca_density=[]))
-    finally:
-        model.set_attn_implementation(previous)
-    print(f"  profiled {len(rows)} documents in {time.perf_counter() - t:.0f} s", flush=True)
-    root = folder / "index"
-    idx.prepare_dir(root)
-    info = idx.write_table(root, pa.Table.from_pylist(rows, schema=fmt.DOCS_SCHEMA), kind="part",
-                           profile_key="eval_reuse", backend=backend)
-    c = model.config
-    idx.commit_manifest(root, fmt.Manifest.from_dict({
-        "format": fmt.FORMAT, "format_version": fmt.FORMAT_VERSION, "generation": 1, "created_at": idx.now_iso(),
-        "model": {"name": str(model_dir), "fingerprint": fingerprint(model_dir), "model_type": c.model_type,
-                  "n_layers": c.num_hidden_layers, "n_heads": c.num_attention_heads,
-                  "n_kv_heads": c.num_key_value_heads, "head_dim": c.hidden_size // c.num_attention_heads,
-                  "rope": {}, "max_position_embeddings": c.max_position_embeddings},
-        "profile": {"tile": tile, "alpha": cfg.alpha, "beta": cfg.beta, "gamma": cfg.gamma, "dtype": dtype,
-                    "prefix_token_ids": list(profiler.prefix_ids), "profile_key": "eval_reuse"},
-        "shards": [info.to_dict()], "errors": None, "documents": len(rows)}))
-    return root
+            docs.setdefault(doc_id, text)
+    return qa_sets.build_in_process(docs, folder / "index", ProfileConfig(tile=tile, prefix_text=prefix), model,
+                                    tokenizer, model_dir, profile_key="eval_reuse")
 
 
 def build_index(items: list[QAItem], folder: Path, tile: int, prefix: str | None = None) -> Path:
@@ -376,8 +315,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except SiftError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    common.run_main(main)

@@ -20,7 +20,7 @@ from typing import Any
 
 from sift.errors import SiftError
 from sift.format import TILES
-from sift.model import DEFAULT_MODEL
+from sift.model import DEFAULT_MODEL, DTYPES
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 
@@ -54,7 +54,7 @@ class ProfileConfig:
             raise SiftError(f"profile.la_coverage = {self.la_coverage!r} must be a number in (0, 1]")
         if self.ca_normalize not in ("causal", "key_index"):
             raise SiftError(f"profile.ca_normalize = {self.ca_normalize!r} must be 'causal' or 'key_index'")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
+        if self.dtype not in DTYPES:
             raise SiftError(f"profile.dtype = {self.dtype!r} must be float32, bfloat16 or float16")
         try:
             heads = tuple((int(l), int(h)) for l, h in self.dense_heads)

@@ -2,7 +2,7 @@
 
     sift-calibrate QA_FILE --out DIR [--held-in N] [--limit N] [--target-agreement 0.95] [--sweep-only]
                    [--reuse-sweep] [--setting "tile=16,alpha=0.001,beta=0.01,gamma=0.1" ...] [--model M]
-                   [--max-new-tokens T]
+                   [--max-new-tokens T] [--device D] [--dtype T] [--no-floor] [--held-out-front]
 
 1. The first --held-in questions of QA_FILE are held in, the rest (up to --limit) held out.
 2. Sweep: for every setting (tile, alpha, beta, gamma, LA criterion and coverage; `DEFAULT_GRID` unless
@@ -15,7 +15,13 @@
    defaults (`DEFAULT`) are then built over the held-out questions' documents and evaluated on them with
    `sift-eval`'s full report -> DIR/held_out/<setting>/report.{json,md}, summarised in front.json.
    --reuse-sweep takes the points of an earlier run's front.json instead of sweeping again (to choose for
-   another target without rebuilding).
+   another target without rebuilding). --held-out-front evaluates the defaults and every setting of the
+   held-in front there, also when no setting meets the target.
+5. The floor (unless --no-floor): how often dense agrees with dense. The engine's dense answers against greedy
+   answers of the same weights through transformers' own attention, at the serving dtype and at the other of
+   float32 / bfloat16, on the held-in and the held-out questions (front.json `floor`, `held_out_floor`; lines
+   on front.png). Whole 24-token answers of a small model flip on rounding alone; a target above the floor
+   asks sparsity to agree with dense more often than dense agrees with itself.
 
 Settings are compared on the same questions, the same model and the same greedy decoding; tile fraction is the
 engine's (head, query block, key block) triples computed over dense (CPU: blocks of the index tile).
@@ -34,6 +40,7 @@ import click
 import torch
 
 from sift.errors import SiftError
+from sift.model import DTYPES, resolve_dtype
 from sift.plots import pareto_front
 
 from .eval import REFERENCE, aggregate, evaluate, skip_reason, write_report
@@ -125,19 +132,27 @@ def choose(rows: list[dict], target: float) -> dict | None:
 class _Runner:
     """The model once; one engine per index; dense answers once per (question, block)."""
 
-    def __init__(self, model: str, device: str, max_new_tokens: int, echo):
+    def __init__(self, model: str, device: str, max_new_tokens: int, echo, dtype: str = "auto"):
         from sift.model import load_model
 
-        self.device = device
-        self.hf, self.tokenizer, _ = load_model(model, device=device)
+        self.device, self.model_name = device, model
+        self.dtype = resolve_dtype(dtype, device)
+        self.hf, self.tokenizer, _ = load_model(model, dtype=self.dtype, device=device)
         self.max_new_tokens, self.echo = max_new_tokens, echo
         self._dense: dict[tuple[str, int], list[int]] = {}
+        self._twins: dict[str, object] = {}
 
     def engine(self, index_path: Path):
         from .engine import SiftEngine
         from .store import SiftIndex
 
         return SiftEngine(self.hf, self.tokenizer, SiftIndex.open(index_path, device=self.device))
+
+    def dense(self, engine, item: QAItem) -> list[int]:
+        key = (item.id, engine.block)
+        if key not in self._dense:
+            self._dense[key] = engine.generate([item.request()], self.max_new_tokens, mode=REFERENCE).token_ids[0]
+        return self._dense[key]
 
     def agreement(self, index_path: Path, items: list[QAItem]) -> dict:
         """Held-in questions over one index -> {"agreement", "agreement_first_token", "tile_fraction", "n",
@@ -148,12 +163,8 @@ class _Runner:
             raise SiftError(f"the index {index_path} serves none of the held-in questions: see `sift-inspect`")
         same, first, tiles = [], [], []
         for item in runnable:
-            request = item.request()
-            key = (item.id, engine.block)
-            if key not in self._dense:
-                self._dense[key] = engine.generate([request], self.max_new_tokens, mode=REFERENCE).token_ids[0]
-            sift = engine.generate([request], self.max_new_tokens, mode="sift")
-            dense = self._dense[key]
+            sift = engine.generate([item.request()], self.max_new_tokens, mode="sift")
+            dense = self.dense(engine, item)
             same.append(float(sift.token_ids[0] == dense))
             first.append(float(sift.token_ids[0][:1] == dense[:1]))
             tiles.append(sift.prefill.tile_fraction)
@@ -161,9 +172,56 @@ class _Runner:
         return dict(n=n, skipped=len(items) - n, agreement=sum(same) / n, agreement_first_token=sum(first) / n,
                     tile_fraction=sum(tiles) / n)
 
+    def _twin(self, dtype: str):
+        """The same weights in `dtype` behind transformers' own attention (the floor's other dense)."""
+        if dtype not in self._twins:
+            from sift.model import load_model
 
-def _build(setting: Setting, corpus: Path, index: Path, model: str) -> None:
-    """`sift-build CORPUS --out INDEX --config INDEX.toml` (incremental when the index exists)."""
+            self._twins[dtype] = load_model(self.model_name, dtype=dtype, device=self.device)[0]
+        return self._twins[dtype]
+
+    def floor(self, index_path: Path, items: list[QAItem], dtypes=None) -> dict:
+        """How often dense agrees with dense: the engine's dense answers against greedy answers of the same
+        model through transformers' own attention (SDPA), at the serving dtype and at each other dtype.
+        Sparsity cannot be asked to agree with dense more often than two dense computations agree with each
+        other. -> {dtype: {"n", "agreement", "agreement_first_token"}}."""
+        engine = self.engine(index_path)
+        runnable = [item for item in items if skip_reason(engine, item) is None]
+        dtypes = dtypes or [self.dtype, *(d for d in ("float32", "bfloat16") if d != self.dtype)]
+        out = {}
+        for dtype in dtypes:
+            twin = self._twin(dtype)
+            same, first = [], []
+            for item in runnable:
+                dense = self.dense(engine, item)
+                other = greedy(twin, engine.prompt_ids(item.request()), self.max_new_tokens, engine.eos_ids)
+                same.append(float(other == dense))
+                first.append(float(other[:1] == dense[:1]))
+            n = max(1, len(runnable))
+            out[dtype] = dict(n=len(runnable), agreement=sum(same) / n, agreement_first_token=sum(first) / n)
+        return out
+
+
+@torch.inference_mode()
+def greedy(model, prompt: list[int], max_new_tokens: int, eos_ids) -> list[int]:
+    """Greedy tokens of a plain transformers forward with its own KV cache, up to and including the first eos
+    (the engine's convention)."""
+    ids = torch.tensor([prompt], device=model.device)
+    out, past = [], None
+    for _ in range(max_new_tokens):
+        res = model(input_ids=ids, past_key_values=past, use_cache=True)
+        past = res.past_key_values
+        token = int(res.logits[0, -1].float().argmax())
+        out.append(token)
+        if token in eos_ids:
+            break
+        ids = torch.tensor([[token]], device=model.device)
+    return out
+
+
+def sift_build(setting: Setting, corpus: Path, index: Path, model: str) -> None:
+    """`sift-build CORPUS --out INDEX --config INDEX.toml` (incremental when the index exists). The default
+    builder of the sweep; `calibrate_items(build=...)` takes any callable of this signature."""
     index.parent.mkdir(parents=True, exist_ok=True)
     config = index.parent / f"{index.name}.toml"
     config.write_text(setting.toml(model))
@@ -176,7 +234,7 @@ def _build(setting: Setting, corpus: Path, index: Path, model: str) -> None:
         raise SiftError(f"`{' '.join(cmd)}` failed with exit code {proc.returncode}: {tail}")
 
 
-def sweep(runner: _Runner, settings, items: list[QAItem], out: Path, model: str, echo) -> list[dict]:
+def sweep(runner: _Runner, settings, items: list[QAItem], out: Path, model: str, echo, build=sift_build) -> list[dict]:
     """Build and measure every setting on the held-in questions -> one row per setting."""
     corpus = out / "corpus" / "held_in"
     conflicts = write_corpus(items, corpus / "docs.jsonl")
@@ -186,7 +244,7 @@ def sweep(runner: _Runner, settings, items: list[QAItem], out: Path, model: str,
     for k, setting in enumerate(settings, 1):
         echo(f"[{k}/{len(settings)}] {setting.label}: building")
         index = out / "indexes" / setting.label
-        _build(setting, corpus, index, model)
+        build(setting, corpus, index, model)
         row = dict(label=setting.label, criterion=setting.la_criterion, setting=asdict(setting),
                    index=str(index), **runner.agreement(index, items))
         echo(f"[{k}/{len(settings)}] {setting.label}: agreement {row['agreement']:.0%}, first token "
@@ -195,7 +253,8 @@ def sweep(runner: _Runner, settings, items: list[QAItem], out: Path, model: str,
     return rows
 
 
-def held_out(runner: _Runner, settings, items: list[QAItem], out: Path, model: str, echo) -> dict:
+def held_out(runner: _Runner, settings, items: list[QAItem], out: Path, model: str, echo,
+             build=sift_build) -> dict:
     """The chosen and the default settings over the held-out questions: sift-eval's report for each."""
     corpus = out / "corpus" / "held_out"
     write_corpus(items, corpus / "docs.jsonl")
@@ -203,20 +262,21 @@ def held_out(runner: _Runner, settings, items: list[QAItem], out: Path, model: s
     for setting in dict.fromkeys(settings):
         folder = out / "held_out" / setting.label
         echo(f"held out: {setting.label}: building")
-        _build(setting, corpus, folder / "index", model)
+        build(setting, corpus, folder / "index", model)
         engine = runner.engine(folder / "index")
         rows, skipped = evaluate(engine, items, [REFERENCE, "sift"], max_new_tokens=runner.max_new_tokens)
         modes = aggregate(rows, [REFERENCE, "sift"])
         report = dict(settings=dict(index=str(folder / "index"), qa_file=str(out / "held_out.jsonl"), format="jsonl",
-                                    model=model, backend=engine.backend, block=engine.block, tile=setting.tile,
-                                    modes=[REFERENCE, "sift"], max_new_tokens=runner.max_new_tokens, batch=1,
-                                    limit=None),
+                                    model=model, dtype=runner.dtype, backend=engine.backend, block=engine.block,
+                                    tile=setting.tile, modes=[REFERENCE, "sift"], max_new_tokens=runner.max_new_tokens,
+                                    batch=1, limit=None),
                       questions=len(items), evaluated=len(rows), modes=modes, rows=rows, skipped=skipped)
         write_report(report, folder)
         sift = modes["sift"]
         results[setting.label] = dict(setting=asdict(setting), n=len(rows), report=str(folder / "report.json"),
                                       **{k: sift[k]["mean"] for k in ("agreement_answer", "agreement_first_token",
                                                                       "tile_fraction", "em", "f1", "containment")},
+                                      agreement_answer_ci95=sift["agreement_answer"]["ci95"],
                                       dense_em=modes[REFERENCE]["em"]["mean"],
                                       dense_containment=modes[REFERENCE]["containment"]["mean"])
         echo(f"held out: {setting.label}: agreement {results[setting.label]['agreement_answer']:.0%}, tiles "
@@ -246,29 +306,47 @@ def _previous_sweep(out: Path, qa_file: Path, held_in: int, model: str, max_new_
 
 
 def calibrate(qa_file: Path, out: Path, *, settings, held_in: int, limit: int | None, target: float | None,
-              model: str, fmt: str = "auto", device: str = "auto", max_new_tokens: int = 24, reuse_sweep=False,
-              echo=lambda m: None):
-    """The whole calibration -> the front.json content (target None: sweep only; reuse_sweep: the points of the
-    previous run's front.json instead of a new sweep, e.g. to choose again for another target)."""
+              model: str, fmt: str = "auto", device: str = "auto", dtype: str = "auto", max_new_tokens: int = 24,
+              reuse_sweep=False, floor=True, held_out_front=False, echo=lambda m: None):
+    """The whole calibration of QA_FILE's questions -> the front.json content (see `calibrate_items`)."""
     items, fmt = load_qa(qa_file, fmt, limit)
     if len(items) <= held_in and target is not None:
         raise SiftError(f"{qa_file} has {len(items)} questions (--limit {limit}): more than --held-in {held_in} are "
                         f"needed to hold some out; lower --held-in or use --sweep-only")
+    return calibrate_items(items, out, name=str(qa_file), settings=settings, held_in=held_in, target=target,
+                           model=model, device=device, dtype=dtype, max_new_tokens=max_new_tokens,
+                           reuse_sweep=reuse_sweep, floor=floor, held_out_front=held_out_front, echo=echo)
+
+
+def calibrate_items(items: list[QAItem], out: Path, *, name: str, settings, held_in: int, target: float | None,
+                    model: str, device: str = "auto", dtype: str = "auto", max_new_tokens: int = 24,
+                    reuse_sweep=False, floor=True, held_out_front=False, build=sift_build, echo=lambda m: None):
+    """The calibration of `items` (the first `held_in` held in, the rest held out) -> the front.json content.
+    target None: sweep only; reuse_sweep: the points of the previous run's front.json instead of a new sweep
+    (e.g. to choose again for another target); floor: also measure how often two dense computations agree
+    (`_Runner.floor`) on the held-in and held-out questions; held_out_front: evaluate the paper's defaults and
+    every setting of the held-in front on the held-out questions, also when no setting meets the target;
+    build: what turns a setting and a corpus folder into an index (default: the `sift-build` CLI)."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     out.mkdir(parents=True, exist_ok=True)
     inside, outside = items[:held_in], items[held_in:]
     _write_items(inside, out / "held_in.jsonl")
     _write_items(outside, out / "held_out.jsonl")
-    runner = _Runner(model, device, max_new_tokens, echo)
+    runner = _Runner(model, device, max_new_tokens, echo, dtype)
     if reuse_sweep:
-        rows = _previous_sweep(out, qa_file, len(inside), model, max_new_tokens)
+        rows = _previous_sweep(out, Path(name), len(inside), model, max_new_tokens)
     else:
-        rows = sweep(runner, settings, inside, out, model, echo)
+        rows = sweep(runner, settings, inside, out, model, echo, build)
     front = pareto(rows)
-    result = dict(qa_file=str(qa_file), model=model, held_in=len(inside), held_out=len(outside),
-                  max_new_tokens=max_new_tokens, target_agreement=target, points=rows, front=front)
+    result = dict(qa_file=name, model=model, device=device, dtype=runner.dtype, held_in=len(inside),
+                  held_out=len(outside), max_new_tokens=max_new_tokens, target_agreement=target, points=rows,
+                  front=front)
+    if floor and rows:
+        result["floor"] = runner.floor(Path(rows[0]["index"]), inside)
+        echo("floor (dense against dense, held in): " + _floor_line(result["floor"]))
     chosen = choose(rows, target) if target is not None else None
+    evaluate_out = [DEFAULT, *(Setting(**r["setting"]) for r in front)] if held_out_front else []
     if target is not None:
         result["chosen"] = chosen
         if chosen is None:
@@ -277,12 +355,22 @@ def calibrate(qa_file: Path, out: Path, *, settings, held_in: int, limit: int | 
             setting = Setting(**chosen["setting"])
             (out / "calibrated.toml").write_text(
                 f"# sift-calibrate: the sparsest setting with >= {target:.0%} whole-answer agreement with dense on "
-                f"{len(inside)} held-in questions of {qa_file.name}\n" + setting.toml(model))
-            result["held_out_results"] = held_out(runner, [setting, DEFAULT], outside, out, model, echo)
-    pareto_front(out / "front.png", rows, front, f"{qa_file.name}: {len(inside)} held-in questions, {model}",
-                 target=target, chosen=chosen)
+                f"{len(inside)} held-in questions of {Path(name).name}\n" + setting.toml(model))
+            evaluate_out = [setting, DEFAULT, *evaluate_out]
+    if evaluate_out and outside:
+        result["held_out_results"] = held_out(runner, evaluate_out, outside, out, model, echo, build)
+        if floor:
+            first = next(iter(result["held_out_results"].values()))
+            result["held_out_floor"] = runner.floor(Path(first["report"]).parent / "index", outside)
+            echo("floor (dense against dense, held out): " + _floor_line(result["held_out_floor"]))
+    pareto_front(out / "front.png", rows, front, f"{Path(name).name}: {len(inside)} held-in questions, {model}",
+                 target=target, chosen=chosen, floor=result.get("floor"))
     (out / "front.json").write_text(json.dumps(result, indent=2) + "\n")
     return result
+
+
+def _floor_line(floor: dict) -> str:
+    return ", ".join(f"transformers {d}: {f['agreement']:.0%} ({f['n']} questions)" for d, f in floor.items())
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -304,8 +392,14 @@ def calibrate(qa_file: Path, out: Path, *, settings, held_in: int, limit: int | 
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="auto", show_default=True)
 @click.option("--max-new-tokens", type=click.IntRange(1, 512), default=24, show_default=True)
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--dtype", type=click.Choice(["auto", *DTYPES]), default="auto", show_default=True,
+              help="The dtype the model serves in (auto: bfloat16 on CUDA, float32 on CPU).")
+@click.option("--floor/--no-floor", default=True, show_default=True,
+              help="Also measure how often dense agrees with dense (transformers' attention, each dtype).")
+@click.option("--held-out-front", is_flag=True,
+              help="Evaluate the defaults and every setting of the held-in front on the held-out questions.")
 def main(qa_file, out, held_in, limit, target_agreement, sweep_only, reuse_sweep, settings, model, fmt, max_new_tokens,
-         device):
+         device, dtype, floor, held_out_front):
     """Sweep profile settings on held-in questions of QA_FILE, draw the Pareto front of agreement with dense
     against tiles computed, and write the sparsest setting meeting the target as a `sift-build` config."""
     from sift.model import DEFAULT_MODEL
@@ -315,7 +409,8 @@ def main(qa_file, out, held_in, limit, target_agreement, sweep_only, reuse_sweep
         grid = [parse_setting(s) for s in settings] or list(DEFAULT_GRID)
         result = calibrate(qa_file, out, settings=grid, held_in=held_in, limit=limit,
                            target=None if sweep_only else target_agreement, model=model or DEFAULT_MODEL, fmt=fmt,
-                           device=device, max_new_tokens=max_new_tokens, reuse_sweep=reuse_sweep, echo=log)
+                           device=device, dtype=dtype, max_new_tokens=max_new_tokens, reuse_sweep=reuse_sweep,
+                           floor=floor, held_out_front=held_out_front, echo=log)
     except SiftError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(EXIT_ERROR)

@@ -2,7 +2,7 @@
 compared with dense and with the gold answers, aggregated with bootstrap confidence intervals; a report out.
 
     sift-eval INDEX QA_FILE --modes dense,sift [--model M] [--limit N] [--batch B] [--max-new-tokens T]
-              [--recall [--recall-limit N]] [--kv-store-gib G] --out DIR
+              [--dtype auto|float32|bfloat16|float16] [--recall [--recall-limit N]] [--kv-store-gib G] --out DIR
 
 INDEX is a folder or an object-store URI. Modes: dense, sift, and the KV-reuse modes reuse, hybrid,
 hybrid:<policy>, hybrid:<policy>@<fraction> (runtime/reuse.py; they run with a KVStore of --kv-store-gib).
@@ -48,6 +48,7 @@ import torch
 
 from sift.errors import SiftError
 from sift.format import content_hash
+from sift.model import DTYPES, resolve_dtype
 from sift.plots import mode_summary, recall_by_layer
 
 from .engine import MODES, GenerateResult, SiftEngine
@@ -325,7 +326,7 @@ def _reuse_mode_ok(mode: str) -> bool:
 
 
 def _engine(index_path: str, model: str | None, device: str, backend: str,
-            kv_store_gib: float = 0.0) -> SiftEngine:
+            kv_store_gib: float = 0.0, dtype: str = "auto") -> SiftEngine:
     """The engine over the index at `index_path` (a folder or an object-store URI); with a KV store of
     kv_store_gib (modes reuse / hybrid)."""
     from sift.model import load_model
@@ -336,7 +337,7 @@ def _engine(index_path: str, model: str | None, device: str, backend: str,
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     index = SiftIndex.open(index_path, device=device)
-    hf, tokenizer, _ = load_model(model or index.model_name, device=device)
+    hf, tokenizer, _ = load_model(model or index.model_name, dtype=resolve_dtype(dtype, device), device=device)
     store = KVStore(hbm_bytes=int(kv_store_gib * 2**30)) if kv_store_gib > 0 else None
     return SiftEngine(hf, tokenizer, index, backend=backend, kv_store=store)
 
@@ -344,18 +345,20 @@ def _engine(index_path: str, model: str | None, device: str, backend: str,
 def run(index_path: Path, qa_file: Path, *, modes: list[str], model: str | None = None, fmt: str = "auto",
         limit: int | None = None, batch: int = 1, max_new_tokens: int = 24, device: str = "auto",
         backend: str = "auto", resamples: int = 2000, seed: int = 0, recall: bool = False,
-        recall_limit: int | None = None, kv_store_gib: float = 4.0, echo=lambda msg: None) -> dict:
+        recall_limit: int | None = None, kv_store_gib: float = 4.0, dtype: str = "auto",
+        echo=lambda msg: None) -> dict:
     """The whole eval -> the report (as report.json holds it). recall: also measure the bits' in-context recall
     on the first `recall_limit` (None: all) evaluated questions. kv_store_gib: the KV store of the reuse modes
     (created only when one is asked for)."""
     items, fmt = load_qa(qa_file, fmt, limit)
     reusing = any(m.partition(":")[0] in ("reuse", "hybrid") for m in modes)
-    engine = _engine(index_path, model, device, backend, kv_store_gib if reusing else 0.0)
+    engine = _engine(index_path, model, device, backend, kv_store_gib if reusing else 0.0, dtype)
     echo(f"{len(items)} questions ({fmt}); index {index_path}: {len(engine.index)} documents, tile "
          f"{engine.index.tile}; backend {engine.backend}, block {engine.block}; modes {', '.join(modes)}")
     rows, skipped = evaluate(engine, items, modes, batch=batch, max_new_tokens=max_new_tokens, echo=echo)
     settings = dict(index=str(engine.index.path), qa_file=str(qa_file), format=fmt, model=model or engine.index.model_name,
-                    backend=engine.backend, block=engine.block, tile=engine.index.tile, modes=modes,
+                    dtype=str(engine.model.dtype).removeprefix("torch."), backend=engine.backend, block=engine.block,
+                    tile=engine.index.tile, modes=modes,
                     max_new_tokens=max_new_tokens, batch=batch, limit=limit,
                     ci=dict(method="percentile bootstrap of the mean", level=CI_LEVEL, resamples=resamples,
                             seed=seed))
@@ -380,6 +383,8 @@ def run(index_path: Path, qa_file: Path, *, modes: list[str], model: str | None 
 @click.option("--batch", type=click.IntRange(1, 64), default=1, show_default=True, help="Questions per engine call.")
 @click.option("--max-new-tokens", type=click.IntRange(1, 512), default=24, show_default=True)
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--dtype", type=click.Choice(["auto", *DTYPES]), default="auto", show_default=True,
+              help="The dtype the model serves in (auto: bfloat16 on CUDA, float32 on CPU).")
 @click.option("--backend", type=click.Choice(["auto", "triton", "torch", "reference"]), default="auto",
               show_default=True)
 @click.option("--resamples", type=click.IntRange(100), default=2000, show_default=True,
@@ -392,8 +397,8 @@ def run(index_path: Path, qa_file: Path, *, modes: list[str], model: str | None 
               help="HBM (host memory on CPU) of the KV store the reuse / hybrid modes use.")
 @click.option("--out", type=click.Path(path_type=Path), required=True,
               help="Folder for report.json, report.md and summary.png.")
-def main(index_path, qa_file, modes, model, fmt, limit, batch, max_new_tokens, device, backend, resamples, recall,
-         recall_limit, kv_store_gib, out):
+def main(index_path, qa_file, modes, model, fmt, limit, batch, max_new_tokens, device, dtype, backend, resamples,
+         recall, recall_limit, kv_store_gib, out):
     """Evaluate the answers of each mode against dense and the gold answers of a QA set over INDEX.
 
     QA_FILE: JSONL of {"id", "question", "answers": [...], "docs": [{"id", "text"}], "prefix"?}, or the
@@ -406,7 +411,7 @@ def main(index_path, qa_file, modes, model, fmt, limit, batch, max_new_tokens, d
     try:
         report = run(index_path, qa_file, modes=_parse_modes(modes), model=model, fmt=fmt, limit=limit, batch=batch,
                      max_new_tokens=max_new_tokens, device=device, backend=backend, resamples=resamples,
-                     recall=recall, recall_limit=recall_limit, kv_store_gib=kv_store_gib, echo=log)
+                     recall=recall, recall_limit=recall_limit, kv_store_gib=kv_store_gib, dtype=dtype, echo=log)
         write_report(report, out)
     except SiftError as e:
         click.echo(f"error: {e}", err=True)

@@ -139,6 +139,18 @@ def fingerprint(model_dir: Path) -> str:
     return h.hexdigest()
 
 
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """"auto": bfloat16 on CUDA (how a GPU serves), float32 on CPU."""
+    if dtype == "auto":
+        return "bfloat16" if device == "cuda" else "float32"
+    if dtype not in DTYPES:
+        raise SiftError(f"dtype {dtype!r} must be auto or one of {', '.join(DTYPES)}")
+    return dtype
+
+
 def load_model(model: str, *, dtype: str = "float32", device: str = "cpu", attn_implementation: str = "sdpa"):
     """-> (model, tokenizer, ModelIdentity). `model` is DEFAULT_MODEL or a local folder."""
     import torch

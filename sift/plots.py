@@ -208,9 +208,10 @@ def recall_by_layer(path: Path, recall: dict) -> None:
 
 
 def pareto_front(path: Path, points: list[dict], front: list[dict], title: str, *, target: float | None = None,
-                 chosen: dict | None = None) -> None:
+                 chosen: dict | None = None, floor: dict | None = None) -> None:
     """sift-calibrate: agreement with dense against tiles computed, one point per setting, the Pareto front
-    joined, grouped by criterion. points / front: {"label", "criterion", "tile_fraction", "agreement"}."""
+    joined, grouped by criterion. points / front: {"label", "criterion", "tile_fraction", "agreement"};
+    floor: {dtype: {"agreement", ...}}, dense against transformers' dense, drawn as horizontal lines."""
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(8, 5), layout="constrained")
@@ -226,6 +227,9 @@ def pareto_front(path: Path, points: list[dict], front: list[dict], title: str, 
             label="Pareto front")
     if target is not None:
         ax.axhline(target, color="grey", linewidth=1, linestyle=":", label=f"target {target:.0%}")
+    for (dtype, f), style in zip((floor or {}).items(), ("-.", (0, (1, 3)), "-")):
+        ax.axhline(f["agreement"], color="tab:green", linewidth=1, linestyle=style,
+                   label=f"dense = dense ({dtype}) {f['agreement']:.0%}")
     if chosen is not None:
         ax.scatter([chosen["tile_fraction"]], [chosen["agreement"]], s=120, facecolors="none", edgecolors="red",
                    label="chosen")

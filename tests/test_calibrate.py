@@ -167,3 +167,67 @@ def test_long_documents_sample_in_repository():
     items, fmt = load_qa(Path(__file__).parent / "data" / "long_docs_sample.jsonl")
     assert fmt == "jsonl" and len(items) == 3
     assert all(len(text) >= 5400 for item in items for _, text in item.docs)
+
+
+# ------------------------------------------------------------------------- the floor and the whole flow
+
+
+def test_greedy_equals_transformers_generate():
+    """`greedy` (the floor's other dense) against transformers' own generate, eos included and stopping there."""
+    from sift.runtime.calibrate import greedy
+
+    from .helpers import smollm2
+
+    model, tokenizer = smollm2()
+    prompt = tokenizer("The capital of France is", add_special_tokens=True).input_ids
+    ref = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, pad_token_id=0)[0, len(prompt):]
+    assert greedy(model, prompt, 8, set()) == ref.tolist()
+    first = ref[0].item()  # an eos set holding the first token stops there, keeping it (the engine's convention)
+    assert greedy(model, prompt, 8, {first}) == [first]
+
+
+def _copying_builder(source):
+    """A `calibrate_items(build=...)` stand-in: every setting gets a copy of one ready index (the flow is under
+    test here, not the bits)."""
+    import shutil
+
+    def build(setting, corpus, index, model):
+        assert (corpus / "docs.jsonl").exists()
+        shutil.copytree(source, index, dirs_exist_ok=True)
+    return build
+
+
+def test_calibrate_items_flow_and_floor(tmp_path):
+    """The sweep, front, choice, held-out reports (defaults and the front included) and the floor, end to end
+    on CPU over an all-ones index: SIFT computes every tile, so it agrees with dense everywhere, and fp32 dense
+    through the engine agrees with transformers' fp32 greedy answers on every question."""
+    from sift.model import DEFAULT_MODEL, fingerprint, resolve_model_dir
+    from sift.runtime.calibrate import calibrate_items
+    from sift.runtime.qa import QAItem
+
+    from .helpers import smollm2
+    from .test_engine import write_index
+    from .test_eval import DOCS, QUESTIONS
+
+    model, tokenizer = smollm2()
+    ids = {d: tokenizer(t, add_special_tokens=False).input_ids for d, t in DOCS.items()}
+    write_index(tmp_path / "ready", model, fingerprint(resolve_model_dir(DEFAULT_MODEL)), ids, tile=16)
+    items = [QAItem(q["id"], q["question"], (q["answers"][0],), tuple((d, DOCS[d]) for d in q["docs"]))
+             for q in QUESTIONS]
+    settings = [Setting(tile=16), Setting(tile=16, alpha=0.01)]
+    result = calibrate_items(items, tmp_path / "cal", name="toy.jsonl", settings=settings, held_in=2, target=0.95,
+                             model=DEFAULT_MODEL, device="cpu", max_new_tokens=3, held_out_front=True,
+                             build=_copying_builder(tmp_path / "ready"))
+    assert result["dtype"] == "float32" and result["held_in"] == 2 and result["held_out"] == 1
+    assert [p["agreement"] for p in result["points"]] == [1.0, 1.0]
+    assert all(p["tile_fraction"] == 1.0 for p in result["points"])
+    assert result["chosen"]["label"] in {s.label for s in settings}
+    assert set(result["held_out_results"]) == {DEFAULT.label, *(s.label for s in settings)}
+    assert all(r["agreement_answer"] == 1.0 and r["n"] == 1 for r in result["held_out_results"].values())
+    assert set(result["floor"]) == {"float32", "bfloat16"}
+    assert result["floor"]["float32"] == {"n": 2, "agreement": 1.0, "agreement_first_token": 1.0}
+    assert 0.0 <= result["floor"]["bfloat16"]["agreement"] <= 1.0
+    assert result["held_out_floor"]["float32"]["n"] == 1
+    saved = json.loads((tmp_path / "cal" / "front.json").read_text())
+    assert saved["floor"] == result["floor"] and (tmp_path / "cal" / "front.png").stat().st_size > 1000
+    assert (tmp_path / "cal" / "calibrated.toml").exists()

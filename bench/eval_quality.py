@@ -1,0 +1,144 @@
+"""What SIFT's sparsity costs in answers, per QA set: `sift-calibrate`'s sweep, Pareto front, choice and held-out
+evaluation, and the floor of the agreement measure, on the real SmolLM2-135M-Instruct.
+
+For each set of bench/qa_sets.py (hotpotqa, 2wiki, long) the first --held-in questions are held in and the next
+ones, up to --limit-<set>, held out. `runtime.calibrate.calibrate_items` then
+
+1. builds an index of the held-in documents for every setting of --settings (indexes built in this process with
+   the builder's Profiler and writers: bench/qa_sets.py `build_in_process`, no Ray) and measures whole-answer
+   and first-token agreement of `sift` with `dense` and the tiles computed (the engine's (head, query block, key
+   block) triples over dense, kernel block = the index tile);
+2. draws the Pareto front and chooses the sparsest setting meeting --target-agreement on the held-in questions;
+3. evaluates the chosen setting, the paper's defaults (tile 64, alpha 0.001, beta 0.01, gamma 0.1) and every
+   other setting of the held-in front on the held-out questions (sift-eval's report: agreement with 95%
+   bootstrap intervals, gold containment, F1, KL);
+4. measures the floor: the engine's dense answers against greedy answers of the same weights through
+   transformers' own attention (SDPA), at the serving dtype and at the other of float32 / bfloat16.
+
+Writes bench/results/eval_quality.json: `sets["<set>/<dtype>"]`, each set's front.json content with the run
+that produced it (command, date, device), written after each set; entries of other (set, dtype) pairs already
+in the file are kept, so runs per dtype or per set add up to one result. Under --work, each set's calibration
+folder (front.png, held-out reports, calibrated.toml when a setting met the target).
+
+    python bench/eval_quality.py --device cuda --model-dir DIR [--sets hotpotqa,2wiki,long] [--held-in 25]
+                                 [--limit-long 100] [--dtype bfloat16] [--max-new-tokens 16]
+    python bench/eval_quality.py --smoke     # 3 questions of one set, 2 settings, 2 tokens: checks it runs
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import common  # bench/common.py (the script's folder is on sys.path)
+import qa_sets  # bench/qa_sets.py
+
+import torch  # noqa: E402
+
+from sift.runtime.calibrate import calibrate_items, parse_setting  # noqa: E402
+
+SETTINGS = ("tile=64", "tile=32", "tile=16",
+            "tile=16,alpha=0.003,beta=0.02,gamma=0.2",
+            "tile=32,alpha=0.0003,beta=0.003,gamma=0.03",
+            "tile=16,alpha=0.0003,beta=0.003,gamma=0.03",
+            "tile=16,alpha=0.0001,beta=0.001,gamma=0.01")
+
+
+def parse_args():
+    ap = common.parser(__doc__.split("\n\n")[0])
+    ap.add_argument("--sets", default=",".join(qa_sets.SETS), help="comma-separated QA sets")
+    ap.add_argument("--held-in", type=int, default=25, help="held-in questions per set (the sweep)")
+    ap.add_argument("--limit-hotpotqa", type=int, default=100, help="questions of the hotpotqa set (held in + out)")
+    ap.add_argument("--limit-2wiki", type=int, default=200, help="questions of the 2wiki set (held in + out)")
+    ap.add_argument("--limit-long", type=int, default=100, help="questions of the long-document set")
+    ap.add_argument("--settings", default=";".join(SETTINGS),
+                    help="semicolon-separated settings (sift-calibrate --setting syntax)")
+    ap.add_argument("--target-agreement", type=float, default=0.95)
+    ap.add_argument("--max-new-tokens", type=int, default=16)
+    ap.add_argument("--dtype", default="auto", help="serving dtype (auto: bfloat16 on CUDA, float32 on CPU)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (Triton kernels)")
+    ap.add_argument("--model-dir", type=Path, default=None,
+                    help="a plain transformers folder of the default model (where the GGUF package is not installed)")
+    ap.add_argument("--hotpotqa-json", type=Path, default=qa_sets.SHARED / "hotpotqa_train.json")
+    ap.add_argument("--wiki", type=Path, default=qa_sets.SHARED / "wiki_vital_summaries_en.json.gz")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/sift-eval-quality"),
+                    help="folder for each set's calibration (indexes, reports, front.png)")
+    args = ap.parse_args()
+    args.sets = [s.strip() for s in args.sets.split(",") if s.strip()]
+    if not args.sets or not set(args.sets) <= set(qa_sets.SETS):
+        ap.error(f"--sets {args.sets}: each must be one of {', '.join(qa_sets.SETS)}")
+    args.settings = [s for s in args.settings.split(";") if s.strip()]
+    if args.smoke:
+        args.sets, args.held_in, args.max_new_tokens = args.sets[:1], 2, 2
+        args.limit_hotpotqa = args.limit_2wiki = args.limit_long = 3
+        args.settings = args.settings[:2]
+    return args
+
+
+class InProcessBuilder:
+    """`calibrate_items(build=...)`: a setting and a corpus folder -> an index, profiled on one model copy."""
+
+    def __init__(self, model_dir, device: str, dtype: str):
+        from sift.model import DEFAULT_MODEL, load_model, resolve_dtype, resolve_model_dir
+
+        name = str(model_dir) if model_dir is not None else DEFAULT_MODEL
+        self.model, self.tokenizer, _ = load_model(name, dtype=resolve_dtype(dtype, device), device=device)
+        self.model_dir = resolve_model_dir(name)
+
+    def __call__(self, setting, corpus: Path, index: Path, model: str) -> None:
+        from sift.pipeline.config import ProfileConfig
+
+        cfg = ProfileConfig(**dataclasses.asdict(setting))
+        qa_sets.build_in_process(qa_sets.corpus_docs(corpus), index, cfg, self.model, self.tokenizer,
+                                 self.model_dir, profile_key=setting.label)
+
+
+def summary_lines(name: str, result: dict) -> list[str]:
+    lines = [f"{name}: {result['held_in']} held in, {result['held_out']} held out, {result['dtype']}"]
+    for p in result["points"]:
+        lines.append(f"  held in  {p['label']:<32} agreement {p['agreement']:.0%}  first token "
+                     f"{p['agreement_first_token']:.0%}  tiles {p['tile_fraction']:.1%}")
+    for label, r in result.get("held_out_results", {}).items():
+        lo, hi = r["agreement_answer_ci95"]
+        lines.append(f"  held out {label:<32} agreement {r['agreement_answer']:.0%} [{lo:.0%}, {hi:.0%}]  first "
+                     f"token {r['agreement_first_token']:.0%}  tiles {r['tile_fraction']:.1%}  (n={r['n']})")
+    for key in ("floor", "held_out_floor"):
+        for dtype, f in result.get(key, {}).items():
+            lines.append(f"  {key:<14} dense = transformers {dtype}: {f['agreement']:.0%} (n={f['n']})")
+    return lines
+
+
+def main() -> None:
+    args = parse_args()
+    from sift.model import DEFAULT_MODEL
+
+    torch.manual_seed(0)
+    model = str(args.model_dir) if args.model_dir is not None else DEFAULT_MODEL
+    builder = InProcessBuilder(args.model_dir, args.device, args.dtype)
+    settings = [parse_setting(s) for s in args.settings]
+    run = dict(model=DEFAULT_MODEL, device=args.device, settings=args.settings, held_in=args.held_in,
+               target_agreement=args.target_agreement, max_new_tokens=args.max_new_tokens,
+               command=" ".join(["python", "bench/eval_quality.py", *sys.argv[1:]]))
+    path = common.out_dir(args) / "eval_quality.json"
+    results = json.loads(path.read_text()).get("sets", {}) if path.exists() else {}
+    lines = []
+    for name in args.sets:
+        limit = {"hotpotqa": args.limit_hotpotqa, "2wiki": args.limit_2wiki, "long": args.limit_long}[name]
+        items = qa_sets.load_set(name, limit, hotpotqa_json=args.hotpotqa_json, wiki=args.wiki)
+        print(f"{name}: {len(items)} questions", flush=True)
+        t = time.perf_counter()
+        result = calibrate_items(items, args.work / name, name=name, settings=settings, held_in=args.held_in,
+                                 target=args.target_agreement, model=model, device=args.device, dtype=args.dtype,
+                                 max_new_tokens=args.max_new_tokens, held_out_front=True, build=builder,
+                                 echo=lambda m: print("  " + m, flush=True))
+        result["seconds"] = time.perf_counter() - t
+        results[f"{name}/{result['dtype']}"] = dict(run=dict(common.environment(), **run), **result)
+        common.write_result("eval_quality", dict(sets=results), common.out_dir(args))
+        lines += summary_lines(name, result)
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    common.run_main(main)

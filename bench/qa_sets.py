@@ -1,0 +1,108 @@
+"""The QA sets the answer benchmarks run (eval_reuse.py, eval_quality.py), and an index built in this process.
+
+    hotpotqa   runtime/data/hotpotqa_train_100.jsonl.gz: each question over its 10 paragraphs (~130 tokens each)
+    2wiki      runtime/data/2wikimultihopqa_dev_200.jsonl.gz: 2WikiMultihopQA dev questions (compositional,
+               comparison, bridge-comparison, inference) over their 10 paragraphs (~90 tokens each)
+    long       the long-document set of runtime/qa.py (`long_documents`): each question's two gold paragraphs
+               and first distractor, each embedded in ~1-1.5K tokens of Wikipedia leads on one topic
+               (../shared/data/hotpotqa_train.json and wiki_vital_summaries_en.json.gz)
+
+`build_in_process` writes the index `sift-build` would write for the same documents and profile settings, with
+the builder's Profiler, shard writer and manifest commit in this process and no Ray: for a GPU machine that has
+the model folder but not the builder's cluster stack, and for sweeps that build many small indexes, where
+starting Ray per build would cost more than the profiling.
+"""
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import json
+import shutil
+import time
+from pathlib import Path
+
+from sift.runtime.qa import QAItem, load_qa, long_documents
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared" / "data"
+HOTPOTQA = ROOT / "runtime" / "data" / "hotpotqa_train_100.jsonl.gz"
+TWOWIKI = ROOT / "runtime" / "data" / "2wikimultihopqa_dev_200.jsonl.gz"
+SETS = ("hotpotqa", "2wiki", "long")
+
+
+def load_set(name: str, limit: int, *, hotpotqa_json: Path = SHARED / "hotpotqa_train.json",
+             wiki: Path = SHARED / "wiki_vital_summaries_en.json.gz", doc_chars: int = 5400) -> list[QAItem]:
+    """The first `limit` questions of one of SETS."""
+    if name == "hotpotqa":
+        return _read_gz(HOTPOTQA, "hotpotqa", limit)
+    if name == "2wiki":
+        return _read_gz(TWOWIKI, "jsonl", limit)
+    if name == "long":
+        return long_documents(hotpotqa_json, wiki, limit=limit, doc_chars=doc_chars)
+    raise ValueError(f"QA set {name!r} is not one of {', '.join(SETS)}")
+
+
+def _read_gz(path: Path, fmt: str, limit: int) -> list[QAItem]:
+    try:
+        import datasets  # noqa: F401 (load_qa reads through it)
+    except ImportError:  # a GPU machine without it: the file is plain gzipped JSONL
+        from sift.runtime.qa import _READERS
+        with gzip.open(path, "rt") as f:
+            rows = [json.loads(line) for _, line in zip(range(limit), f)]
+        return [_READERS[fmt](r, i) for i, r in enumerate(rows, 1)]
+    return load_qa(path, fmt, limit)[0]
+
+
+def corpus_docs(corpus: Path) -> dict[str, str]:
+    """doc_id -> text of a corpus folder written by `runtime.qa.write_corpus` (docs.jsonl of {"id", "text"})."""
+    docs = {}
+    with open(corpus / "docs.jsonl") as f:
+        for line in f:
+            row = json.loads(line)
+            docs.setdefault(row["id"], row["text"])
+    return docs
+
+
+def build_in_process(docs: dict[str, str], root: Path, cfg, model, tokenizer, model_dir: Path,
+                     profile_key: str = "in-process") -> Path:
+    """Index `docs` (doc_id -> text) at `root` (replaced if it exists) with the ProfileConfig `cfg`, profiling on
+    `model`'s device in its dtype. -> root."""
+    import pyarrow as pa
+
+    from sift import format as fmt
+    from sift.format import content_hash
+    from sift.model import fingerprint
+    from sift.pipeline import index as idx
+    from sift.pipeline.profiler import Profiler
+
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    cfg = dataclasses.replace(cfg, dtype=dtype)
+    backend = "triton" if next(model.parameters()).is_cuda else "torch"
+    previous = model.config._attn_implementation
+    profiler = Profiler(model, tokenizer, cfg, backend)
+    rows, t = [], time.perf_counter()
+    try:
+        for doc_id, text in docs.items():
+            ids = list(tokenizer(text, add_special_tokens=False).input_ids)
+            b = profiler.profile(ids)
+            rows.append(dict(doc_id=doc_id, content_hash=content_hash(ids), n_tokens=len(ids), la_bits=b.la,
+                             ca_bits=b.ca, source=profile_key, la_density=b.la_density, ca_density=b.ca_density))
+    finally:
+        model.set_attn_implementation(previous)
+    print(f"  profiled {len(rows)} documents in {time.perf_counter() - t:.1f} s", flush=True)
+    shutil.rmtree(root, ignore_errors=True)
+    idx.prepare_dir(root)
+    info = idx.write_table(root, pa.Table.from_pylist(rows, schema=fmt.DOCS_SCHEMA), kind="part",
+                           profile_key=profile_key, backend=profiler.backend_label)
+    c = model.config
+    profile = dataclasses.asdict(cfg)
+    profile["dense_heads"] = [list(h) for h in cfg.dense_heads]
+    idx.commit_manifest(root, fmt.Manifest.from_dict({
+        "format": fmt.FORMAT, "format_version": fmt.FORMAT_VERSION, "generation": 1, "created_at": idx.now_iso(),
+        "model": {"name": str(model_dir), "fingerprint": fingerprint(model_dir), "model_type": c.model_type,
+                  "n_layers": c.num_hidden_layers, "n_heads": c.num_attention_heads,
+                  "n_kv_heads": c.num_key_value_heads, "head_dim": c.hidden_size // c.num_attention_heads,
+                  "rope": {}, "max_position_embeddings": c.max_position_embeddings},
+        "profile": {**profile, "prefix_token_ids": list(profiler.prefix_ids), "profile_key": profile_key},
+        "shards": [info.to_dict()], "errors": None, "documents": len(rows)}))
+    return root
