@@ -345,6 +345,12 @@ def calibrate_items(items: list[QAItem], out: Path, *, name: str, settings, held
     if floor and rows:
         result["floor"] = runner.floor(Path(rows[0]["index"]), inside)
         echo("floor (dense against dense, held in): " + _floor_line(result["floor"]))
+        own = result["floor"][runner.dtype]["agreement"]
+        if target is not None:
+            result["target_above_floor"] = target > own
+            if target > own:
+                echo(f"the target {target:.0%} is above the floor: dense agrees with transformers' {runner.dtype} "
+                     f"dense on {own:.0%} of the held-in questions; judge settings against the floor, or in float32")
     chosen = choose(rows, target) if target is not None else None
     evaluate_out = [DEFAULT, *(Setting(**r["setting"]) for r in front)] if held_out_front else []
     if target is not None:

@@ -226,6 +226,7 @@ def test_calibrate_items_flow_and_floor(tmp_path):
     assert all(r["agreement_answer"] == 1.0 and r["n"] == 1 for r in result["held_out_results"].values())
     assert set(result["floor"]) == {"float32", "bfloat16"}
     assert result["floor"]["float32"] == {"n": 2, "agreement": 1.0, "agreement_first_token": 1.0}
+    assert result["target_above_floor"] is False
     assert 0.0 <= result["floor"]["bfloat16"]["agreement"] <= 1.0
     assert result["held_out_floor"]["float32"]["n"] == 1
     saved = json.loads((tmp_path / "cal" / "front.json").read_text())
