@@ -7,7 +7,7 @@ ones, up to --limit-<set>, held out. `runtime.calibrate.calibrate_items` then
 1. builds an index of the held-in documents for every setting of --settings (indexes built in this process with
    the builder's Profiler and writers: bench/qa_sets.py `build_in_process`, no Ray) and measures whole-answer
    and first-token agreement of `sift` with `dense` and the tiles computed (the engine's (head, query block, key
-   block) triples over dense, kernel block = the index tile);
+   block) triples over dense, at the engine's kernel block: 128 on CUDA, the index tile on CPU);
 2. draws the Pareto front and chooses the sparsest setting meeting --target-agreement on the held-in questions;
 3. evaluates the chosen setting, the paper's defaults (tile 64, alpha 0.001, beta 0.01, gamma 0.1) and every
    other setting of the held-in front on the held-out questions (sift-eval's report: agreement with 95%
@@ -134,7 +134,7 @@ def main() -> None:
                                  max_new_tokens=args.max_new_tokens, held_out_front=True, build=builder,
                                  echo=lambda m: print("  " + m, flush=True))
         result["seconds"] = time.perf_counter() - t
-        results[f"{name}/{result['dtype']}"] = dict(run=dict(common.environment(), **run), **result)
+        results[f"{name}/{result['dtype']}"] = dict(run=dict(run, **common.environment()), **result)
         common.write_result("eval_quality", dict(sets=results), common.out_dir(args))
         lines += summary_lines(name, result)
     print("\n".join(lines))
