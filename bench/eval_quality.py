@@ -15,7 +15,11 @@ ones, up to --limit-<set>, held out. `runtime.calibrate.calibrate_items` then
 4. measures the floor: the engine's dense answers against greedy answers of the same weights through
    transformers' own attention (SDPA), at the serving dtype and at the other of float32 / bfloat16.
 
-Writes bench/results/eval_quality.json: `sets["<set>/<dtype>"]`, each set's front.json content with the run
+With --guard-ca, each setting's guarded twins are swept beside it (`runtime.calibrate.guard`: CA pages kept
+whole in the layers whose document rows lose more than eps of their attention mass on dropped CA pages, measured
+on --guard-prompts held-in prompts).
+
+Writes bench/results/eval_quality.json: `sets["<set>/<dtype>"]` (or `"<set>/<dtype>/<tag>"`), each set's front.json content with the run
 that produced it (command, date, device), written after each set; entries of other (set, dtype) pairs already
 in the file are kept, so runs per dtype or per set add up to one result. Under --work, each set's calibration
 folder (front.png, held-out reports, calibrated.toml when a setting met the target).
@@ -55,6 +59,11 @@ def parse_args():
     ap.add_argument("--limit-long", type=int, default=100, help="questions of the long-document set")
     ap.add_argument("--settings", default=";".join(SETTINGS),
                     help="semicolon-separated settings (sift-calibrate --setting syntax)")
+    ap.add_argument("--guard-ca", default="",
+                    help="comma-separated eps values: also sweep each setting's guarded twin (sift-calibrate --guard-ca)")
+    ap.add_argument("--guard-prompts", type=int, default=5, help="held-in prompts the guard measures on")
+    ap.add_argument("--no-floor", dest="floor", action="store_false", help="skip the floor (dense against dense)")
+    ap.add_argument("--tag", default="", help="stored as sets[\"<set>/<dtype>/<tag>\"] (a run beside the main one)")
     ap.add_argument("--target-agreement", type=float, default=0.95)
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--dtype", default="auto", help="serving dtype (auto: bfloat16 on CUDA, float32 on CPU)")
@@ -70,6 +79,7 @@ def parse_args():
     if not args.sets or not set(args.sets) <= set(qa_sets.SETS):
         ap.error(f"--sets {args.sets}: each must be one of {', '.join(qa_sets.SETS)}")
     args.settings = [s for s in args.settings.split(";") if s.strip()]
+    args.guard_ca = [float(x) for x in args.guard_ca.split(",") if x.strip()]
     if args.smoke:
         args.sets, args.held_in, args.max_new_tokens = args.sets[:1], 2, 2
         args.limit_hotpotqa = args.limit_2wiki = args.limit_long = 3
@@ -119,6 +129,7 @@ def main() -> None:
     builder = InProcessBuilder(args.model_dir, args.device, args.dtype)
     settings = [parse_setting(s) for s in args.settings]
     run = dict(model=DEFAULT_MODEL, device=args.device, settings=args.settings, held_in=args.held_in,
+               guard_ca=args.guard_ca, guard_prompts=args.guard_prompts,
                target_agreement=args.target_agreement, max_new_tokens=args.max_new_tokens,
                command=" ".join(["python", "bench/eval_quality.py", *sys.argv[1:]]))
     path = common.out_dir(args) / "eval_quality.json"
@@ -131,10 +142,12 @@ def main() -> None:
         t = time.perf_counter()
         result = calibrate_items(items, args.work / name, name=name, settings=settings, held_in=args.held_in,
                                  target=args.target_agreement, model=model, device=args.device, dtype=args.dtype,
-                                 max_new_tokens=args.max_new_tokens, held_out_front=True, build=builder,
+                                 max_new_tokens=args.max_new_tokens, held_out_front=True, floor=args.floor,
+                                 guard_ca=args.guard_ca, guard_prompts=args.guard_prompts, build=builder,
                                  echo=lambda m: print("  " + m, flush=True))
         result["seconds"] = time.perf_counter() - t
-        results[f"{name}/{result['dtype']}"] = dict(run=dict(run, **common.environment()), **result)
+        key = "/".join([name, result["dtype"], *([args.tag] if args.tag else [])])
+        results[key] = dict(run=dict(run, **common.environment()), **result)
         common.write_result("eval_quality", dict(sets=results), common.out_dir(args))
         lines += summary_lines(name, result)
     print("\n".join(lines))

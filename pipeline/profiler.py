@@ -7,6 +7,7 @@ as usual, and our attention function receives exactly the q/k its attention woul
 Backends: "torch" (the reference of `sift.kernels.profile_ref`, which also produces the layer's output from
 the same probabilities) and "triton" (the fused statistics kernel; the output comes from the model's SDPA).
 The "mass" LA criterion (profile.la_criterion) exists in the torch backend only; "triton" refuses it.
+`profile.ca_full_layers` is applied here, after either backend: those layers' CA bits are set whole.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from sift.errors import SiftError
 from sift.format import n_pages
 
 from ..kernels.attention_lse import LSE_CHOICES, AttentionWithLse
+from ..kernels.bits import pack_msb
 from ..kernels.profile_ref import LayerBits, profile_layer_ref
 
 from .config import ProfileConfig
@@ -113,6 +115,10 @@ def _profile_attention(module, query, key, value, attention_mask, scaling=None, 
 
         out, lse = _attention_with_lse(module, query, key, value, scaling, softcap, c.forward)
         bits, _ = profile_layer(query[0], key[0], lse=lse, **args)
+    if module.layer_idx in p.ca_full_layers:
+        pages = n_pages(query.shape[2] - c.n_prefix, p.tile)
+        bits = LayerBits(la=bits.la, ca=pack_msb(torch.ones(bits.ca.shape[0], pages, dtype=torch.bool,
+                                                             device=bits.ca.device)))
     c.layers[module.layer_idx] = bits
     return out, None
 
@@ -151,6 +157,10 @@ class Profiler:
                 raise SiftError(f"profile.dense_heads entry [{layer}, {head}] is out of range for a model with "
                                 f"{self.n_layers} layers and {self.n_heads} heads")
             self.dense[layer] = self.dense.get(layer, ()) + (head,)
+        outside = [layer for layer in profile.ca_full_layers if layer >= self.n_layers]
+        if outside:
+            raise SiftError(f"profile.ca_full_layers {outside} out of range for a model with {self.n_layers} layers "
+                            f"(0..{self.n_layers - 1})")
         self.window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
 
     @property

@@ -60,16 +60,33 @@ class Setting:
     gamma: float = 0.1
     la_criterion: str = "threshold"
     la_coverage: float = 0.95
+    ca_full_layers: tuple[int, ...] = ()  # layers whose CA pages are all kept (a guarded setting, `guard`)
+
+    def __post_init__(self):
+        object.__setattr__(self, "ca_full_layers", tuple(sorted({int(layer) for layer in self.ca_full_layers})))
 
     @property
     def label(self) -> str:
         la = f"a{self.alpha:g}" if self.la_criterion == "threshold" else f"mass{self.la_coverage:g}"
-        return f"t{self.tile}-{la}-b{self.beta:g}-g{self.gamma:g}"
+        guarded = f"-ca{_ranges(self.ca_full_layers)}" if self.ca_full_layers else ""
+        return f"t{self.tile}-{la}-b{self.beta:g}-g{self.gamma:g}{guarded}"
 
     def toml(self, model: str) -> str:
         """A complete `sift-build --config` file: this setting, the other keys at their defaults."""
         return (f'model = "{model}"\n\n[profile]\ntile = {self.tile}\nalpha = {self.alpha!r}\nbeta = {self.beta!r}\n'
-                f'gamma = {self.gamma!r}\nla_criterion = "{self.la_criterion}"\nla_coverage = {self.la_coverage!r}\n')
+                f'gamma = {self.gamma!r}\nla_criterion = "{self.la_criterion}"\nla_coverage = {self.la_coverage!r}\n'
+                f'ca_full_layers = {list(self.ca_full_layers)}\n')
+
+
+def _ranges(layers: tuple[int, ...]) -> str:
+    """(0, 1, 2, 5, 7, 8) -> "0-2.5.7-8" (sorted layers, for labels and folder names)."""
+    runs: list[list[int]] = []
+    for layer in layers:
+        if runs and layer == runs[-1][1] + 1:
+            runs[-1][1] = layer
+        else:
+            runs.append([layer, layer])
+    return ".".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
 
 
 DEFAULT = Setting()  # the paper's thresholds at the default tile (configs/default.toml)
@@ -86,19 +103,24 @@ DEFAULT_GRID = (
 
 
 def parse_setting(text: str) -> Setting:
-    """"tile=16,alpha=0.001,beta=0.01,gamma=0.1,criterion=mass,coverage=0.99" -> Setting (unset keys: defaults)."""
+    """"tile=16,alpha=0.001,beta=0.01,gamma=0.1,criterion=mass,coverage=0.99,ca_full=14/17" -> Setting (unset
+    keys: defaults; ca_full: the layers whose CA pages are all kept, separated by "/")."""
     values: dict = {}
-    names = {"criterion": "la_criterion", "coverage": "la_coverage"}
+    names = {"criterion": "la_criterion", "coverage": "la_coverage", "ca_full": "ca_full_layers"}
     for part in filter(None, (p.strip() for p in text.split(","))):
         key, _, value = part.partition("=")
         key = names.get(key.strip(), key.strip())
         if key not in Setting.__dataclass_fields__ or not value:
             raise SiftError(f"--setting {text!r}: {part!r} is not key=value with key one of tile, alpha, beta, "
-                            f"gamma, criterion, coverage")
+                            f"gamma, criterion, coverage, ca_full")
         try:
-            values[key] = value.strip() if key == "la_criterion" else (int(value) if key == "tile" else float(value))
+            if key == "ca_full_layers":
+                values[key] = tuple(int(layer) for layer in value.split("/"))
+            else:
+                values[key] = value.strip() if key == "la_criterion" else (int(value) if key == "tile" else float(value))
         except ValueError:
-            raise SiftError(f"--setting {text!r}: {key} = {value!r} is not a number") from None
+            kind = "layers separated by /" if key == "ca_full_layers" else "a number"
+            raise SiftError(f"--setting {text!r}: {key} = {value!r} is not {kind}") from None
     setting = Setting(**values)
     if setting.la_criterion not in CRITERIA:
         raise SiftError(f"--setting {text!r}: criterion must be one of {', '.join(CRITERIA)}")
@@ -284,6 +306,44 @@ def held_out(runner: _Runner, settings, items: list[QAItem], out: Path, model: s
     return results
 
 
+def guard_layers(ca_mass_lost: list, eps: float) -> tuple[int, ...]:
+    """The layers whose document rows put more than `eps` of their attention mass on CA pages the bits drop (the
+    per-layer `ca_mass_lost` of `runtime.recall`); a layer without cross-document cells (None) never does."""
+    return tuple(i for i, lost in enumerate(ca_mass_lost) if lost is not None and lost > eps)
+
+
+def guard(runner: _Runner, rows: list[dict], items: list[QAItem], eps_list, prompts: int, echo) -> tuple[list, dict]:
+    """The guarded twins of swept settings. One set of thresholds does not suit every layer: the bits come from
+    each document alone, and in some layers later documents read pages the document's own rows never
+    concentrate on. For each swept setting (not itself guarded) the model runs the first `prompts` held-in
+    prompts with exact attention against the setting's bits (`runtime.recall`), and for each eps the layers
+    whose document rows lose more than eps of their attention mass on dropped CA pages keep all their CA pages
+    (`ca_full_layers`). -> (the new settings, {label: {"prompts", "ca_mass_lost", "ca_recall", "guards":
+    {eps: layers}}})."""
+    from .recall import measure
+
+    twins, info, seen = [], {}, {r["label"] for r in rows}
+    for row in rows:
+        setting = Setting(**row["setting"])
+        if setting.ca_full_layers:
+            continue
+        engine = runner.engine(Path(row["index"]))
+        runnable = [item for item in items if skip_reason(engine, item) is None][:prompts]
+        summary = measure(engine, [item.request() for item in runnable])
+        lost = [layer["ca_mass_lost"] for layer in summary["layers"]]
+        guards = {f"{eps:g}": guard_layers(lost, eps) for eps in eps_list}
+        info[row["label"]] = dict(prompts=len(runnable), ca_mass_lost=lost,
+                                  ca_recall=[layer["ca_recall"] for layer in summary["layers"]], guards=guards)
+        echo(f"guard: {row['label']}: " + ", ".join(f"layers losing > {eps} of their mass on dropped CA pages: "
+                                                     f"{list(layers) or 'none'}" for eps, layers in guards.items()))
+        for layers in guards.values():
+            twin = Setting(**{**asdict(setting), "ca_full_layers": layers})
+            if layers and twin.label not in seen:
+                seen.add(twin.label)
+                twins.append(twin)
+    return twins, info
+
+
 def _write_items(items: list[QAItem], path: Path) -> None:
     with open(path, "w") as f:
         for item in items:
@@ -307,7 +367,7 @@ def _previous_sweep(out: Path, qa_file: Path, held_in: int, model: str, max_new_
 
 def calibrate(qa_file: Path, out: Path, *, settings, held_in: int, limit: int | None, target: float | None,
               model: str, fmt: str = "auto", device: str = "auto", dtype: str = "auto", max_new_tokens: int = 24,
-              reuse_sweep=False, floor=True, held_out_front=False, echo=lambda m: None):
+              reuse_sweep=False, floor=True, held_out_front=False, guard_ca=(), guard_prompts=5, echo=lambda m: None):
     """The whole calibration of QA_FILE's questions -> the front.json content (see `calibrate_items`)."""
     items, fmt = load_qa(qa_file, fmt, limit)
     if len(items) <= held_in and target is not None:
@@ -315,18 +375,21 @@ def calibrate(qa_file: Path, out: Path, *, settings, held_in: int, limit: int | 
                         f"needed to hold some out; lower --held-in or use --sweep-only")
     return calibrate_items(items, out, name=str(qa_file), settings=settings, held_in=held_in, target=target,
                            model=model, device=device, dtype=dtype, max_new_tokens=max_new_tokens,
-                           reuse_sweep=reuse_sweep, floor=floor, held_out_front=held_out_front, echo=echo)
+                           reuse_sweep=reuse_sweep, floor=floor, held_out_front=held_out_front, guard_ca=guard_ca,
+                           guard_prompts=guard_prompts, echo=echo)
 
 
 def calibrate_items(items: list[QAItem], out: Path, *, name: str, settings, held_in: int, target: float | None,
                     model: str, device: str = "auto", dtype: str = "auto", max_new_tokens: int = 24,
-                    reuse_sweep=False, floor=True, held_out_front=False, build=sift_build, echo=lambda m: None):
+                    reuse_sweep=False, floor=True, held_out_front=False, guard_ca=(), guard_prompts=5, build=sift_build,
+                    echo=lambda m: None):
     """The calibration of `items` (the first `held_in` held in, the rest held out) -> the front.json content.
     target None: sweep only; reuse_sweep: the points of the previous run's front.json instead of a new sweep
     (e.g. to choose again for another target); floor: also measure how often two dense computations agree
     (`_Runner.floor`) on the held-in and held-out questions; held_out_front: evaluate the paper's defaults and
     every setting of the held-in front on the held-out questions, also when no setting meets the target;
-    build: what turns a setting and a corpus folder into an index (default: the `sift-build` CLI)."""
+    guard_ca: eps values for the guarded twins of the swept settings (`guard`, measured over the first
+    `guard_prompts` held-in prompts), swept beside them; build: what turns a setting and a corpus folder into an index (default: the `sift-build` CLI)."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     out.mkdir(parents=True, exist_ok=True)
@@ -338,10 +401,16 @@ def calibrate_items(items: list[QAItem], out: Path, *, name: str, settings, held
         rows = _previous_sweep(out, Path(name), len(inside), model, max_new_tokens)
     else:
         rows = sweep(runner, settings, inside, out, model, echo, build)
+    guards = {}
+    if guard_ca and not reuse_sweep:
+        twins, guards = guard(runner, rows, inside, guard_ca, guard_prompts, echo)
+        rows += sweep(runner, twins, inside, out, model, echo, build)
     front = pareto(rows)
     result = dict(qa_file=name, model=model, device=device, dtype=runner.dtype, held_in=len(inside),
                   held_out=len(outside), max_new_tokens=max_new_tokens, target_agreement=target, points=rows,
                   front=front)
+    if guards:
+        result["guard"] = guards
     if floor and rows:
         result["floor"] = runner.floor(Path(rows[0]["index"]), inside)
         echo("floor (dense against dense, held in): " + _floor_line(result["floor"]))
@@ -404,8 +473,13 @@ def _floor_line(floor: dict) -> str:
               help="Also measure how often dense agrees with dense (transformers' attention, each dtype).")
 @click.option("--held-out-front", is_flag=True,
               help="Evaluate the defaults and every setting of the held-in front on the held-out questions.")
+@click.option("--guard-ca", "guard_ca", multiple=True, type=click.FloatRange(0, 1, min_open=True),
+              help="Also sweep each setting's guarded twin: CA pages kept whole in the layers whose document rows "
+                   "lose more than this share of their attention mass on dropped CA pages (repeatable).")
+@click.option("--guard-prompts", type=click.IntRange(1), default=5, show_default=True,
+              help="Held-in prompts the guard measures each setting's in-context attention on.")
 def main(qa_file, out, held_in, limit, target_agreement, sweep_only, reuse_sweep, settings, model, fmt, max_new_tokens,
-         device, dtype, floor, held_out_front):
+         device, dtype, floor, held_out_front, guard_ca, guard_prompts):
     """Sweep profile settings on held-in questions of QA_FILE, draw the Pareto front of agreement with dense
     against tiles computed, and write the sparsest setting meeting the target as a `sift-build` config."""
     from sift.model import DEFAULT_MODEL
@@ -416,7 +490,8 @@ def main(qa_file, out, held_in, limit, target_agreement, sweep_only, reuse_sweep
         result = calibrate(qa_file, out, settings=grid, held_in=held_in, limit=limit,
                            target=None if sweep_only else target_agreement, model=model or DEFAULT_MODEL, fmt=fmt,
                            device=device, dtype=dtype, max_new_tokens=max_new_tokens, reuse_sweep=reuse_sweep,
-                           floor=floor, held_out_front=held_out_front, echo=log)
+                           floor=floor, held_out_front=held_out_front, guard_ca=guard_ca,
+                           guard_prompts=guard_prompts, echo=log)
     except SiftError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(EXIT_ERROR)

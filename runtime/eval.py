@@ -264,7 +264,8 @@ def markdown(report: dict) -> str:
 
 
 _RECALL_COLUMNS = (("la_recall", "LA recall"), ("la_sparsity", "LA sparsity"), ("ca_recall", "CA recall"),
-                   ("ca_sparsity", "CA sparsity"), ("mass_kept", "attention mass kept"))
+                   ("ca_sparsity", "CA sparsity"), ("mass_kept", "attention mass kept"),
+                   ("ca_mass_lost", "mass on dropped CA pages"))
 
 
 def _pct(x) -> str:

@@ -15,6 +15,8 @@ so no L x L matrix is ever held) and, per (layer, query head), counts against th
                   cross-document work SIFT skips
     mass kept     the share of the attention mass of document rows on cells the sparse pattern computes (the
                   prefix, kept pages of earlier documents, kept tiles of the row's own document)
+    CA mass lost  per layer, the share of document rows' attention mass on pages of earlier documents the CA
+                  bits drop (what `sift-calibrate --guard-ca` ranks layers by)
 
 alpha and beta are the index's own thresholds. Prefix and query rows are dense in SIFT and are not counted.
 Counts are summed over heads, documents and prompts, per layer; "total" sums the layers.
@@ -57,6 +59,8 @@ class RecallCounts:
     ca_pairs_kept: np.ndarray
     mass: np.ndarray
     mass_kept: np.ndarray
+    ca_mass: np.ndarray
+    ca_mass_kept: np.ndarray
     prompts: int = field(default=0)
 
     @classmethod
@@ -81,6 +85,7 @@ class RecallCounts:
                         la_sparsity=share(self.la_tiles_kept, self.la_tiles, True),
                         ca_sparsity=share(self.ca_pairs_kept, self.ca_pairs, True),
                         mass_kept=share(self.mass_kept, self.mass),
+                        ca_mass_lost=share(self.ca_mass - self.ca_mass_kept, self.mass),
                         la_high_cells=int(self.la_high[s].sum()), ca_high_cells=int(self.ca_high[s].sum()))
         n = len(self.la_high)
         return dict(prompts=self.prompts, total=ratios(slice(None)),
@@ -103,7 +108,8 @@ class _Observer:
                  beta: float, n_layers: int):
         self.spans, self.tile, self.n_layers = spans, tile, n_layers
         self.docs = [(s, e) for kind, s, e in spans if kind == "doc"]
-        self.masks = masks
+        self.masks = masks                   # on the CPU, for the counts of `count_tiles`
+        self.on_device = masks               # replaced by copies on the model's device in `measure_prompt`
         self.n_prefix = next((e for kind, s, e in spans if kind == "prefix"), 0)
         self.alpha = torch.tensor(alpha, dtype=torch.float32)
         self.beta = torch.tensor(beta, dtype=torch.float32)
@@ -127,7 +133,7 @@ class _Observer:
         own = a[:, :, s_m:r1]
         if l1 % t:  # only a document's last block is not whole tiles (rows and keys end together)
             own = torch.nn.functional.pad(own, (0, key_tiles * t - l1, 0, row_tiles * t - rows))
-        la = self.masks[m].la[layer][:, l0 // t:l0 // t + row_tiles, :key_tiles]
+        la = self.on_device[m].la[layer][:, l0 // t:l0 // t + row_tiles, :key_tiles]
         high = _tile_sums((own >= self.alpha).to(torch.float32), row_tiles, key_tiles, t)
         mass = _tile_sums(own, row_tiles, key_tiles, t)
         c.la_high[layer] += float(high.sum())
@@ -145,10 +151,13 @@ class _Observer:
             pad = (0, p_i * t - (e_i - s_i))
             hits = torch.nn.functional.pad(hits_key[:, s_i - s_0:e_i - s_0], pad).reshape(hq, p_i, t).sum(-1)
             mass_page = torch.nn.functional.pad(mass_key[:, s_i - s_0:e_i - s_0], pad).reshape(hq, p_i, t).sum(-1)
-            ca = self.masks[i].ca[layer]
+            ca = self.on_device[i].ca[layer]
+            kept = float(mass_page[ca].sum())
             c.ca_high[layer] += float(hits.sum())
             c.ca_high_kept[layer] += float(hits[ca].sum())
-            c.mass_kept[layer] += float(mass_page[ca].sum())
+            c.ca_mass[layer] += float(mass_page.sum())
+            c.ca_mass_kept[layer] += kept
+            c.mass_kept[layer] += kept
 
     def count_tiles(self) -> None:
         """The data-independent counts: tiles and cross-document pairs, all and kept."""
@@ -173,12 +182,13 @@ def _recall_attention(module, query, key, value, attention_mask, scaling=None, d
     groups = q.shape[0] // k.shape[0]
     k, v = k.repeat_interleave(groups, dim=0), v.repeat_interleave(groups, dim=0)
     softcap = getattr(module.config, "attn_logit_softcapping", None)
-    out = torch.empty(q.shape[0], q.shape[1], v.shape[-1], dtype=v.dtype)
+    out = torch.empty(q.shape[0], q.shape[1], v.shape[-1], dtype=v.dtype, device=v.device)
+    positions = torch.arange(q.shape[1], device=q.device)
     for r0, r1, m in sift_recall.row_blocks():
         s = torch.matmul(q[:, r0:r1], k[:, :r1].transpose(-1, -2)) * scaling
         if softcap is not None:
             s = torch.tanh(s / softcap) * softcap
-        causal = torch.arange(r1)[None, :] <= torch.arange(r0, r1)[:, None]
+        causal = positions[None, :r1] <= positions[r0:r1, None]
         a = torch.softmax(s.masked_fill(~causal, float("-inf")), dim=-1, dtype=torch.float32)
         out[:, r0:r1] = torch.matmul(a.to(v.dtype), v[:, :r1])
         if m is not None:
@@ -190,7 +200,7 @@ def _recall_attention(module, query, key, value, attention_mask, scaling=None, d
 def measure_prompt(model, segments: list[tuple[str, list[int]]], masks: list[DocMasks], *, tile: int,
                    alpha: float, beta: float) -> RecallCounts:
     """One prompt's counts. segments: (kind, token ids) in prompt order as `SiftEngine.tokenize` gives them;
-    masks: the bits of its documents, in order. Runs on the model's device (CPU is the intended one)."""
+    masks: the bits of its documents, in order (on the CPU). Runs on the model's device."""
     from transformers import AttentionInterface
 
     spans, pos = [], 0
@@ -200,6 +210,7 @@ def measure_prompt(model, segments: list[tuple[str, list[int]]], masks: list[Doc
     n_layers = model.config.num_hidden_layers
     observer = _Observer(spans, masks, tile, alpha, beta, n_layers)
     observer.count_tiles()
+    observer.on_device = [DocMasks(la=m.la.to(model.device), ca=m.ca.to(model.device)) for m in masks]
     ids = torch.tensor([[t for _, seg in segments for t in seg]], device=model.device)
     AttentionInterface.register(ATTN_NAME, _recall_attention)
     previous = model.config._attn_implementation

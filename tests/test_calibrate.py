@@ -3,6 +3,9 @@ and written as TOML the builder takes, the mass LA criterion of the profiling re
 full attention matrices, and the long-document QA construction on small hand-written sources."""
 import gzip
 import json
+from dataclasses import asdict
+
+import numpy as np
 
 import pytest
 import torch
@@ -11,7 +14,7 @@ from sift.errors import SiftError
 from sift.kernels.bits import tril_to_square, unpack_msb
 from sift.kernels.profile_ref import profile_layer_ref
 from sift.pipeline.config import load_config
-from sift.runtime.calibrate import DEFAULT, DEFAULT_GRID, Setting, choose, pareto, parse_setting
+from sift.runtime.calibrate import DEFAULT, DEFAULT_GRID, Setting, choose, guard_layers, pareto, parse_setting
 from sift.runtime.qa import load_qa, long_documents, write_jsonl
 
 
@@ -232,3 +235,102 @@ def test_calibrate_items_flow_and_floor(tmp_path):
     saved = json.loads((tmp_path / "cal" / "front.json").read_text())
     assert saved["floor"] == result["floor"] and (tmp_path / "cal" / "front.png").stat().st_size > 1000
     assert (tmp_path / "cal" / "calibrated.toml").exists()
+
+
+# ------------------------------------------------------------------------------------- guarded layers
+
+
+def test_ca_full_layers_profile_and_setting():
+    """`ca_full_layers` sets every CA bit of those layers (trailing bits of the last byte 0, as SPEC section 2
+    packs them) and changes nothing else; the setting's label, TOML and --setting syntax carry it."""
+    from sift.pipeline.config import ProfileConfig
+    from sift.pipeline.profiler import Profiler
+
+    from .helpers import smollm2, wiki_texts
+
+    model, tokenizer = smollm2()
+    ids = tokenizer(wiki_texts(1)[0][:700], add_special_tokens=False).input_ids
+    plain = Profiler(model, tokenizer, ProfileConfig(tile=16, gamma=0.3), "torch").profile(ids)
+    guarded = Profiler(model, tokenizer, ProfileConfig(tile=16, gamma=0.3, ca_full_layers=(2, 29)), "torch").profile(ids)
+    cfg = model.config
+    layers, heads, pages = cfg.num_hidden_layers, cfg.num_attention_heads, -(-len(ids) // 16)
+    nbytes = -(-pages // 8)
+    ca_plain = np.frombuffer(plain.ca, np.uint8).reshape(layers, heads, nbytes)
+    ca_guarded = np.frombuffer(guarded.ca, np.uint8).reshape(layers, heads, nbytes)
+    full = [0xFF] * (pages // 8) + ([(0xFF << (8 - pages % 8)) & 0xFF] if pages % 8 else [])
+    assert (ca_guarded[[2, 29]] == np.array(full, np.uint8)).all()
+    others = [layer for layer in range(layers) if layer not in (2, 29)]
+    assert (ca_guarded[others] == ca_plain[others]).all() and guarded.la == plain.la
+    assert (ca_plain[[2, 29]] != ca_guarded[[2, 29]]).any()  # gamma 0.3 drops pages there: the test can fail
+    with pytest.raises(SiftError, match="ca_full_layers"):
+        Profiler(model, tokenizer, ProfileConfig(ca_full_layers=(layers,)), "torch")
+
+    setting = parse_setting("tile=16,gamma=0.3,ca_full=29/2/0/1")
+    assert setting.ca_full_layers == (0, 1, 2, 29) and setting.label == "t16-a0.001-b0.01-g0.3-ca0-2.29"
+    assert load_config_text(setting.toml("m")).profile.ca_full_layers == (0, 1, 2, 29)
+    assert Setting(**json.loads(json.dumps(asdict(setting)))) == setting  # front.json round trip
+    with pytest.raises(SiftError, match="layers separated by /"):
+        parse_setting("ca_full=1;2")
+
+
+def load_config_text(text):
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "c.toml"
+        path.write_text(text)
+        return load_config(path)
+
+
+def test_guard_layers():
+    lost = [0.0, 0.02, None, 0.005, 0.011]
+    assert guard_layers(lost, 0.01) == (1, 4)
+    assert guard_layers(lost, 0.001) == (1, 3, 4)
+    assert guard_layers(lost, 0.5) == ()
+
+
+def test_guard_sweeps_twins_with_the_layers_losing_mass(tmp_path):
+    """`calibrate_items(guard_ca=...)`: over an index whose CA bits are all 0 (LA all 1), every layer's document
+    rows lose the mass they put on earlier documents, so the guard keeps CA whole in every layer that has
+    cross-document cells; the twin is built (here: all ones) and swept beside the base setting."""
+    from sift.model import DEFAULT_MODEL, fingerprint, resolve_model_dir
+    from sift.runtime.calibrate import calibrate_items
+    from sift.runtime.qa import QAItem
+
+    from .helpers import smollm2
+    from .test_engine import ones_bits, write_index
+    from .test_eval import DOCS, QUESTIONS
+
+    model, tokenizer = smollm2()
+    cfg = model.config
+    vectors = cfg.num_hidden_layers * cfg.num_attention_heads
+    ids = {d: tokenizer(t, add_special_tokens=False).input_ids for d, t in DOCS.items()}
+    no_ca = {}
+    for d, x in ids.items():
+        la, ca = ones_bits(len(x), 16, vectors)
+        no_ca[d] = (la, bytes(len(ca)))
+    fp = fingerprint(resolve_model_dir(DEFAULT_MODEL))
+    write_index(tmp_path / "no_ca", model, fp, ids, tile=16, bits=no_ca)
+    write_index(tmp_path / "ones", model, fp, ids, tile=16)
+    built = []
+
+    def build(setting, corpus, index, model_name):
+        import shutil
+
+        built.append(setting)
+        shutil.copytree(tmp_path / ("ones" if setting.ca_full_layers else "no_ca"), index, dirs_exist_ok=True)
+
+    items = [QAItem(q["id"], q["question"], (q["answers"][0],), tuple((d, DOCS[d]) for d in q["docs"]))
+             for q in QUESTIONS if len(q["docs"]) > 1]
+    result = calibrate_items(items, tmp_path / "cal", name="toy.jsonl", settings=[Setting(tile=16, gamma=0.5)],
+                             held_in=len(items), target=None, model=DEFAULT_MODEL, device="cpu", max_new_tokens=2,
+                             floor=False, guard_ca=(0.001,), guard_prompts=1, build=build)
+    info = result["guard"]["t16-a0.001-b0.01-g0.5"]
+    assert info["prompts"] == 1 and len(info["ca_mass_lost"]) == cfg.num_hidden_layers
+    assert all(lost > 0.001 for lost in info["ca_mass_lost"])
+    assert info["guards"]["0.001"] == tuple(range(cfg.num_hidden_layers))
+    assert [s.ca_full_layers for s in built] == [(), tuple(range(cfg.num_hidden_layers))]
+    base, twin = result["points"]
+    assert twin["label"] == f"t16-a0.001-b0.01-g0.5-ca0-{cfg.num_hidden_layers - 1}"
+    assert twin["tile_fraction"] == 1.0 > base["tile_fraction"] and twin["agreement"] == 1.0

@@ -28,6 +28,13 @@ def test_cli_overrides_and_profile_key():
     other = dataclasses.replace(base, build=dataclasses.replace(base.build, shard_rows=7))
     assert other.profile_key("fp", 1) == base.profile_key("fp", 1)
 
+    # ca_full_layers decides bits; left empty it keeps the key the default config had before the key existed,
+    # so indexes built then stay reusable (the hash below is that older key, recorded by hand)
+    assert base.profile_key("fp", 1) == "8bcdf0f11d7a25283950584a72112ff73650abc43da6d9db5dabc46904589b37"
+    guarded = dataclasses.replace(base, profile=dataclasses.replace(base.profile, ca_full_layers=[17, 3, 3]))
+    assert guarded.profile.ca_full_layers == (3, 17)
+    assert guarded.profile_key("fp", 1) != base.profile_key("fp", 1)
+
 
 @pytest.mark.parametrize("text, message", [
     ("[profile]\ntiles = 16\n", "profile.tiles"),
@@ -36,6 +43,8 @@ def test_cli_overrides_and_profile_key():
     ("[profile]\nalpha = 2.0\n", "alpha"),
     ("[profile]\nca_normalize = 'rows'\n", "ca_normalize"),
     ("[profile]\ndense_heads = [1, 2]\n", "dense_heads"),
+    ("[profile]\nca_full_layers = [-1]\n", "ca_full_layers"),
+    ("[profile]\nca_full_layers = ['x']\n", "ca_full_layers"),
     ("[corpus]\ntoo_long = 'truncate'\n", "too_long"),
     ("[corpus]\nfollow_symlinks = 'yes'\n", "follow_symlinks"),
     ("[build]\nbackend = 'cuda'\n", "backend"),

@@ -88,6 +88,12 @@ def test_recall_equals_brute_force_eager_attention():
         mass = (a * ((kept | prefix) & rows[:, :, None])).sum()
         assert got.mass[layer] == rows.sum()
         assert got.mass_kept[layer] == pytest.approx(mass, rel=1e-5)
+        cross_rows = cross & rows[:, :, None]
+        assert got.ca_mass[layer] == pytest.approx((a * cross_rows).sum(), rel=1e-5)
+        assert got.ca_mass_kept[layer] == pytest.approx((a * (cross_rows & kept)).sum(), rel=1e-5)
+        lost = (a * (cross_rows & ~kept)).sum() / rows.sum()
+        assert got.summary()["layers"][layer]["ca_mass_lost"] == pytest.approx(lost, rel=1e-4)
+        assert lost > 0.01  # random CA bits drop pages that later documents read
         la = [m.la[layer] for m in masks]
         assert got.la_tiles[layer] == sum(x.shape[0] * x.shape[1] * (x.shape[1] + 1) / 2 for x in la)
         assert got.la_tiles_kept[layer] == sum(int(x.sum()) for x in la)
