@@ -3,12 +3,16 @@
     sift-calibrate QA_FILE --out DIR [--held-in N] [--limit N] [--target-agreement 0.95] [--sweep-only]
                    [--reuse-sweep] [--setting "tile=16,alpha=0.001,beta=0.01,gamma=0.1" ...] [--model M]
                    [--max-new-tokens T] [--device D] [--dtype T] [--no-floor] [--held-out-front]
+                   [--guard-ca EPS ... [--guard-prompts N]]
 
 1. The first --held-in questions of QA_FILE are held in, the rest (up to --limit) held out.
 2. Sweep: for every setting (tile, alpha, beta, gamma, LA criterion and coverage; `DEFAULT_GRID` unless
    --setting is given), build an index of the held-in questions' documents with `sift-build --config` (a
    generated TOML, as an operator would: serving code never imports the builder) and run the held-in questions
    densely and with SIFT: whole-answer and first-token agreement with dense, and the tiles computed.
+   With --guard-ca, each setting's guarded twins are swept too (`guard`: CA pages kept whole in the layers
+   whose document rows lose more than EPS of their attention mass on dropped CA pages, measured in context on
+   the first --guard-prompts held-in prompts).
 3. The Pareto front of agreement against tiles computed -> DIR/front.json and DIR/front.png.
 4. Unless --sweep-only: the sparsest setting whose held-in agreement meets --target-agreement is chosen and
    written as DIR/calibrated.toml (`sift-build --config DIR/calibrated.toml` takes it); it and the paper's
