@@ -19,13 +19,14 @@ With --guard-ca, each setting's guarded twins are swept beside it (`runtime.cali
 whole in the layers whose document rows lose more than eps of their attention mass on dropped CA pages, measured
 on --guard-prompts held-in prompts).
 
-Writes bench/results/eval_quality.json: `sets["<set>/<dtype>"]` (or `"<set>/<dtype>/<tag>"`), each set's front.json content with the run
-that produced it (command, date, device), written after each set; entries of other (set, dtype) pairs already
-in the file are kept, so runs per dtype or per set add up to one result. Under --work, each set's calibration
+Writes bench/results/eval_quality.json: `sets["<set>/<dtype>"]` (`"<set>/<dtype>/<tag>"` with --tag), each
+set's front.json content with the run that produced it (command, date, device), written after each set; entries
+of other keys already in the file are kept, so runs per dtype, per set or per tag add up to one result. Under --work, each set's calibration
 folder (front.png, held-out reports, calibrated.toml when a setting met the target).
 
     python bench/eval_quality.py --device cuda --model-dir DIR [--sets hotpotqa,2wiki,long] [--held-in 25]
                                  [--limit-long 100] [--dtype bfloat16] [--max-new-tokens 16]
+                                 [--guard-ca 0.04,0.03] [--no-floor] [--tag T]
     python bench/eval_quality.py --smoke     # 3 questions of one set, 2 settings, 2 tokens: checks it runs
 """
 from __future__ import annotations
@@ -60,7 +61,8 @@ def parse_args():
     ap.add_argument("--settings", default=";".join(SETTINGS),
                     help="semicolon-separated settings (sift-calibrate --setting syntax)")
     ap.add_argument("--guard-ca", default="",
-                    help="comma-separated eps values: also sweep each setting's guarded twin (sift-calibrate --guard-ca)")
+                    help="comma-separated eps values: also sweep each setting's guarded twins (sift-calibrate "
+                         "--guard-ca)")
     ap.add_argument("--guard-prompts", type=int, default=5, help="held-in prompts the guard measures on")
     ap.add_argument("--no-floor", dest="floor", action="store_false", help="skip the floor (dense against dense)")
     ap.add_argument("--tag", default="", help="stored as sets[\"<set>/<dtype>/<tag>\"] (a run beside the main one)")

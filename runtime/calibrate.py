@@ -121,7 +121,8 @@ def parse_setting(text: str) -> Setting:
             if key == "ca_full_layers":
                 values[key] = tuple(int(layer) for layer in value.split("/"))
             else:
-                values[key] = value.strip() if key == "la_criterion" else (int(value) if key == "tile" else float(value))
+                values[key] = (value.strip() if key == "la_criterion"
+                               else int(value) if key == "tile" else float(value))
         except ValueError:
             kind = "layers separated by /" if key == "ca_full_layers" else "a number"
             raise SiftError(f"--setting {text!r}: {key} = {value!r} is not {kind}") from None
@@ -393,7 +394,8 @@ def calibrate_items(items: list[QAItem], out: Path, *, name: str, settings, held
     (`_Runner.floor`) on the held-in and held-out questions; held_out_front: evaluate the paper's defaults and
     every setting of the held-in front on the held-out questions, also when no setting meets the target;
     guard_ca: eps values for the guarded twins of the swept settings (`guard`, measured over the first
-    `guard_prompts` held-in prompts), swept beside them; build: what turns a setting and a corpus folder into an index (default: the `sift-build` CLI)."""
+    `guard_prompts` held-in prompts), swept beside them; build: what turns a setting and a corpus folder
+    into an index (default: the `sift-build` CLI)."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     out.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,7 @@ One request walks forward through these steps:
                                       before the forward (runtime/metadata.py)
       -> model forward                the unchanged transformers model on the packed real tokens [1, n_real],
                                       position_ids = segment-LOCAL positions, attention routed through
-                                      AttentionInterface to `_sift_attention`, which writes the layer's
+                                      AttentionInterface to `sift_attention`, which writes the layer's
                                       position-free K/V into the batch's `BatchKVCache` and attends with the
                                       backend's sparse kernel (RoPE by each block's segment offset)
       -> lm_head on each request's last position only
@@ -20,11 +20,11 @@ Generation appends a "generated" segment per request, starting at the request's 
 step runs the model on one token per request at its local position in that segment, writes its K/V into the
 position-free cache and attends with the decode kernel, which rotates q once per segment (LazyAttention).
 
-Modes "reuse" and "hybrid" (runtime/reuse.py, docs/SPEC.md section 6) take the documents' KV from a KVStore
-(runtime/kv_store.py): a missing document is first computed on its own after the index's profiling prefix (one
-forward over all the batch's misses, straight into their pages), then the request's forward runs only its
-prefix, query, last and recomputed blocks (`q_blocks`), the other blocks' KV read from the documents' pages
-through a `PagedKVCache`.
+Modes "reuse" and "hybrid" (runtime/reuse_prefill.py, docs/SPEC.md section 6) take the documents' KV from a
+KVStore (runtime/kv_store.py): a missing document is computed on its own after the index's profiling prefix
+(inside the request's forward, straight into its pages), then the request's forward runs only its prefix,
+query, last and recomputed blocks (`q_blocks`), the other blocks' KV read from the documents' pages through a
+`PagedKVCache`.
 
 Backends (runtime/backends.py): "triton" (CUDA kernels), "torch" (CPU), "reference" (the kernels' torch twins
 everywhere; small models only); "auto" picks triton on CUDA and torch on CPU, once, when the engine is made;
@@ -35,31 +35,28 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Sequence
 
-import numpy as np
 import torch
 
 from sift.errors import SiftError
 from sift.format import TILES, content_hash
 
-from ..kernels.layout import DOC, build_layout
+from ..kernels.layout import build_layout
 from ..kernels.rope import rope_inv_freq
 from ..kernels.sparse_attention import HEAD_DIMS
-from . import reuse
+from . import reuse, reuse_prefill
 from .backends import dense_layers, select_backend
-from .kv_cache import BatchKVCache, PagedKVCache
-from .kv_store import Geometry, KVStore, entry_key
+from .forward import ATTN_NAME, DecodeAttention, PrefillAttention, Timer, sift_attention
+from .kv_cache import BatchKVCache
+from .kv_store import Geometry, KVStore
 from .metadata import DecodeMetadata, PrefillMetadata
 from .store import SiftIndex
 
-ATTN_NAME = "sift_runtime"
 MODES = ("sift", "dense", "reuse", "hybrid")
 ON_UNKNOWN = ("error", "dense")
 GPU_BLOCK = 128
-STAGES = ("fetch", "decode", "attention", "store")
 
 
 # ---------------------------------------------------------------------------------------------- public types
@@ -106,86 +103,6 @@ class GenerateResult:
     token_ids: list[list[int]]
     prefill: PrefillResult
     decode_s: float
-
-
-# ------------------------------------------------------------------------------------------------- timing
-
-
-class _Timer:
-    """Stage totals: CUDA events on a GPU (read once, at the end), perf_counter on CPU."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.device = device
-        self.seconds: dict[str, float] = defaultdict(float)
-        self._events: dict[str, list] = defaultdict(list)
-
-    @contextlib.contextmanager
-    def __call__(self, stage: str):
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            yield
-            end.record()
-            self._events[stage].append((start, end))
-        else:
-            t0 = time.perf_counter()
-            yield
-            self.seconds[stage] += time.perf_counter() - t0
-
-    def totals(self) -> dict[str, float]:
-        if self.cuda:
-            # The call's own stream: the KV store's write-back to DRAM runs on, and outlives the call.
-            torch.cuda.current_stream(self.device).synchronize()
-            for stage, pairs in self._events.items():
-                self.seconds[stage] += sum(s.elapsed_time(e) for s, e in pairs) / 1e3
-            self._events.clear()
-        return {s: self.seconds.get(s, 0.0) for s in STAGES}
-
-
-# ------------------------------------------------------------------------------------ per-forward state
-
-
-class _PrefillAttention:
-    """The attention of one prefill forward (handed to `_sift_attention` through the model kwargs): writes each
-    layer's position-free K/V into the cache, then attends with the backend over the metadata's CSR."""
-
-    def __init__(self, backend, meta: PrefillMetadata, cache: BatchKVCache, inv_freq, timer: _Timer):
-        self.backend, self.meta, self.cache, self.inv_freq, self.timer = backend, meta, cache, inv_freq, timer
-
-    def attend(self, layer: int, query, key, value, scale: float):
-        """query [1, Hq, n_real, D], key / value [1, Hkv, n_real, D] -> [1, n_real, Hq, D]."""
-        self.cache.write_prompt(layer, key[0], value[0])
-        with self.timer("attention"):
-            out = self.backend.prefill(self.meta, self.cache, layer, query, self.inv_freq, scale)
-        return out, None
-
-
-class _DecodeAttention:
-    """The attention of one generation step: one token per request, appended to the cache and attended over
-    its request's blocks in logical order."""
-
-    def __init__(self, backend, meta: DecodeMetadata, cache: BatchKVCache, inv_freq):
-        self.backend, self.meta, self.cache, self.inv_freq = backend, meta, cache, inv_freq
-        self.slots: torch.Tensor | None = None
-
-    def start_step(self, step: int) -> None:
-        self.slots = self.meta.step_slots(step)
-        self.cache.advance(self.slots)
-
-    def attend(self, layer: int, query, key, value, scale: float):
-        """query [1, Hq, B, D], key / value [1, Hkv, B, D] -> [1, B, Hq, D]."""
-        self.cache.append(layer, self.slots, key[0], value[0])
-        out = self.backend.decode(self.meta, self.cache, layer, query[0].transpose(0, 1), self.inv_freq, scale)
-        return out.unsqueeze(0), None
-
-
-def _sift_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sift_state=None,
-                    **kwargs):
-    """AttentionInterface function of the engine: the per-forward state comes in through the model kwargs."""
-    if sift_state is None:
-        raise RuntimeError(f"attention implementation {ATTN_NAME!r} runs only inside SiftEngine.prefill/generate")
-    return sift_state.attend(module.layer_idx, query, key, value, scaling)
 
 
 # ------------------------------------------------------------------------------------------------ engine
@@ -258,7 +175,7 @@ class SiftEngine:
             dtype = next(model.parameters()).dtype
             kv_store.attach(Geometry(cfg.num_hidden_layers, n_kv, self.head_dim, block, dtype, self.device),
                             index.fingerprint if index is not None else f"{cfg.model_type}:{id(model)}")
-        AttentionInterface.register(ATTN_NAME, _sift_attention)
+        AttentionInterface.register(ATTN_NAME, sift_attention)
         previous = model.config._attn_implementation
         model.set_attn_implementation(ATTN_NAME)  # refuses models that do not dispatch through the interface
         model.set_attn_implementation(previous)
@@ -348,13 +265,14 @@ class SiftEngine:
         """Prefill a batch -> PrefillResult (logits at each request's last position)."""
         with self._lock:
             result, _, cache = self._run_prefill(requests, mode, new_tokens=0)
-            _release(cache)
+            reuse_prefill.release(cache)
             return result
 
     def _run_prefill(self, requests: Sequence[Request], mode: str, new_tokens: int):
         if mode in ("sift", "dense") or mode.partition(":")[0] not in MODES:
             return self._prefill(requests, mode, new_tokens)
-        return self._prefill_reuse(requests, mode, new_tokens)
+        fields, layout, cache = reuse_prefill.prefill(self, requests, mode, new_tokens)
+        return PrefillResult(mode=mode, backend=self.backend, block=self.block, **fields), layout, cache
 
     def _check_lengths(self, lengths: list[int], new_tokens: int) -> None:
         for r, n in enumerate(lengths):
@@ -377,7 +295,7 @@ class SiftEngine:
                             f"the sparse pattern assumes full causal attention; shorten the prompt")
         return segs, lengths
 
-    def _plan(self, requests: Sequence[Request], mode: str, timer: _Timer, new_tokens: int):
+    def _plan(self, requests: Sequence[Request], mode: str, timer: Timer, new_tokens: int):
         """Requests -> (token ids of the batch [1, n_real], layout, prompt lengths, the documents' bits or None)."""
         segs, lengths = self._segments(requests, new_tokens)
         if mode == "sift":
@@ -392,7 +310,7 @@ class SiftEngine:
         ids = torch.tensor([[t for s in segs for _, seg in s for t in seg]], device=self.device)
         return ids, layout, lengths, bits
 
-    def _metadata(self, layout, bits, timer: _Timer, q_blocks: torch.Tensor | None = None) -> PrefillMetadata:
+    def _metadata(self, layout, bits, timer: Timer, q_blocks: torch.Tensor | None = None) -> PrefillMetadata:
         """Every layer's block CSR, before the forward: from the bits, or dense when there are none; only the
         rows of `q_blocks` when given."""
         n_layers, n_heads = self.model.config.num_hidden_layers, self.model.config.num_attention_heads
@@ -409,7 +327,7 @@ class SiftEngine:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         self._validate_requests(requests, mode)
-        timer = _Timer(self.device)
+        timer = Timer(self.device)
         ids, layout, lengths, bits = self._plan(requests, mode, timer, new_tokens)
         meta = self._metadata(layout, bits, timer)
         n_layers = self.model.config.num_hidden_layers
@@ -427,10 +345,10 @@ class SiftEngine:
                                mode=mode, backend=self.backend, block=self.block, n_tokens=tuple(lengths))
         return result, layout, cache
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: PrefillMetadata, cache, timer: _Timer):
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: PrefillMetadata, cache, timer: Timer):
         """One prefill forward of the model over `ids` [1, n] at segment-local `positions` [n] -> last hidden
         states [1, n, hidden]; each layer's K / V go into `cache` and attention follows `meta`."""
-        attention = _PrefillAttention(self._backend, meta, cache, self.inv_freq, timer)
+        attention = PrefillAttention(self._backend, meta, cache, self.inv_freq, timer)
         with self._attn_impl():
             hidden = self.model.base_model(input_ids=ids, position_ids=positions[None], use_cache=False,
                                            sift_state=attention).last_hidden_state
@@ -439,179 +357,6 @@ class SiftEngine:
             raise SiftError(f"only {cache.layers_written} of {n_layers} layers ran the engine's attention: the model "
                             f"does not dispatch attention through transformers' AttentionInterface")
         return hidden
-
-    # -------------------------------------------------------------------------------- reuse / hybrid
-
-    def _prefill_reuse(self, requests: Sequence[Request], mode: str, new_tokens: int):
-        """Modes "reuse" / "hybrid" (runtime/reuse.py): documents' KV from the store (computed on its own on a
-        miss), the request's prefix, query and recomputed blocks through the model. -> (PrefillResult, layout,
-        the batch's PagedKVCache, holding the store lease until `_release`)."""
-        t0 = time.perf_counter()
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        self._validate_requests(requests, mode)
-        _, policy, fraction = reuse.parse_mode(mode)
-        timer = _Timer(self.device)
-        segs, lengths = self._segments(requests, new_tokens)
-        if self.index is not None:
-            self._check_docs(requests, segs)
-        shape = [[(k, len(ids)) for k, ids in s] for s in segs]
-        layout = build_layout(shape, self.block, self.device)
-        docs = [(doc_id, ids) for r, s in zip(requests, segs)
-                for (doc_id, _), ids in zip(r.docs, [ids for k, ids in s if k == "doc"])]
-        dtype = self.kv_store.geometry.dtype
-        keys = [entry_key(self.kv_store.fingerprint, content_hash(ids), len(ids), dtype, self.prefix_ids, self.block)
-                for _, ids in docs]
-        distinct = {k: d for k, d in zip(keys, docs)}
-        fraction = self.hybrid_fraction if fraction is None else fraction
-        plan = _ReusePlan.make(layout, docs, policy, fraction, -(-new_tokens // self.block))
-        all_ids = torch.tensor([t for s in segs for _, seg in s for t in seg], device=self.device)
-        t_store = time.perf_counter()
-        lease = self.kv_store.lease({k: len(ids) for k, (_, ids) in distinct.items()}, plan.scratch_pages,
-                                    per_miss_pages=-(-len(self.prefix_ids) // self.block))
-        store_s = time.perf_counter() - t_store
-        try:
-            # Missing documents join the request's own forward (one forward: they attend only to the profiling
-            # prefix and themselves, so their KV is what a forward of their own would give), except where the
-            # policy must read their stored KV before choosing what to recompute.
-            cold = _ColdDocs.make(self, lease, distinct, plan) if lease.misses else None
-            cold_nnz = 0.0
-            cold_blocks = cold.n_doc_blocks if cold is not None else 0
-            if cold is not None and policy == "deviation":
-                cold_nnz = self._compute_docs(cold, timer)
-                cold = None
-                store_s += self._timed(lease.commit)
-            recompute = self._choose_blocks(policy, layout, all_ids, docs, keys, lease, plan, timer)
-            logits, meta, cache = self._reuse_forward(shape, layout, all_ids, docs, keys, lease, plan, recompute,
-                                                      timer, cold)
-            store_s += self._timed(lease.commit)
-        except BaseException:
-            lease.release()
-            raise
-        stages = timer.totals()
-        stages["store"] += store_s
-        total = time.perf_counter() - t0
-        n_layers, n_heads = self.model.config.num_hidden_layers, self.model.config.num_attention_heads
-        dense_pairs = n_layers * n_heads * layout.causal_block_pairs
-        frac = (float(meta.nnz()) + cold_nnz) / dense_pairs
-        doc_tokens = int(layout.doc_n_tokens.sum())
-        redone = int(layout.block_valid[recompute].sum()) if doc_tokens else 0
-        stages["rest"] = max(0.0, total - sum(stages.values()))
-        stages["total"] = total
-        status = list(lease.status.values())
-        result = PrefillResult(logits=logits, ttft_s=(total,) * len(requests), stages=stages, tile_fraction=frac,
-                               mode=mode, backend=self.backend, block=self.block, n_tokens=tuple(lengths),
-                               recomputed_fraction=redone / doc_tokens if doc_tokens else 0.0,
-                               store=dict(hbm=status.count("hbm"), dram=status.count("dram"),
-                                          computed=status.count("miss"), computed_blocks=cold_blocks))
-        return result, layout, cache
-
-    @staticmethod
-    def _timed(fn) -> float:
-        t = time.perf_counter()
-        fn()
-        return time.perf_counter() - t
-
-    def _compute_docs(self, cold: "_ColdDocs", timer: _Timer) -> float:
-        """Compute the missing documents in a forward of their own, straight into their pages (the policies that
-        read their stored KV before the request's forward). -> computed tiles."""
-        bits = self._bits_of(cold.layout, cold.docs, timer)
-        meta = self._metadata(cold.layout, bits, timer)
-        slots = cold.pages[cold.layout.token_phys // self.block] * self.block + cold.layout.token_phys % self.block
-        cache = PagedKVCache(cold.layout, self.kv_store, cold.lease, cold.pages, slots, cold.pages.new_empty(0, 0))
-        self._forward(cold.ids[None], cold.layout.token_local_pos, meta, cache, timer)
-        if bits is not None:
-            return float(meta.nnz())
-        config = self.model.config   # every causal pair
-        return float(config.num_hidden_layers * config.num_attention_heads * cold.layout.causal_block_pairs)
-
-    def _choose_blocks(self, policy, layout, all_ids, docs, keys, lease, plan: "_ReusePlan",
-                       timer: _Timer) -> torch.Tensor:
-        """bool [NB]: the document blocks this request recomputes in context (mode "hybrid")."""
-        recompute = torch.zeros(layout.n_blocks, dtype=torch.bool)
-        if not plan.per_doc:
-            return recompute.to(self.device)
-        first = layout.doc_first_block.tolist()
-        scores = self._deviation(layout, all_ids, docs, keys, lease, timer) if policy == "deviation" else None
-        for d, ((doc_id, ids), k) in enumerate(zip(docs, plan.per_doc)):
-            nb = -(-len(ids) // self.block)
-            if policy == "first" or (policy == "bits" and (self.index is None or doc_id not in self.index)):
-                chosen = np.arange(k)
-            elif policy == "bits":
-                entry = self.index.entry(doc_id)
-                chosen = reuse.top_blocks(reuse.ca_block_scores(entry.ca, len(ids), self.index.tile, self.block,
-                                                                self.index.n_layers * self.index.n_heads), k)
-            else:
-                chosen = reuse.top_blocks(scores[d][:nb], k)
-            recompute[first[d] + torch.as_tensor(chosen, dtype=torch.long)] = True
-        return recompute.to(self.device)
-
-    def _deviation(self, layout, all_ids, docs, keys, lease, timer: _Timer) -> list[np.ndarray]:
-        """Per document, per block: squared distance between the request's in-context keys of layer
-        DEVIATION_LAYER and the cached ones (CacheBlend's signal), from a forward of the first layers only."""
-        meta = self._metadata(layout, self._bits_of(layout, docs, timer), timer)
-        cache = BatchKVCache(layout, reuse.DEVIATION_LAYER + 1)
-        state = _StopAfter(self._backend, meta, cache, self.inv_freq, timer, reuse.DEVIATION_LAYER)
-        with self._attn_impl(), contextlib.suppress(_Stopped):
-            self.model.base_model(input_ids=all_ids[None], position_ids=layout.token_local_pos[None],
-                                  use_cache=False, sift_state=state)
-        k_ctx, _ = cache.prompt_kv(reuse.DEVIATION_LAYER)
-        lease.wait_layer(reuse.DEVIATION_LAYER)
-        pool = self.kv_store.k_pool[reuse.DEVIATION_LAYER]          # [slots, Hkv, D]
-        _, h, d = pool.shape
-        blk = self.block
-        out = []
-        for i, k in enumerate(keys):
-            f, n = int(layout.doc_first_block[i]), int(layout.doc_n_blocks[i])
-            cached = pool.view(-1, blk, h, d).index_select(0, lease.doc_pages[k]).float()   # [n, blk, Hkv, D]
-            ctx = k_ctx.reshape(h, -1, blk, d)[:, f:f + n].permute(1, 2, 0, 3).float()
-            out.append(((ctx - cached) ** 2).sum(dim=(1, 2, 3)).cpu().numpy())
-        return out
-
-    def _bits_of(self, layout, docs, timer: _Timer):
-        """The batch's documents' bits (None without an index)."""
-        if self.index is None or not docs:
-            return None
-        with timer("fetch"):
-            return self.index.fetch([(doc_id, len(ids)) for doc_id, ids in docs], on_unknown=self.on_unknown)
-
-    def _reuse_forward(self, shape, layout, all_ids, docs, keys, lease, plan: "_ReusePlan", recompute: torch.Tensor,
-                       timer: _Timer, cold: "_ColdDocs | None" = None):
-        """The request's own forward: its prefix, query, last block and recomputed blocks through the model
-        (each in a scratch page of the call), every other document block read from its entry's pages; with
-        `cold`, the missing documents (each after the profiling prefix, as their own requests ahead of the
-        batch's) run in the same forward into their pages. -> (logits [B, vocab], metadata, the batch's cache)."""
-        blk = self.block
-        computed = (layout.block_kind != DOC) | recompute
-        computed[(layout.req_first_block + layout.req_n_blocks - 1).long()] = True  # the logits' position
-        pages = torch.empty(layout.n_blocks, dtype=torch.int64, device=self.device)
-        if docs:
-            pages[layout.block_kind == DOC] = torch.cat([lease.doc_pages[k] for k in keys])
-        own = lease.scratch[:int(computed.sum())]
-        pages[computed] = own
-        self.kv_store.page_valid[own] = layout.block_valid[computed]
-        gen = lease.scratch[plan.gen_first:plan.gen_first + layout.n_requests * plan.gen_blocks]
-        gen = gen.view(layout.n_requests, plan.gen_blocks)
-        if cold is None:
-            run, ids, run_pages, run_computed, first_request = layout, all_ids, pages, computed, 0
-            bits = self._bits_of(layout, docs, timer) if bool(recompute.any()) else None
-        else:
-            run = build_layout(cold.shape + shape, blk, self.device)
-            ids, run_pages = torch.cat([cold.ids, all_ids]), torch.cat([cold.pages, pages])
-            run_computed = torch.cat([torch.ones_like(cold.pages, dtype=torch.bool), computed])
-            first_request = len(cold.shape)
-            bits = self._bits_of(run, cold.docs + docs, timer)
-        meta = self._metadata(run, bits, timer, q_blocks=run_computed.nonzero().flatten())
-        sel = run_computed[run.token_phys // blk]
-        slots = run_pages[meta.token_phys // blk] * blk + meta.token_phys % blk
-        cache = PagedKVCache(run, self.kv_store, lease, run_pages, slots, gen)
-        hidden = self._forward(ids[sel][None], run.token_local_pos[sel], meta, cache, timer)
-        last = run.token_phys[(run.req_first_token + run.req_n_tokens - 1).long()[first_request:]]
-        rows = torch.searchsorted(meta.token_phys, last)
-        logits = self.model.get_output_embeddings()(hidden[0, rows]).float()
-        if cold is not None:   # generation reads the batch's own blocks
-            cache = PagedKVCache(layout, self.kv_store, lease, pages, pages.new_empty(0), gen)
-        return logits, meta, cache
 
     @torch.inference_mode()
     def generate(self, requests: Sequence[Request], max_new_tokens: int = 32, mode: str = "sift") -> GenerateResult:
@@ -627,7 +372,7 @@ class SiftEngine:
         try:
             return self._decode_loop(requests, max_new_tokens, prefill, layout, cache)
         finally:
-            _release(cache)
+            reuse_prefill.release(cache)
 
     def _decode_loop(self, requests, max_new_tokens: int, prefill: PrefillResult, layout, cache) -> GenerateResult:
         t0 = time.perf_counter()
@@ -635,7 +380,7 @@ class SiftEngine:
         out: list[list[int]] = [[] for _ in range(b)]
         done = [False] * b
         token = prefill.logits.argmax(dim=-1)  # [B]
-        dec = _DecodeAttention(self._backend, DecodeMetadata.build(layout, cache.block_pages, cache.gen_pages), cache,
+        dec = DecodeAttention(self._backend, DecodeMetadata.build(layout, cache.block_pages, cache.gen_pages), cache,
                                self.inv_freq)
         with self._attn_impl():
             for step in range(max_new_tokens):
@@ -653,83 +398,3 @@ class SiftEngine:
                 token = self.model.get_output_embeddings()(hidden[0]).float().argmax(dim=-1)
         texts = [self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False) for ids in out]
         return GenerateResult(texts=texts, token_ids=out, prefill=prefill, decode_s=time.perf_counter() - t0)
-
-
-# --------------------------------------------------------------------------------------- reuse helpers
-
-
-@dataclass(frozen=True, eq=False)
-class _ColdDocs:
-    """The documents a reuse call misses, each as its own request: the profiling prefix (in the call's scratch
-    pages from `cold_first`), then the document (in its entry's pages)."""
-
-    lease: object
-    shape: list                     # build_layout segments: [("prefix", n), ("doc", n)] per document
-    layout: object                  # their layout alone
-    ids: torch.Tensor               # int64 [tokens], in layout order
-    pages: torch.Tensor             # int64 [blocks of `layout`]: the page of each block
-    docs: list                      # (doc_id, ids) per document
-    n_doc_blocks: int
-
-    @classmethod
-    def make(cls, engine: "SiftEngine", lease, distinct: dict, plan: "_ReusePlan") -> "_ColdDocs":
-        misses, pfx = lease.misses, engine.prefix_ids
-        shape = [[("prefix", len(pfx)), ("doc", len(distinct[k][1]))] for k in misses]
-        layout = build_layout(shape, engine.block, engine.device)
-        pages = torch.empty(layout.n_blocks, dtype=torch.int64, device=engine.device)
-        is_doc = layout.block_kind == DOC
-        pages[is_doc] = torch.cat([lease.doc_pages[k] for k in misses])
-        n_pfx = int((~is_doc).sum())
-        pfx_pages = lease.scratch[plan.cold_first:plan.cold_first + n_pfx]
-        pages[~is_doc] = pfx_pages
-        engine.kv_store.page_valid[pfx_pages] = layout.block_valid[~is_doc]
-        docs = [distinct[k] for k in misses]
-        ids = torch.tensor([t for k in misses for t in pfx + list(distinct[k][1])], device=engine.device)
-        return cls(lease, shape, layout, ids, pages, docs, int(is_doc.sum()))
-
-
-@dataclass(frozen=True)
-class _ReusePlan:
-    """How a reuse call cuts its scratch pages: [0, gen_first) its own computed blocks (an upper bound: prefix,
-    query, last and recomputed blocks), then `gen_blocks` per request for generation (`scratch_pages` in all),
-    then from `cold_first` the profiling prefix's blocks of the documents computed on a miss (the store adds
-    those per miss). per_doc: blocks recomputed per document ordinal (empty: none)."""
-
-    per_doc: tuple[int, ...]
-    gen_blocks: int
-    gen_first: int
-    cold_first: int
-    scratch_pages: int
-
-    @classmethod
-    def make(cls, layout, docs, policy, fraction: float, gen_blocks: int) -> "_ReusePlan":
-        per_doc = tuple(reuse.budget(-(-len(ids) // layout.block), fraction, policy) for _, ids in docs)
-        if not any(per_doc):
-            per_doc = ()
-        own = int((layout.block_kind != DOC).sum()) + layout.n_requests + sum(per_doc)
-        gen = layout.n_requests * gen_blocks
-        return cls(per_doc, gen_blocks, own, own + gen, own + gen)
-
-
-class _Stopped(Exception):
-    """Raised inside a forward that only needs its first layers' keys."""
-
-
-class _StopAfter(_PrefillAttention):
-    """Attend normally up to layer `stop`, write that layer's K / V, then stop the forward."""
-
-    def __init__(self, backend, meta, cache, inv_freq, timer, stop: int):
-        super().__init__(backend, meta, cache, inv_freq, timer)
-        self.stop = stop
-
-    def attend(self, layer: int, query, key, value, scale: float):
-        if layer == self.stop:
-            self.cache.write_prompt(layer, key[0], value[0])
-            raise _Stopped
-        return super().attend(layer, query, key, value, scale)
-
-
-def _release(cache) -> None:
-    """End a call's hold on the KV store (reuse modes)."""
-    if isinstance(cache, PagedKVCache):
-        cache.lease.release()

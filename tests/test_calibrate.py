@@ -251,7 +251,8 @@ def test_ca_full_layers_profile_and_setting():
     model, tokenizer = smollm2()
     ids = tokenizer(wiki_texts(1)[0][:700], add_special_tokens=False).input_ids
     plain = Profiler(model, tokenizer, ProfileConfig(tile=16, gamma=0.3), "torch").profile(ids)
-    guarded = Profiler(model, tokenizer, ProfileConfig(tile=16, gamma=0.3, ca_full_layers=(2, 29)), "torch").profile(ids)
+    guarded_cfg = ProfileConfig(tile=16, gamma=0.3, ca_full_layers=(2, 29))
+    guarded = Profiler(model, tokenizer, guarded_cfg, "torch").profile(ids)
     cfg = model.config
     layers, heads, pages = cfg.num_hidden_layers, cfg.num_attention_heads, -(-len(ids) // 16)
     nbytes = -(-pages // 8)
