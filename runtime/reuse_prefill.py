@@ -4,15 +4,16 @@ the index's profiling prefix (inside the request's own forward, or in a forward 
 reads its stored keys), and the request's forward runs only its prefix, query, last and recomputed blocks, the
 other blocks' KV read from the documents' pages through a `PagedKVCache`.
 
-These functions drive a `SiftEngine`'s own steps (tokenising, checks, metadata, forward); `SiftEngine.prefill`
-and `generate` call `prefill` for these modes and `release` when the call ends.
+These functions drive a `SiftEngine`'s own steps (tokenising, checks, metadata, forward), passed in as
+`engine` (this module does not import the engine); `SiftEngine.prefill` and `generate` call `prefill` for these
+modes and `release` when the call ends.
 """
 from __future__ import annotations
 
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -25,11 +26,8 @@ from .forward import StopAfter, Stopped, Timer
 from .kv_cache import BatchKVCache, PagedKVCache
 from .kv_store import entry_key
 
-if TYPE_CHECKING:
-    from .engine import Request, SiftEngine
 
-
-def prefill(engine: SiftEngine, requests: Sequence[Request], mode: str, new_tokens: int):
+def prefill(engine, requests: Sequence, mode: str, new_tokens: int):
     """Modes "reuse" / "hybrid" (runtime/reuse.py): documents' KV from the store (computed on its own on a
     miss), the request's prefix, query and recomputed blocks through the model. -> (the fields of the call's
     `PrefillResult` but its mode, backend and block; the layout; the batch's PagedKVCache, holding the store
@@ -227,7 +225,7 @@ class _ColdDocs:
     n_doc_blocks: int
 
     @classmethod
-    def make(cls, engine: "SiftEngine", lease, distinct: dict, plan: "_ReusePlan") -> "_ColdDocs":
+    def make(cls, engine, lease, distinct: dict, plan: "_ReusePlan") -> "_ColdDocs":
         misses, pfx = lease.misses, engine.prefix_ids
         shape = [[("prefix", len(pfx)), ("doc", len(distinct[k][1]))] for k in misses]
         layout = build_layout(shape, engine.block, engine.device)
