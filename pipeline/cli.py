@@ -130,7 +130,8 @@ def summarize(reader: IndexReader, t: pa.Table, d: IndexDensity) -> dict:
         "created_at": m.created_at,
         "model": {k: getattr(m.model, k) for k in ("name", "fingerprint", "n_layers", "n_heads", "n_kv_heads",
                                                     "head_dim")},
-        "profile": {k: m.profile.get(k) for k in ("tile", "alpha", "beta", "gamma", "ca_normalize", "dtype")},
+        "profile": {k: m.profile.get(k) for k in ("tile", "alpha", "beta", "gamma", "ca_normalize", "dtype",
+                                                  "ca_full_layers")},
         "backends": m.backends,
         "documents": t.num_rows,
         "tokens": tokens,
@@ -220,7 +221,8 @@ def _describe(s: dict) -> str:
         f"head_dim {s['model']['head_dim']}",
         f"profile     tile {s['profile']['tile']}  alpha {s['profile']['alpha']}  beta {s['profile']['beta']}  "
         f"gamma {s['profile']['gamma']}  ca_normalize {s['profile']['ca_normalize']}  dtype {s['profile']['dtype']}"
-        f"  backend(s) {', '.join(s['backends']) or '-'}",
+        + (f"  CA kept whole in layers {s['profile']['ca_full_layers']}" if s['profile']['ca_full_layers'] else "")
+        + f"  backend(s) {', '.join(s['backends']) or '-'}",
         f"documents   {s['documents']}  ({s['tokens']} tokens, {s['shards']} shards)",
         f"bits        {_human(s['bits_bytes'])} (LA {_human(s['la_bytes'])}, CA {_human(s['ca_bytes'])})  vs  "
         f"KV cache (bf16) {_human(s['kv_bytes_bf16'])}"
