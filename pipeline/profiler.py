@@ -141,13 +141,6 @@ class Profiler:
                             f"build.backend = \"torch\" (or use la_criterion = \"threshold\")")
         if lse_source not in LSE_CHOICES:
             raise SiftError(f"lse_source {lse_source!r} must be one of {LSE_CHOICES}")
-        self.forward = AttentionWithLse(lse_source)
-        AttentionInterface.register(ATTN_NAME, _profile_attention)
-        model.set_attn_implementation(ATTN_NAME)
-        self.model = model
-        self.profile_cfg = profile
-        self.backend = backend
-        self.prefix_ids = profiling_prefix_ids(tokenizer, profile)
         cfg = model.config
         self.n_layers = cfg.num_hidden_layers
         self.n_heads = cfg.num_attention_heads
@@ -161,6 +154,14 @@ class Profiler:
         if outside:
             raise SiftError(f"profile.ca_full_layers {outside} out of range for a model with {self.n_layers} layers "
                             f"(0..{self.n_layers - 1})")
+        # Only a valid configuration touches the model.
+        self.forward = AttentionWithLse(lse_source)
+        AttentionInterface.register(ATTN_NAME, _profile_attention)
+        model.set_attn_implementation(ATTN_NAME)
+        self.model = model
+        self.profile_cfg = profile
+        self.backend = backend
+        self.prefix_ids = profiling_prefix_ids(tokenizer, profile)
         self.window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
 
     @property

@@ -250,9 +250,13 @@ def test_ca_full_layers_profile_and_setting():
 
     model, tokenizer = smollm2()
     ids = tokenizer(wiki_texts(1)[0][:700], add_special_tokens=False).input_ids
-    plain = Profiler(model, tokenizer, ProfileConfig(tile=16, gamma=0.3), "torch").profile(ids)
-    guarded_cfg = ProfileConfig(tile=16, gamma=0.3, ca_full_layers=(2, 29))
-    guarded = Profiler(model, tokenizer, guarded_cfg, "torch").profile(ids)
+    previous = model.config._attn_implementation  # the model is shared: give it back as it came
+    try:
+        plain = Profiler(model, tokenizer, ProfileConfig(tile=16, gamma=0.3), "torch").profile(ids)
+        guarded_cfg = ProfileConfig(tile=16, gamma=0.3, ca_full_layers=(2, 29))
+        guarded = Profiler(model, tokenizer, guarded_cfg, "torch").profile(ids)
+    finally:
+        model.set_attn_implementation(previous)
     cfg = model.config
     layers, heads, pages = cfg.num_hidden_layers, cfg.num_attention_heads, -(-len(ids) // 16)
     nbytes = -(-pages // 8)
@@ -265,6 +269,7 @@ def test_ca_full_layers_profile_and_setting():
     assert (ca_plain[[2, 29]] != ca_guarded[[2, 29]]).any()  # gamma 0.3 drops pages there: the test can fail
     with pytest.raises(SiftError, match="ca_full_layers"):
         Profiler(model, tokenizer, ProfileConfig(ca_full_layers=(layers,)), "torch")
+    assert model.config._attn_implementation == previous  # refused before touching the shared model
 
     setting = parse_setting("tile=16,gamma=0.3,ca_full=29/2/0/1")
     assert setting.ca_full_layers == (0, 1, 2, 29) and setting.label == "t16-a0.001-b0.01-g0.3-ca0-2.29"
