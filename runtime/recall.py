@@ -105,11 +105,11 @@ class _Observer:
     """Per-forward state: the prompt's segment bounds and masks; accumulates counts as blocks of rows go by."""
 
     def __init__(self, spans: list[tuple[str, int, int]], masks: list[DocMasks], tile: int, alpha: float,
-                 beta: float, n_layers: int):
+                 beta: float, n_layers: int, device: torch.device):
         self.spans, self.tile, self.n_layers = spans, tile, n_layers
         self.docs = [(s, e) for kind, s, e in spans if kind == "doc"]
         self.masks = masks                   # on the CPU, for the counts of `count_tiles`
-        self.on_device = masks               # replaced by copies on the model's device in `measure_prompt`
+        self.on_device = [DocMasks(la=m.la.to(device), ca=m.ca.to(device)) for m in masks]  # what `observe` reads
         self.n_prefix = next((e for kind, s, e in spans if kind == "prefix"), 0)
         self.alpha = torch.tensor(alpha, dtype=torch.float32)
         self.beta = torch.tensor(beta, dtype=torch.float32)
@@ -208,9 +208,8 @@ def measure_prompt(model, segments: list[tuple[str, list[int]]], masks: list[Doc
         spans.append((kind, pos, pos + len(ids)))
         pos += len(ids)
     n_layers = model.config.num_hidden_layers
-    observer = _Observer(spans, masks, tile, alpha, beta, n_layers)
+    observer = _Observer(spans, masks, tile, alpha, beta, n_layers, model.device)
     observer.count_tiles()
-    observer.on_device = [DocMasks(la=m.la.to(model.device), ca=m.ca.to(model.device)) for m in masks]
     ids = torch.tensor([[t for _, seg in segments for t in seg]], device=model.device)
     AttentionInterface.register(ATTN_NAME, _recall_attention)
     previous = model.config._attn_implementation
