@@ -16,8 +16,8 @@ ones, up to --limit-<set>, held out. `runtime.calibrate.calibrate_items` then
    transformers' own attention (SDPA), at the serving dtype and at the other of float32 / bfloat16.
 
 With --guard-ca, each setting's guarded twins are swept beside it (`runtime.calibrate.guard`: CA pages kept
-whole in the layers whose document rows lose more than eps of their attention mass on dropped CA pages, measured
-on --guard-prompts held-in prompts).
+whole in the layers, or with --guard-by head the (layer, head) pairs, whose document rows lose more than eps of
+their attention mass on dropped CA pages, measured on --guard-prompts held-in prompts).
 
 Writes bench/results/eval_quality.json: `sets["<set>/<dtype>"]` (`"<set>/<dtype>/<tag>"` with --tag), each
 set's front.json content with the run that produced it (command, date, device), written after each set; entries
@@ -26,7 +26,7 @@ folder (front.png, held-out reports, calibrated.toml when a setting met the targ
 
     python bench/eval_quality.py --device cuda --model-dir DIR [--sets hotpotqa,2wiki,long] [--held-in 25]
                                  [--limit-long 100] [--dtype bfloat16] [--max-new-tokens 16]
-                                 [--guard-ca 0.04,0.03] [--no-floor] [--tag T]
+                                 [--guard-ca 0.04,0.03] [--guard-by layer,head] [--no-floor] [--tag T]
     python bench/eval_quality.py --smoke     # 3 questions of one set, 2 settings, 2 tokens: checks it runs
 """
 from __future__ import annotations
@@ -63,6 +63,8 @@ def parse_args():
     ap.add_argument("--guard-ca", default="",
                     help="comma-separated eps values: also sweep each setting's guarded twins (sift-calibrate "
                          "--guard-ca)")
+    ap.add_argument("--guard-by", default="layer",
+                    help="comma-separated: layer and / or head (sift-calibrate --guard-by)")
     ap.add_argument("--guard-prompts", type=int, default=5, help="held-in prompts the guard measures on")
     ap.add_argument("--no-floor", dest="floor", action="store_false", help="skip the floor (dense against dense)")
     ap.add_argument("--tag", default="", help="stored as sets[\"<set>/<dtype>/<tag>\"] (a run beside the main one)")
@@ -82,6 +84,7 @@ def parse_args():
         ap.error(f"--sets {args.sets}: each must be one of {', '.join(qa_sets.SETS)}")
     args.settings = [s for s in args.settings.split(";") if s.strip()]
     args.guard_ca = [float(x) for x in args.guard_ca.split(",") if x.strip()]
+    args.guard_by = tuple(x.strip() for x in args.guard_by.split(",") if x.strip())
     if args.smoke:
         args.sets, args.held_in, args.max_new_tokens = args.sets[:1], 2, 2
         args.limit_hotpotqa = args.limit_2wiki = args.limit_long = 3
@@ -131,7 +134,7 @@ def main() -> None:
     builder = InProcessBuilder(args.model_dir, args.device, args.dtype)
     settings = [parse_setting(s) for s in args.settings]
     run = dict(model=DEFAULT_MODEL, device=args.device, settings=args.settings, held_in=args.held_in,
-               guard_ca=args.guard_ca, guard_prompts=args.guard_prompts,
+               guard_ca=args.guard_ca, guard_by=args.guard_by, guard_prompts=args.guard_prompts,
                target_agreement=args.target_agreement, max_new_tokens=args.max_new_tokens,
                command=" ".join(["python", "bench/eval_quality.py", *sys.argv[1:]]))
     path = common.out_dir(args) / "eval_quality.json"
@@ -145,7 +148,8 @@ def main() -> None:
         result = calibrate_items(items, args.work / name, name=name, settings=settings, held_in=args.held_in,
                                  target=args.target_agreement, model=model, device=args.device, dtype=args.dtype,
                                  max_new_tokens=args.max_new_tokens, held_out_front=True, floor=args.floor,
-                                 guard_ca=args.guard_ca, guard_prompts=args.guard_prompts, build=builder,
+                                 guard_ca=args.guard_ca, guard_by=args.guard_by, guard_prompts=args.guard_prompts,
+                                 build=builder,
                                  echo=lambda m: print("  " + m, flush=True))
         result["seconds"] = time.perf_counter() - t
         key = "/".join([name, result["dtype"], *([args.tag] if args.tag else [])])

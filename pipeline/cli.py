@@ -131,7 +131,7 @@ def summarize(reader: IndexReader, t: pa.Table, d: IndexDensity) -> dict:
         "model": {k: getattr(m.model, k) for k in ("name", "fingerprint", "n_layers", "n_heads", "n_kv_heads",
                                                     "head_dim")},
         "profile": {k: m.profile.get(k) for k in ("tile", "alpha", "beta", "gamma", "ca_normalize", "dtype",
-                                                  "ca_full_layers")},
+                                                  "ca_full_layers", "ca_full_heads")},
         "backends": m.backends,
         "documents": t.num_rows,
         "tokens": tokens,
@@ -222,6 +222,8 @@ def _describe(s: dict) -> str:
         f"profile     tile {s['profile']['tile']}  alpha {s['profile']['alpha']}  beta {s['profile']['beta']}  "
         f"gamma {s['profile']['gamma']}  ca_normalize {s['profile']['ca_normalize']}  dtype {s['profile']['dtype']}"
         + (f"  CA kept whole in layers {s['profile']['ca_full_layers']}" if s['profile']['ca_full_layers'] else "")
+        + (f"  CA kept whole in {len(s['profile']['ca_full_heads'])} (layer, head) pairs"
+           if s['profile']['ca_full_heads'] else "")
         + f"  backend(s) {', '.join(s['backends']) or '-'}",
         f"documents   {s['documents']}  ({s['tokens']} tokens, {s['shards']} shards)",
         f"bits        {_human(s['bits_bytes'])} (LA {_human(s['la_bytes'])}, CA {_human(s['ca_bytes'])})  vs  "

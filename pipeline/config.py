@@ -3,7 +3,7 @@ boundary (unknown keys are an error), hashed, and written into the index it prod
 
     model = "smollm2-135m-instruct"       # or a local transformers folder
     [profile]   tile, alpha, beta, gamma, la_criterion ("threshold" | "mass"), la_coverage, ca_normalize,
-                force_sink_page, dense_heads, ca_full_layers, prefix_text, dtype
+                force_sink_page, dense_heads, ca_full_layers, ca_full_heads, prefix_text, dtype
     [corpus]    id_field, text_field, too_long ("error" | "split"), max_tokens (0: the model's context),
                 follow_symlinks (read files whose symlink leads outside the corpus folder)
     [build]     shard_rows, backend ("auto" | "torch" | "triton"), actors (0: sized from Ray's resources)
@@ -39,6 +39,7 @@ class ProfileConfig:
     force_sink_page: bool = True
     dense_heads: tuple[tuple[int, int], ...] = ()
     ca_full_layers: tuple[int, ...] = ()  # layers whose CA pages are all kept (every head); LA unchanged
+    ca_full_heads: tuple[tuple[int, int], ...] = ()  # [layer, head] pairs whose CA pages are all kept; LA unchanged
     prefix_text: str | None = None  # None: the tokenizer's BOS token if it has one, else nothing
     dtype: str = "float32"          # the dtype the model runs in while profiling
 
@@ -69,6 +70,14 @@ class ProfileConfig:
         if any(layer < 0 for layer in layers):
             raise SiftError(f"profile.ca_full_layers = {self.ca_full_layers!r} must be a list of layer indices >= 0")
         object.__setattr__(self, "ca_full_layers", layers)
+        try:
+            pairs = tuple(sorted({(int(l), int(h)) for l, h in self.ca_full_heads}))
+        except (TypeError, ValueError):
+            pairs = ((-1, -1),)
+        if any(l < 0 or h < 0 for l, h in pairs):
+            raise SiftError(f"profile.ca_full_heads = {self.ca_full_heads!r} must be a list of [layer, head] pairs "
+                            f"of indices >= 0")
+        object.__setattr__(self, "ca_full_heads", pairs)
 
 
 @dataclass(frozen=True)
@@ -116,12 +125,14 @@ class BuildConfig:
     def profile_key(self, model_fingerprint: str, format_version: int) -> str:
         """Hash of everything that decides the bits: equal keys mean reusable rows. The threshold criterion
         does not read la_coverage, so neither criterion field enters a threshold config's key; an empty
-        ca_full_layers does not enter it either (indexes built before the key existed stay reusable)."""
+        ca_full_layers or ca_full_heads does not enter it either (indexes built before the keys existed stay
+        reusable)."""
         profile = dataclasses.asdict(self.profile)
         if profile["la_criterion"] == "threshold":
             del profile["la_criterion"], profile["la_coverage"]
-        if not profile["ca_full_layers"]:
-            del profile["ca_full_layers"]
+        for key in ("ca_full_layers", "ca_full_heads"):
+            if not profile[key]:
+                del profile[key]
         payload = {"profile": profile, "model": model_fingerprint,
                    "format_version": format_version}
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()

@@ -7,7 +7,8 @@ as usual, and our attention function receives exactly the q/k its attention woul
 Backends: "torch" (the reference of `sift.kernels.profile_ref`, which also produces the layer's output from
 the same probabilities) and "triton" (the fused statistics kernel; the output comes from the model's SDPA).
 The "mass" LA criterion (profile.la_criterion) exists in the torch backend only; "triton" refuses it.
-`profile.ca_full_layers` is applied here, after either backend: those layers' CA bits are set whole.
+`profile.ca_full_layers` / `ca_full_heads` are applied here, after either backend: those layers' (heads') CA
+bits are set whole.
 """
 from __future__ import annotations
 
@@ -58,12 +59,13 @@ class _Capture:
     """Per-forward state handed to the attention function through the model's kwargs."""
 
     def __init__(self, n_prefix: int, profile: ProfileConfig, backend: str, dense: dict[int, tuple[int, ...]],
-                 forward: AttentionWithLse):
+                 ca_full: dict[int, tuple[int, ...]], forward: AttentionWithLse):
         self.n_prefix = n_prefix
         self.forward = forward
         self.profile = profile
         self.backend = backend
         self.dense = dense
+        self.ca_full = ca_full  # layer -> the heads whose CA bits are all set
         self.layers: dict[int, LayerBits] = {}
 
 
@@ -115,10 +117,12 @@ def _profile_attention(module, query, key, value, attention_mask, scaling=None, 
 
         out, lse = _attention_with_lse(module, query, key, value, scaling, softcap, c.forward)
         bits, _ = profile_layer(query[0], key[0], lse=lse, **args)
-    if module.layer_idx in p.ca_full_layers:
+    heads = c.ca_full.get(module.layer_idx)
+    if heads:
         pages = n_pages(query.shape[2] - c.n_prefix, p.tile)
-        bits = LayerBits(la=bits.la, ca=pack_msb(torch.ones(bits.ca.shape[0], pages, dtype=torch.bool,
-                                                             device=bits.ca.device)))
+        ca = bits.ca.clone()
+        ca[list(heads)] = pack_msb(torch.ones(len(heads), pages, dtype=torch.bool, device=ca.device))
+        bits = LayerBits(la=bits.la, ca=ca)
     c.layers[module.layer_idx] = bits
     return out, None
 
@@ -154,6 +158,14 @@ class Profiler:
         if outside:
             raise SiftError(f"profile.ca_full_layers {outside} out of range for a model with {self.n_layers} layers "
                             f"(0..{self.n_layers - 1})")
+        outside = [[l, h] for l, h in profile.ca_full_heads if l >= self.n_layers or h >= self.n_heads]
+        if outside:
+            raise SiftError(f"profile.ca_full_heads {outside} out of range for a model with {self.n_layers} layers "
+                            f"and {self.n_heads} heads")
+        self.ca_full: dict[int, tuple[int, ...]] = {layer: tuple(range(self.n_heads))
+                                                    for layer in profile.ca_full_layers}
+        for layer, head in profile.ca_full_heads:
+            self.ca_full[layer] = tuple(sorted(set(self.ca_full.get(layer, ())) | {head}))
         # Only a valid configuration touches the model.
         self.forward = AttentionWithLse(lse_source)
         AttentionInterface.register(ATTN_NAME, _profile_attention)
@@ -186,7 +198,8 @@ class Profiler:
             raise SiftError(f"document of {n} tokens exceeds the model's sliding window ({self.window}); "
                             f"SIFT profiles full causal attention only: set corpus.max_tokens <= {self.window}")
         ids = torch.tensor([self.prefix_ids + list(token_ids)], device=self.model.device)
-        capture = _Capture(len(self.prefix_ids), self.profile_cfg, self.backend, self.dense, self.forward)
+        capture = _Capture(len(self.prefix_ids), self.profile_cfg, self.backend, self.dense, self.ca_full,
+                           self.forward)
         self.model.base_model(input_ids=ids, use_cache=False, sift_capture=capture)
         if len(capture.layers) != self.n_layers:
             raise RuntimeError(f"captured {len(capture.layers)} of {self.n_layers} layers: the model does not "

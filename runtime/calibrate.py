@@ -3,16 +3,16 @@
     sift-calibrate QA_FILE --out DIR [--held-in N] [--limit N] [--target-agreement 0.95] [--sweep-only]
                    [--reuse-sweep] [--setting "tile=16,alpha=0.001,beta=0.01,gamma=0.1" ...] [--model M]
                    [--max-new-tokens T] [--device D] [--dtype T] [--no-floor] [--held-out-front]
-                   [--guard-ca EPS ... [--guard-prompts N]]
+                   [--guard-ca EPS ... [--guard-by layer|head ...] [--guard-prompts N]]
 
 1. The first --held-in questions of QA_FILE are held in, the rest (up to --limit) held out.
 2. Sweep: for every setting (tile, alpha, beta, gamma, LA criterion and coverage; `DEFAULT_GRID` unless
    --setting is given), build an index of the held-in questions' documents with `sift-build --config` (a
    generated TOML, as an operator would: serving code never imports the builder) and run the held-in questions
    densely and with SIFT: whole-answer and first-token agreement with dense, and the tiles computed.
-   With --guard-ca, each setting's guarded twins are swept too (`guard`: CA pages kept whole in the layers
-   whose document rows lose more than EPS of their attention mass on dropped CA pages, measured in context on
-   the first --guard-prompts held-in prompts).
+   With --guard-ca, each setting's guarded twins are swept too (`guard`: CA pages kept whole in the layers,
+   or with --guard-by head the (layer, head) pairs, whose document rows lose more than EPS of their attention
+   mass on dropped CA pages, measured in context on the first --guard-prompts held-in prompts).
 3. The Pareto front of agreement against tiles computed -> DIR/front.json and DIR/front.png.
 4. Unless --sweep-only: the sparsest setting whose held-in agreement meets --target-agreement is chosen and
    written as DIR/calibrated.toml (`sift-build --config DIR/calibrated.toml` takes it); it and the paper's
@@ -34,6 +34,7 @@ Exit codes: 0 done (also when no setting met the target: then no TOML is written
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -65,21 +66,31 @@ class Setting:
     la_criterion: str = "threshold"
     la_coverage: float = 0.95
     ca_full_layers: tuple[int, ...] = ()  # layers whose CA pages are all kept (a guarded setting, `guard`)
+    ca_full_heads: tuple[tuple[int, int], ...] = ()  # (layer, head) pairs whose CA pages are all kept
 
     def __post_init__(self):
         object.__setattr__(self, "ca_full_layers", tuple(sorted({int(layer) for layer in self.ca_full_layers})))
+        object.__setattr__(self, "ca_full_heads", tuple(sorted({(int(l), int(h)) for l, h in self.ca_full_heads})))
+
+    @property
+    def guarded(self) -> bool:
+        return bool(self.ca_full_layers or self.ca_full_heads)
 
     @property
     def label(self) -> str:
         la = f"a{self.alpha:g}" if self.la_criterion == "threshold" else f"mass{self.la_coverage:g}"
         guarded = f"-ca{_ranges(self.ca_full_layers)}" if self.ca_full_layers else ""
+        if self.ca_full_heads:  # too many pairs for a folder name: their count and a digest
+            digest = hashlib.sha256(json.dumps(self.ca_full_heads).encode()).hexdigest()[:8]
+            guarded += f"-cah{len(self.ca_full_heads)}.{digest}"
         return f"t{self.tile}-{la}-b{self.beta:g}-g{self.gamma:g}{guarded}"
 
     def toml(self, model: str) -> str:
         """A complete `sift-build --config` file: this setting, the other keys at their defaults."""
         return (f'model = "{model}"\n\n[profile]\ntile = {self.tile}\nalpha = {self.alpha!r}\nbeta = {self.beta!r}\n'
                 f'gamma = {self.gamma!r}\nla_criterion = "{self.la_criterion}"\nla_coverage = {self.la_coverage!r}\n'
-                f'ca_full_layers = {list(self.ca_full_layers)}\n')
+                f'ca_full_layers = {list(self.ca_full_layers)}\n'
+                f'ca_full_heads = {[list(pair) for pair in self.ca_full_heads]}\n')
 
 
 def _ranges(layers: tuple[int, ...]) -> str:
@@ -107,29 +118,41 @@ DEFAULT_GRID = (
 
 
 def parse_setting(text: str) -> Setting:
-    """"tile=16,alpha=0.001,beta=0.01,gamma=0.1,criterion=mass,coverage=0.99,ca_full=14/17" -> Setting (unset
-    keys: defaults; ca_full: the layers whose CA pages are all kept, separated by "/")."""
+    """"tile=16,alpha=0.001,beta=0.01,gamma=0.1,criterion=mass,coverage=0.99,ca_full=14/17,ca_heads=0.3/5.1"
+    -> Setting (unset keys: defaults; ca_full: the layers whose CA pages are all kept, separated by "/";
+    ca_heads: the same for (layer, head) pairs written layer.head)."""
     values: dict = {}
-    names = {"criterion": "la_criterion", "coverage": "la_coverage", "ca_full": "ca_full_layers"}
+    names = {"criterion": "la_criterion", "coverage": "la_coverage", "ca_full": "ca_full_layers",
+             "ca_heads": "ca_full_heads"}
     for part in filter(None, (p.strip() for p in text.split(","))):
         key, _, value = part.partition("=")
         key = names.get(key.strip(), key.strip())
         if key not in Setting.__dataclass_fields__ or not value:
             raise SiftError(f"--setting {text!r}: {part!r} is not key=value with key one of tile, alpha, beta, "
-                            f"gamma, criterion, coverage, ca_full")
+                            f"gamma, criterion, coverage, ca_full, ca_heads")
         try:
             if key == "ca_full_layers":
                 values[key] = tuple(int(layer) for layer in value.split("/"))
+            elif key == "ca_full_heads":
+                values[key] = tuple(_pair(pair) for pair in value.split("/"))
             else:
                 values[key] = (value.strip() if key == "la_criterion"
                                else int(value) if key == "tile" else float(value))
         except ValueError:
-            kind = "layers separated by /" if key == "ca_full_layers" else "a number"
+            kind = {"ca_full_layers": "layers separated by /",
+                    "ca_full_heads": "layer.head pairs separated by /"}.get(key, "a number")
             raise SiftError(f"--setting {text!r}: {key} = {value!r} is not {kind}") from None
     setting = Setting(**values)
     if setting.la_criterion not in CRITERIA:
         raise SiftError(f"--setting {text!r}: criterion must be one of {', '.join(CRITERIA)}")
     return setting
+
+
+def _pair(text: str) -> tuple[int, int]:
+    layer, dot, head = text.partition(".")
+    if not dot:
+        raise ValueError(text)
+    return int(layer), int(head)
 
 
 # --------------------------------------------------------------------------------------- the pure part
@@ -317,33 +340,59 @@ def guard_layers(ca_mass_lost: list, eps: float) -> tuple[int, ...]:
     return tuple(i for i, lost in enumerate(ca_mass_lost) if lost is not None and lost > eps)
 
 
-def guard(runner: _Runner, rows: list[dict], items: list[QAItem], eps_list, prompts: int, echo) -> tuple[list, dict]:
+def guard_heads(heads_ca_mass_lost: list, eps: float) -> tuple[tuple[int, int], ...]:
+    """The (layer, head) pairs whose document rows put more than `eps` of their attention mass on dropped CA
+    pages (`runtime.recall`'s `heads_ca_mass_lost`, [layer][head]; None: no cross-document cells)."""
+    return tuple((layer, head) for layer, row in enumerate(heads_ca_mass_lost) for head, lost in enumerate(row)
+                 if lost is not None and lost > eps)
+
+
+GUARD_BY = ("layer", "head")
+
+
+def guard(runner: _Runner, rows: list[dict], items: list[QAItem], eps_list, prompts: int, echo,
+          by=("layer",)) -> tuple[list, dict]:
     """The guarded twins of swept settings. One set of thresholds does not suit every layer: the bits come from
     each document alone, and in some layers later documents read pages the document's own rows never
     concentrate on. For each swept setting (not itself guarded) the model runs the first `prompts` held-in
     prompts with exact attention against the setting's bits (`runtime.recall`), and for each eps the layers
-    whose document rows lose more than eps of their attention mass on dropped CA pages keep all their CA pages
-    (`ca_full_layers`). -> (the new settings, {label: {"prompts", "ca_mass_lost", "ca_recall", "guards":
-    {eps: layers}}})."""
+    (by "layer": `ca_full_layers`) or the (layer, head) pairs (by "head": `ca_full_heads`, finer: a layer's
+    other heads keep their bits) whose document rows lose more than eps of their attention mass on dropped CA
+    pages keep all their CA pages. -> (the new settings, {label: {"prompts", "ca_mass_lost", "ca_recall",
+    "heads_ca_mass_lost", "guards": {eps: layers}, "guards_heads": {eps: pairs}}})."""
     from .recall import measure
 
+    unknown = set(by) - set(GUARD_BY)
+    if unknown:
+        raise SiftError(f"guard by {sorted(unknown)}: choose among {', '.join(GUARD_BY)}")
     twins, info, seen = [], {}, {r["label"] for r in rows}
     for row in rows:
         setting = Setting(**row["setting"])
-        if setting.ca_full_layers:
+        if setting.guarded:
             continue
         engine = runner.engine(Path(row["index"]))
         runnable = [item for item in items if skip_reason(engine, item) is None][:prompts]
         summary = measure(engine, [item.request() for item in runnable])
         lost = [layer["ca_mass_lost"] for layer in summary["layers"]]
-        guards = {f"{eps:g}": guard_layers(lost, eps) for eps in eps_list}
-        info[row["label"]] = dict(prompts=len(runnable), ca_mass_lost=lost,
-                                  ca_recall=[layer["ca_recall"] for layer in summary["layers"]], guards=guards)
-        echo(f"guard: {row['label']}: " + ", ".join(f"layers losing > {eps} of their mass on dropped CA pages: "
-                                                     f"{list(layers) or 'none'}" for eps, layers in guards.items()))
-        for layers in guards.values():
-            twin = Setting(**{**asdict(setting), "ca_full_layers": layers})
-            if layers and twin.label not in seen:
+        entry = info[row["label"]] = dict(prompts=len(runnable), ca_mass_lost=lost,
+                                          ca_recall=[layer["ca_recall"] for layer in summary["layers"]],
+                                          heads_ca_mass_lost=summary["heads_ca_mass_lost"])
+        candidates = []
+        if "layer" in by:
+            entry["guards"] = {f"{eps:g}": guard_layers(lost, eps) for eps in eps_list}
+            echo(f"guard: {row['label']}: " + ", ".join(f"layers losing > {eps} of their mass on dropped CA pages: "
+                                                         f"{list(layers) or 'none'}"
+                                                         for eps, layers in entry["guards"].items()))
+            candidates += [dict(ca_full_layers=layers) for layers in entry["guards"].values() if layers]
+        if "head" in by:
+            entry["guards_heads"] = {f"{eps:g}": guard_heads(summary["heads_ca_mass_lost"], eps) for eps in eps_list}
+            echo(f"guard: {row['label']}: " + ", ".join(f"(layer, head) pairs losing > {eps}: {len(pairs)} in layers "
+                                                         f"{sorted({l for l, _ in pairs}) or 'none'}"
+                                                         for eps, pairs in entry["guards_heads"].items()))
+            candidates += [dict(ca_full_heads=pairs) for pairs in entry["guards_heads"].values() if pairs]
+        for change in candidates:
+            twin = Setting(**{**asdict(setting), **change})
+            if twin.label not in seen:
                 seen.add(twin.label)
                 twins.append(twin)
     return twins, info
@@ -372,7 +421,8 @@ def _previous_sweep(out: Path, qa_file: Path, held_in: int, model: str, max_new_
 
 def calibrate(qa_file: Path, out: Path, *, settings, held_in: int, limit: int | None, target: float | None,
               model: str, fmt: str = "auto", device: str = "auto", dtype: str = "auto", max_new_tokens: int = 24,
-              reuse_sweep=False, floor=True, held_out_front=False, guard_ca=(), guard_prompts=5, echo=lambda m: None):
+              reuse_sweep=False, floor=True, held_out_front=False, guard_ca=(), guard_prompts=5, guard_by=("layer",),
+              echo=lambda m: None):
     """The whole calibration of QA_FILE's questions -> the front.json content (see `calibrate_items`)."""
     items, fmt = load_qa(qa_file, fmt, limit)
     if len(items) <= held_in and target is not None:
@@ -381,20 +431,20 @@ def calibrate(qa_file: Path, out: Path, *, settings, held_in: int, limit: int | 
     return calibrate_items(items, out, name=str(qa_file), settings=settings, held_in=held_in, target=target,
                            model=model, device=device, dtype=dtype, max_new_tokens=max_new_tokens,
                            reuse_sweep=reuse_sweep, floor=floor, held_out_front=held_out_front, guard_ca=guard_ca,
-                           guard_prompts=guard_prompts, echo=echo)
+                           guard_prompts=guard_prompts, guard_by=guard_by, echo=echo)
 
 
 def calibrate_items(items: list[QAItem], out: Path, *, name: str, settings, held_in: int, target: float | None,
                     model: str, device: str = "auto", dtype: str = "auto", max_new_tokens: int = 24,
-                    reuse_sweep=False, floor=True, held_out_front=False, guard_ca=(), guard_prompts=5, build=sift_build,
-                    echo=lambda m: None):
+                    reuse_sweep=False, floor=True, held_out_front=False, guard_ca=(), guard_prompts=5,
+                    guard_by=("layer",), build=sift_build, echo=lambda m: None):
     """The calibration of `items` (the first `held_in` held in, the rest held out) -> the front.json content.
     target None: sweep only; reuse_sweep: the points of the previous run's front.json instead of a new sweep
     (e.g. to choose again for another target); floor: also measure how often two dense computations agree
     (`_Runner.floor`) on the held-in and held-out questions; held_out_front: evaluate the paper's defaults and
     every setting of the held-in front on the held-out questions, also when no setting meets the target;
     guard_ca: eps values for the guarded twins of the swept settings (`guard`, measured over the first
-    `guard_prompts` held-in prompts), swept beside them; build: what turns a setting and a corpus folder
+    `guard_prompts` held-in prompts, by layer and / or by head as `guard_by` says), swept beside them; build: what turns a setting and a corpus folder
     into an index (default: the `sift-build` CLI)."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -409,7 +459,7 @@ def calibrate_items(items: list[QAItem], out: Path, *, name: str, settings, held
         rows = sweep(runner, settings, inside, out, model, echo, build)
     guards = {}
     if guard_ca and not reuse_sweep:
-        twins, guards = guard(runner, rows, inside, guard_ca, guard_prompts, echo)
+        twins, guards = guard(runner, rows, inside, guard_ca, guard_prompts, echo, by=guard_by)
         rows += sweep(runner, twins, inside, out, model, echo, build)
     front = pareto(rows)
     result = dict(qa_file=name, model=model, device=device, dtype=runner.dtype, held_in=len(inside),
@@ -482,10 +532,13 @@ def _floor_line(floor: dict) -> str:
 @click.option("--guard-ca", "guard_ca", multiple=True, type=click.FloatRange(0, 1, min_open=True),
               help="Also sweep each setting's guarded twin: CA pages kept whole in the layers whose document rows "
                    "lose more than this share of their attention mass on dropped CA pages (repeatable).")
+@click.option("--guard-by", "guard_by", multiple=True, type=click.Choice(GUARD_BY), default=("layer",),
+              show_default=True, help="What a guard keeps whole: the CA pages of losing layers, or of losing (layer, "
+                                      "head) pairs (finer); repeat for both.")
 @click.option("--guard-prompts", type=click.IntRange(1), default=5, show_default=True,
               help="Held-in prompts the guard measures each setting's in-context attention on.")
 def main(qa_file, out, held_in, limit, target_agreement, sweep_only, reuse_sweep, settings, model, fmt, max_new_tokens,
-         device, dtype, floor, held_out_front, guard_ca, guard_prompts):
+         device, dtype, floor, held_out_front, guard_ca, guard_by, guard_prompts):
     """Sweep profile settings on held-in questions of QA_FILE, draw the Pareto front of agreement with dense
     against tiles computed, and write the sparsest setting meeting the target as a `sift-build` config."""
     from sift.model import DEFAULT_MODEL
@@ -497,7 +550,7 @@ def main(qa_file, out, held_in, limit, target_agreement, sweep_only, reuse_sweep
                            target=None if sweep_only else target_agreement, model=model or DEFAULT_MODEL, fmt=fmt,
                            device=device, dtype=dtype, max_new_tokens=max_new_tokens, reuse_sweep=reuse_sweep,
                            floor=floor, held_out_front=held_out_front, guard_ca=guard_ca,
-                           guard_prompts=guard_prompts, echo=log)
+                           guard_prompts=guard_prompts, guard_by=guard_by, echo=log)
     except SiftError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(EXIT_ERROR)

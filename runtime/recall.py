@@ -16,7 +16,8 @@ so no L x L matrix is ever held) and, per (layer, query head), counts against th
     mass kept     the share of the attention mass of document rows on cells the sparse pattern computes (the
                   prefix, kept pages of earlier documents, kept tiles of the row's own document)
     CA mass lost  per layer, the share of document rows' attention mass on pages of earlier documents the CA
-                  bits drop (what `sift-calibrate --guard-ca` ranks layers by)
+                  bits drop (what `sift-calibrate --guard-ca` ranks layers by), and the same per (layer, head)
+                  (`heads_ca_mass_lost`, what `--guard-by head` ranks heads by)
 
 alpha and beta are the index's own thresholds. Prefix and query rows are dense in SIFT and are not counted.
 Counts are summed over heads, documents and prompts, per layer; "total" sums the layers.
@@ -61,11 +62,14 @@ class RecallCounts:
     mass_kept: np.ndarray
     ca_mass: np.ndarray
     ca_mass_kept: np.ndarray
+    head_ca_mass: np.ndarray       # float64 [layers, Hq]: the same two, per query head
+    head_ca_mass_kept: np.ndarray
     prompts: int = field(default=0)
 
     @classmethod
-    def zeros(cls, n_layers: int) -> "RecallCounts":
-        return cls(*(np.zeros(n_layers) for f in fields(cls) if f.name != "prompts"))
+    def zeros(cls, n_layers: int, n_heads: int = 1) -> "RecallCounts":
+        return cls(*(np.zeros((n_layers, n_heads) if f.name.startswith("head_") else n_layers)
+                     for f in fields(cls) if f.name != "prompts"))
 
     def add(self, other: "RecallCounts") -> None:
         for f in fields(self):
@@ -87,9 +91,14 @@ class RecallCounts:
                         mass_kept=share(self.mass_kept, self.mass),
                         ca_mass_lost=share(self.ca_mass - self.ca_mass_kept, self.mass),
                         la_high_cells=int(self.la_high[s].sum()), ca_high_cells=int(self.ca_high[s].sum()))
-        n = len(self.la_high)
+        n, n_heads = self.head_ca_mass.shape
+        # Every head sees the same document rows, so a head's mass is its layer's over the heads.
+        per_head = self.mass[:, None] / n_heads
+        with np.errstate(invalid="ignore", divide="ignore"):
+            lost = np.where(per_head > 0, (self.head_ca_mass - self.head_ca_mass_kept) / per_head, np.nan)
         return dict(prompts=self.prompts, total=ratios(slice(None)),
-                    layers=[dict(layer=i, **ratios(slice(i, i + 1))) for i in range(n)])
+                    layers=[dict(layer=i, **ratios(slice(i, i + 1))) for i in range(n)],
+                    heads_ca_mass_lost=[[None if np.isnan(x) else float(x) for x in row] for row in lost])
 
 
 # ------------------------------------------------------------------------------------- one prompt's pass
@@ -113,7 +122,7 @@ class _Observer:
         self.n_prefix = next((e for kind, s, e in spans if kind == "prefix"), 0)
         self.alpha = torch.tensor(alpha, dtype=torch.float32)
         self.beta = torch.tensor(beta, dtype=torch.float32)
-        self.counts = RecallCounts.zeros(n_layers)
+        self.counts = RecallCounts.zeros(n_layers, masks[0].ca.shape[1] if masks else 1)
 
     def row_blocks(self):
         """(r0, r1, doc index or None): blocks of rows inside one segment; a document's blocks start at whole
@@ -152,11 +161,15 @@ class _Observer:
             hits = torch.nn.functional.pad(hits_key[:, s_i - s_0:e_i - s_0], pad).reshape(hq, p_i, t).sum(-1)
             mass_page = torch.nn.functional.pad(mass_key[:, s_i - s_0:e_i - s_0], pad).reshape(hq, p_i, t).sum(-1)
             ca = self.on_device[i].ca[layer]
-            kept = float(mass_page[ca].sum())
+            head_mass = mass_page.sum(-1).cpu().numpy()                       # [Hq]
+            head_kept = (mass_page * ca).sum(-1).cpu().numpy()
+            kept = float(head_kept.sum())
             c.ca_high[layer] += float(hits.sum())
             c.ca_high_kept[layer] += float(hits[ca].sum())
-            c.ca_mass[layer] += float(mass_page.sum())
+            c.ca_mass[layer] += float(head_mass.sum())
             c.ca_mass_kept[layer] += kept
+            c.head_ca_mass[layer] += head_mass
+            c.head_ca_mass_kept[layer] += head_kept
             c.mass_kept[layer] += kept
 
     def count_tiles(self) -> None:
@@ -247,7 +260,7 @@ def measure(engine, requests: list[Request], echo=lambda msg: None) -> dict:
     index = engine.index
     profile = index.manifest.profile
     alpha, beta = float(profile["alpha"]), float(profile["beta"])
-    counts = RecallCounts.zeros(engine.model.config.num_hidden_layers)
+    counts = RecallCounts.zeros(engine.model.config.num_hidden_layers, engine.model.config.num_attention_heads)
     for k, request in enumerate(requests, 1):
         segments = engine.tokenize(request)
         doc_ids = [ids for kind, ids in segments if kind == "doc"]

@@ -14,7 +14,8 @@ from sift.errors import SiftError
 from sift.kernels.bits import tril_to_square, unpack_msb
 from sift.kernels.profile_ref import profile_layer_ref
 from sift.pipeline.config import load_config
-from sift.runtime.calibrate import DEFAULT, DEFAULT_GRID, Setting, choose, guard_layers, pareto, parse_setting
+from sift.runtime.calibrate import (DEFAULT, DEFAULT_GRID, Setting, choose, guard_heads, guard_layers, pareto,
+                                    parse_setting)
 from sift.runtime.qa import load_qa, long_documents, write_jsonl
 
 
@@ -255,6 +256,8 @@ def test_ca_full_layers_profile_and_setting():
         plain = Profiler(model, tokenizer, ProfileConfig(tile=16, gamma=0.3), "torch").profile(ids)
         guarded_cfg = ProfileConfig(tile=16, gamma=0.3, ca_full_layers=(2, 29))
         guarded = Profiler(model, tokenizer, guarded_cfg, "torch").profile(ids)
+        heads_cfg = ProfileConfig(tile=16, gamma=0.3, ca_full_layers=(29,), ca_full_heads=((5, 4), (5, 1), (29, 0)))
+        by_head = Profiler(model, tokenizer, heads_cfg, "torch").profile(ids)
     finally:
         model.set_attn_implementation(previous)
     cfg = model.config
@@ -267,8 +270,17 @@ def test_ca_full_layers_profile_and_setting():
     others = [layer for layer in range(layers) if layer not in (2, 29)]
     assert (ca_guarded[others] == ca_plain[others]).all() and guarded.la == plain.la
     assert (ca_plain[[2, 29]] != ca_guarded[[2, 29]]).any()  # gamma 0.3 drops pages there: the test can fail
+    # ca_full_heads: only those (layer, head) vectors whole; with ca_full_layers both apply
+    ca_heads = np.frombuffer(by_head.ca, np.uint8).reshape(layers, heads, nbytes)
+    whole = np.zeros((layers, heads), bool)
+    whole[29] = whole[5, 1] = whole[5, 4] = True
+    assert (ca_heads[whole] == np.array(full, np.uint8)).all() and by_head.la == plain.la
+    assert (ca_heads[~whole] == ca_plain[~whole]).all()
+    assert (ca_plain[5, [1, 4]] != ca_heads[5, [1, 4]]).any()
     with pytest.raises(SiftError, match="ca_full_layers"):
         Profiler(model, tokenizer, ProfileConfig(ca_full_layers=(layers,)), "torch")
+    with pytest.raises(SiftError, match=r"ca_full_heads \[\[0, 9\]\]"):
+        Profiler(model, tokenizer, ProfileConfig(ca_full_heads=((0, heads),)), "torch")
     assert model.config._attn_implementation == previous  # refused before touching the shared model
 
     setting = parse_setting("tile=16,gamma=0.3,ca_full=29/2/0/1")
@@ -277,6 +289,15 @@ def test_ca_full_layers_profile_and_setting():
     assert Setting(**json.loads(json.dumps(asdict(setting)))) == setting  # front.json round trip
     with pytest.raises(SiftError, match="layers separated by /"):
         parse_setting("ca_full=1;2")
+
+    by_head = parse_setting("tile=16,gamma=0.3,ca_heads=5.4/0.2/5.1")
+    assert by_head.ca_full_heads == ((0, 2), (5, 1), (5, 4)) and by_head.guarded and not Setting().guarded
+    assert by_head.label.startswith("t16-a0.001-b0.01-g0.3-cah3.") and by_head.label != Setting(
+        tile=16, gamma=0.3, ca_full_heads=((0, 2), (5, 1))).label
+    assert load_config_text(by_head.toml("m")).profile.ca_full_heads == ((0, 2), (5, 1), (5, 4))
+    assert Setting(**json.loads(json.dumps(asdict(by_head)))) == by_head
+    with pytest.raises(SiftError, match="layer.head pairs"):
+        parse_setting("ca_heads=5")
 
 
 def load_config_text(text):
@@ -294,6 +315,13 @@ def test_guard_layers():
     assert guard_layers(lost, 0.01) == (1, 4)
     assert guard_layers(lost, 0.001) == (1, 3, 4)
     assert guard_layers(lost, 0.5) == ()
+
+
+def test_guard_heads():
+    lost = [[0.0, 0.02, 0.005], [None, None, None], [0.011, 0.0, 0.2]]
+    assert guard_heads(lost, 0.01) == ((0, 1), (2, 0), (2, 2))
+    assert guard_heads(lost, 0.001) == ((0, 1), (0, 2), (2, 0), (2, 2))
+    assert guard_heads(lost, 0.5) == ()
 
 
 def test_guard_sweeps_twins_with_the_layers_losing_mass(tmp_path):
@@ -325,18 +353,25 @@ def test_guard_sweeps_twins_with_the_layers_losing_mass(tmp_path):
         import shutil
 
         built.append(setting)
-        shutil.copytree(tmp_path / ("ones" if setting.ca_full_layers else "no_ca"), index, dirs_exist_ok=True)
+        shutil.copytree(tmp_path / ("ones" if setting.guarded else "no_ca"), index, dirs_exist_ok=True)
 
     items = [QAItem(q["id"], q["question"], (q["answers"][0],), tuple((d, DOCS[d]) for d in q["docs"]))
              for q in QUESTIONS if len(q["docs"]) > 1]
     result = calibrate_items(items, tmp_path / "cal", name="toy.jsonl", settings=[Setting(tile=16, gamma=0.5)],
                              held_in=len(items), target=None, model=DEFAULT_MODEL, device="cpu", max_new_tokens=2,
-                             floor=False, guard_ca=(0.001,), guard_prompts=1, build=build)
+                             floor=False, guard_ca=(0.001,), guard_prompts=1, guard_by=("layer", "head"), build=build)
     info = result["guard"]["t16-a0.001-b0.01-g0.5"]
     assert info["prompts"] == 1 and len(info["ca_mass_lost"]) == cfg.num_hidden_layers
     assert all(lost > 0.001 for lost in info["ca_mass_lost"])
     assert info["guards"]["0.001"] == tuple(range(cfg.num_hidden_layers))
-    assert [s.ca_full_layers for s in built] == [(), tuple(range(cfg.num_hidden_layers))]
-    base, twin = result["points"]
+    assert [s.ca_full_layers for s in built[:2]] == [(), tuple(range(cfg.num_hidden_layers))]
+    base, twin, head_twin = result["points"]
     assert twin["label"] == f"t16-a0.001-b0.01-g0.5-ca0-{cfg.num_hidden_layers - 1}"
     assert twin["tile_fraction"] == 1.0 > base["tile_fraction"] and twin["agreement"] == 1.0
+    # by head: the pairs are exactly those whose measured per-head loss is above eps, and the twin is swept
+    heads_lost = np.array(info["heads_ca_mass_lost"], dtype=float)
+    assert heads_lost.shape == (cfg.num_hidden_layers, cfg.num_attention_heads)
+    assert np.allclose(heads_lost.mean(axis=1), info["ca_mass_lost"])
+    expected = tuple((int(l), int(h)) for l, h in zip(*np.nonzero(heads_lost > 0.001)))
+    assert 0 < len(expected) and info["guards_heads"]["0.001"] == expected == built[2].ca_full_heads
+    assert head_twin["label"] == built[2].label and Setting(**head_twin["setting"]).ca_full_heads == expected

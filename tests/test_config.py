@@ -34,6 +34,9 @@ def test_cli_overrides_and_profile_key():
     guarded = dataclasses.replace(base, profile=dataclasses.replace(base.profile, ca_full_layers=[17, 3, 3]))
     assert guarded.profile.ca_full_layers == (3, 17)
     assert guarded.profile_key("fp", 1) != base.profile_key("fp", 1)
+    by_head = dataclasses.replace(base, profile=dataclasses.replace(base.profile, ca_full_heads=[[5, 2], [0, 1]]))
+    assert by_head.profile.ca_full_heads == ((0, 1), (5, 2))
+    assert len({by_head.profile_key("fp", 1), guarded.profile_key("fp", 1), base.profile_key("fp", 1)}) == 3
 
 
 @pytest.mark.parametrize("text, message", [
@@ -45,6 +48,8 @@ def test_cli_overrides_and_profile_key():
     ("[profile]\ndense_heads = [1, 2]\n", "dense_heads"),
     ("[profile]\nca_full_layers = [-1]\n", "ca_full_layers"),
     ("[profile]\nca_full_layers = ['x']\n", "ca_full_layers"),
+    ("[profile]\nca_full_heads = [1, 2]\n", "ca_full_heads"),
+    ("[profile]\nca_full_heads = [[0, -1]]\n", "ca_full_heads"),
     ("[corpus]\ntoo_long = 'truncate'\n", "too_long"),
     ("[corpus]\nfollow_symlinks = 'yes'\n", "follow_symlinks"),
     ("[build]\nbackend = 'cuda'\n", "backend"),

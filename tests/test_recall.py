@@ -94,6 +94,10 @@ def test_recall_equals_brute_force_eager_attention():
         lost = (a * (cross_rows & ~kept)).sum() / rows.sum()
         assert got.summary()["layers"][layer]["ca_mass_lost"] == pytest.approx(lost, rel=1e-4)
         assert lost > 0.01  # random CA bits drop pages that later documents read
+        # per head: each head's lost mass over its own document rows
+        head_lost = (a * (cross_rows & ~kept)).sum(axis=(1, 2)) / rows[0].sum()
+        assert got.summary()["heads_ca_mass_lost"][layer] == pytest.approx(head_lost.tolist(), rel=1e-4)
+        assert np.mean(head_lost) == pytest.approx(lost, rel=1e-4) and np.ptp(head_lost) > 0
         la = [m.la[layer] for m in masks]
         assert got.la_tiles[layer] == sum(x.shape[0] * x.shape[1] * (x.shape[1] + 1) / 2 for x in la)
         assert got.la_tiles_kept[layer] == sum(int(x.sum()) for x in la)
