@@ -119,3 +119,20 @@ def test_random_bits_of_a_long_document():
     d = index_density(table, tile=TILE, n_layers=LAYERS, n_heads=HEADS)
     assert np.allclose(d.la_heads, la.double().mean(dim=1).reshape(LAYERS, HEADS).numpy())
     assert np.allclose(d.ca_heads, ca.double().mean(dim=1).reshape(LAYERS, HEADS).numpy())
+
+
+def test_inspect_names_the_guarded_layers_and_heads(tmp_path):
+    """`sift-inspect` says which CA vectors an index keeps whole (profile.ca_full_layers / ca_full_heads), and
+    says nothing of it for an index without guards."""
+    from click.testing import CliRunner
+
+    from sift.pipeline.cli import inspect_main
+
+    make_index(tmp_path / "plain", LENGTHS)
+    make_index(tmp_path / "guarded", LENGTHS, profile={"ca_full_layers": [0], "ca_full_heads": [[1, 0], [1, 2]]})
+    plain = CliRunner().invoke(inspect_main, [str(tmp_path / "plain")])
+    guarded = CliRunner().invoke(inspect_main, [str(tmp_path / "guarded")])
+    assert plain.exit_code == 0 and guarded.exit_code == 0, plain.output + guarded.output
+    assert "CA kept whole" not in plain.output
+    assert "CA kept whole in layers [0]" in guarded.output
+    assert "CA kept whole in 2 (layer, head) pairs" in guarded.output

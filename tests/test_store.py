@@ -35,8 +35,9 @@ def _random_bits(n_tokens: int, gen: torch.Generator) -> tuple[bytes, bytes]:
 
 
 def make_index(root: Path, lengths: dict[str, int] = LENGTHS, *, shards: int = 2, fp: str = FP,
-               seed: int = 0) -> dict[str, dict]:
-    """Write a committed index of `lengths` (doc_id -> n_tokens) over `shards` shards; -> the rows written."""
+               seed: int = 0, profile: dict | None = None) -> dict[str, dict]:
+    """Write a committed index of `lengths` (doc_id -> n_tokens) over `shards` shards, its manifest's profile
+    updated with `profile`; -> the rows written."""
     gen = torch.Generator().manual_seed(seed)
     rows = {}
     for doc_id, n in lengths.items():
@@ -57,7 +58,7 @@ def make_index(root: Path, lengths: dict[str, int] = LENGTHS, *, shards: int = 2
                   "rope": {"rope_type": "default", "rope_theta": 10000.0}, "max_position_embeddings": 2048},
         "profile": {"tile": TILE, "alpha": 0.001, "beta": 0.01, "gamma": 0.1, "ca_normalize": "causal",
                     "force_sink_page": True, "dense_heads": [], "prefix_text": None, "dtype": "float32",
-                    "prefix_token_ids": [1], "profile_key": "k"},
+                    "prefix_token_ids": [1], "profile_key": "k", **(profile or {})},
         "shards": [i.to_dict() for i in infos], "errors": None, "documents": len(rows),
     }
     idx.commit_manifest(root, fmt.Manifest.from_dict(manifest))
