@@ -137,7 +137,8 @@ def _choose_blocks(engine, policy, layout, all_ids, docs, keys, lease, plan: "_R
 
 def _deviation(engine, layout, all_ids, docs, keys, lease, timer: Timer) -> list[np.ndarray]:
     """Per document, per block: squared distance between the request's in-context keys of layer
-    DEVIATION_LAYER and the cached ones (CacheBlend's signal), from a forward of the first layers only."""
+    DEVIATION_LAYER and the cached ones (CacheBlend's signal), from a forward of the first layers only. Real
+    slots only: a last block's padding slots hold whatever an earlier user of the page wrote."""
     meta = engine._metadata(layout, _bits_of(engine, layout, docs, timer), timer)
     cache = BatchKVCache(layout, reuse.DEVIATION_LAYER + 1)
     state = StopAfter(engine._backend, meta, cache, engine.inv_freq, timer, reuse.DEVIATION_LAYER)
@@ -150,11 +151,13 @@ def _deviation(engine, layout, all_ids, docs, keys, lease, timer: Timer) -> list
     _, h, d = pool.shape
     blk = engine.block
     out = []
+    slot = torch.arange(blk, device=pool.device)
     for i, k in enumerate(keys):
         f, n = int(layout.doc_first_block[i]), int(layout.doc_n_blocks[i])
         cached = pool.view(-1, blk, h, d).index_select(0, lease.doc_pages[k]).float()   # [n, blk, Hkv, D]
         ctx = k_ctx.reshape(h, -1, blk, d)[:, f:f + n].permute(1, 2, 0, 3).float()
-        out.append(((ctx - cached) ** 2).sum(dim=(1, 2, 3)).cpu().numpy())
+        real = slot[None, :] < layout.block_valid[f:f + n, None].to(pool.device)       # [n, blk]
+        out.append((((ctx - cached) ** 2).sum(dim=(2, 3)) * real).sum(dim=1).cpu().numpy())
     return out
 
 
