@@ -168,14 +168,16 @@ def test_hybrid_recomputing_everything_equals_the_plain_forward(setup):
         assert (res.logits[i] - ref).abs().max().item() <= LOGIT_ATOL
 
 
-def test_deviation_ignores_what_padding_slots_hold(setup):
+def test_answers_ignore_what_padding_slots_hold(setup):
     """A document's last page has padding slots that keep whatever an earlier user of the page wrote there (pages
-    are recycled: scratch pages of earlier calls, generated tokens). The deviation policy must compare real slots
-    only, so its choice, and the answer, never depend on the pool's history."""
+    are recycled: scratch pages of earlier calls, generated tokens). Attention must mask them and the deviation
+    policy compare real slots only, so no answer depends on the pool's history."""
     _, _, _, reqs = setup
+    modes = ("reuse", "hybrid:deviation", "hybrid:first")
     clean, _ = engine_with(setup, hbm_pages=128, hybrid_fraction=0.2)
     clean.prefill(reqs[:1], mode="reuse")
-    expected = clean.prefill(reqs[:1], mode="hybrid:deviation")
+    expected = {m: clean.prefill(reqs[:1], mode=m) for m in modes}
+    expected_ids = clean.generate(reqs[:1], max_new_tokens=3, mode="reuse").token_ids
     dirty, store = engine_with(setup, hbm_pages=128, hybrid_fraction=0.2)
     dirty.prefill(reqs[:1], mode="reuse")
     blk = dirty.block
@@ -183,9 +185,12 @@ def test_deviation_ignores_what_padding_slots_hold(setup):
     padding = (slots % blk >= store.page_valid[:, None]).flatten()
     assert 0 < int(padding.view(-1, blk)[store.page_valid > 0].sum())  # some entry ends inside a page
     store.k_pool[:, padding] = 1e3                                        # what a recycled page may hold
-    got = dirty.prefill(reqs[:1], mode="hybrid:deviation")
-    assert got.recomputed_fraction == expected.recomputed_fraction
-    torch.testing.assert_close(got.logits, expected.logits, rtol=0, atol=1e-5)
+    store.v_pool[:, padding] = -1e3
+    for m in modes:
+        got = dirty.prefill(reqs[:1], mode=m)
+        assert got.recomputed_fraction == expected[m].recomputed_fraction, m
+        torch.testing.assert_close(got.logits, expected[m].logits, rtol=0, atol=1e-5)
+    assert dirty.generate(reqs[:1], max_new_tokens=3, mode="reuse").token_ids == expected_ids
 
 
 def test_hybrid_policies_choose_within_budget(setup):
