@@ -129,8 +129,8 @@ class SiftEngine:
         self.model, self.tokenizer, self.index, self.on_unknown = model, tokenizer, index, on_unknown
         self.device = next(model.parameters()).device
         cfg = model.config
-        self._backend = select_backend(backend, self.device)
-        self.backend: str = self._backend.name
+        self.attention_backend = select_backend(backend, self.device)
+        self.backend: str = self.attention_backend.name
 
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         if self.head_dim not in HEAD_DIMS:
@@ -186,10 +186,12 @@ class SiftEngine:
             eos = self.tokenizer.eos_token_id
         return set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
 
-    # ------------------------------------------------------------------------------------------ helpers
+    # ------------------------------------------------------------------------------------------- steps
+    # The steps of a call (tokenise and check, metadata, one forward, the routed attention) are public: the
+    # reuse / hybrid prefill (runtime/reuse_prefill.py) composes its own calls from them.
 
     @contextlib.contextmanager
-    def _attn_impl(self):
+    def routed_attention(self):
         """Route the model's attention to the engine for the duration of a call, then restore it. The config
         attribute is swapped directly (microseconds; `set_attn_implementation` walks every module, ~5 ms),
         after `__init__` validated the switch once through `set_attn_implementation`."""
@@ -217,7 +219,7 @@ class SiftEngine:
         """The unsegmented prompt: the concatenation of the segments' token ids."""
         return [t for _, ids in self.tokenize(request) for t in ids]
 
-    def _check_docs(self, requests: Sequence[Request], segs: list[list[tuple[str, list[int]]]]) -> None:
+    def check_docs(self, requests: Sequence[Request], segs: list[list[tuple[str, list[int]]]]) -> None:
         """Stale or unknown documents are refused (unknown ones pass with on_unknown="dense")."""
         index = self.index
         for request, segments in zip(requests, segs):
@@ -239,7 +241,8 @@ class SiftEngine:
                         f"tokens (content_hash {entry.content_hash[:16]}...): its text changed since it was indexed; "
                         f"rebuild the index (`sift-build CORPUS --out {index.path}` re-profiles changed documents)")
 
-    def _validate_requests(self, requests, mode: str) -> None:
+    def validate_requests(self, requests, mode: str) -> None:
+        """Refuse an unknown mode, a mode the engine cannot serve (no index, no KV store) and bad requests."""
         if mode.partition(":")[0] not in MODES:
             raise SiftError(f"mode={mode!r} must be one of {', '.join(MODES)} (or 'hybrid:<policy>[@<fraction>]')")
         if mode == "sift" and self.index is None:
@@ -285,7 +288,7 @@ class SiftEngine:
                                 f"{self.max_positions} (max_position_embeddings): shorten the prompt"
                                 f"{' or lower max_new_tokens' if new_tokens else ''}")
 
-    def _segments(self, requests: Sequence[Request], new_tokens: int):
+    def segments(self, requests: Sequence[Request], new_tokens: int):
         """Requests -> (segments per request, prompt lengths), lengths checked."""
         segs = [self.tokenize(r) for r in requests]
         lengths = [sum(len(ids) for _, ids in s) for s in segs]
@@ -297,9 +300,9 @@ class SiftEngine:
 
     def _plan(self, requests: Sequence[Request], mode: str, timer: Timer, new_tokens: int):
         """Requests -> (token ids of the batch [1, n_real], layout, prompt lengths, the documents' bits or None)."""
-        segs, lengths = self._segments(requests, new_tokens)
+        segs, lengths = self.segments(requests, new_tokens)
         if mode == "sift":
-            self._check_docs(requests, segs)
+            self.check_docs(requests, segs)
         layout = build_layout([[(k, len(ids)) for k, ids in s] for s in segs], self.block, self.device)
         bits = None
         if mode == "sift" and layout.n_docs:
@@ -310,7 +313,7 @@ class SiftEngine:
         ids = torch.tensor([[t for s in segs for _, seg in s for t in seg]], device=self.device)
         return ids, layout, lengths, bits
 
-    def _metadata(self, layout, bits, timer: Timer, q_blocks: torch.Tensor | None = None) -> PrefillMetadata:
+    def metadata(self, layout, bits, timer: Timer, q_blocks: torch.Tensor | None = None) -> PrefillMetadata:
         """Every layer's block CSR, before the forward: from the bits, or dense when there are none; only the
         rows of `q_blocks` when given."""
         n_layers, n_heads = self.model.config.num_hidden_layers, self.model.config.num_attention_heads
@@ -318,21 +321,21 @@ class SiftEngine:
             if bits is None:
                 return PrefillMetadata.build(layout, dense_layers(layout, n_heads, n_layers), sparse=False,
                                              q_blocks=q_blocks)
-            return PrefillMetadata.build(layout, self._backend.decode_indices(layout, bits, self.tile, n_heads),
-                                         sparse=True, q_blocks=q_blocks)
+            indices = self.attention_backend.decode_indices(layout, bits, self.tile, n_heads)
+            return PrefillMetadata.build(layout, indices, sparse=True, q_blocks=q_blocks)
 
     def _prefill(self, requests: Sequence[Request], mode: str, new_tokens: int):
         """-> (PrefillResult, layout, the batch's KV cache with room for new_tokens more per request)."""
         t0 = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
-        self._validate_requests(requests, mode)
+        self.validate_requests(requests, mode)
         timer = Timer(self.device)
         ids, layout, lengths, bits = self._plan(requests, mode, timer, new_tokens)
-        meta = self._metadata(layout, bits, timer)
+        meta = self.metadata(layout, bits, timer)
         n_layers = self.model.config.num_hidden_layers
         cache = BatchKVCache(layout, n_layers, gen_blocks=-(-new_tokens // self.block))
-        hidden = self._forward(ids, layout.token_local_pos, meta, cache, timer)
+        hidden = self.forward_tokens(ids, layout.token_local_pos, meta, cache, timer)
         last = (layout.req_first_token + layout.req_n_tokens - 1).long()
         logits = self.model.get_output_embeddings()(hidden[0, last]).float()
         stages = timer.totals()  # synchronises on CUDA
@@ -345,11 +348,11 @@ class SiftEngine:
                                mode=mode, backend=self.backend, block=self.block, n_tokens=tuple(lengths))
         return result, layout, cache
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: PrefillMetadata, cache, timer: Timer):
+    def forward_tokens(self, ids: torch.Tensor, positions: torch.Tensor, meta: PrefillMetadata, cache, timer: Timer):
         """One prefill forward of the model over `ids` [1, n] at segment-local `positions` [n] -> last hidden
         states [1, n, hidden]; each layer's K / V go into `cache` and attention follows `meta`."""
-        attention = PrefillAttention(self._backend, meta, cache, self.inv_freq, timer)
-        with self._attn_impl():
+        attention = PrefillAttention(self.attention_backend, meta, cache, self.inv_freq, timer)
+        with self.routed_attention():
             hidden = self.model.base_model(input_ids=ids, position_ids=positions[None], use_cache=False,
                                            sift_state=attention).last_hidden_state
         n_layers = self.model.config.num_hidden_layers
@@ -380,9 +383,9 @@ class SiftEngine:
         out: list[list[int]] = [[] for _ in range(b)]
         done = [False] * b
         token = prefill.logits.argmax(dim=-1)  # [B]
-        dec = DecodeAttention(self._backend, DecodeMetadata.build(layout, cache.block_pages, cache.gen_pages), cache,
-                               self.inv_freq)
-        with self._attn_impl():
+        meta = DecodeMetadata.build(layout, cache.block_pages, cache.gen_pages)
+        dec = DecodeAttention(self.attention_backend, meta, cache, self.inv_freq)
+        with self.routed_attention():
             for step in range(max_new_tokens):
                 host = token.tolist()
                 for r in range(b):

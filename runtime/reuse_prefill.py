@@ -4,9 +4,9 @@ the index's profiling prefix (inside the request's own forward, or in a forward 
 reads its stored keys), and the request's forward runs only its prefix, query, last and recomputed blocks, the
 other blocks' KV read from the documents' pages through a `PagedKVCache`.
 
-These functions drive a `SiftEngine`'s own steps (tokenising, checks, metadata, forward), passed in as
-`engine` (this module does not import the engine); `SiftEngine.prefill` and `generate` call `prefill` for these
-modes and `release` when the call ends.
+These functions compose a `SiftEngine`'s public steps (`segments`, `check_docs`, `metadata`, `forward_tokens`,
+`routed_attention`), the engine passed in as `engine` (this module does not import it); `SiftEngine.prefill` and
+`generate` call `prefill` for these modes and `release` when the call ends.
 """
 from __future__ import annotations
 
@@ -35,12 +35,12 @@ def prefill(engine, requests: Sequence, mode: str, new_tokens: int):
     t0 = time.perf_counter()
     if engine.device.type == "cuda":
         torch.cuda.current_stream(engine.device).synchronize()
-    engine._validate_requests(requests, mode)
+    engine.validate_requests(requests, mode)
     _, policy, fraction = reuse.parse_mode(mode)
     timer = Timer(engine.device)
-    segs, lengths = engine._segments(requests, new_tokens)
+    segs, lengths = engine.segments(requests, new_tokens)
     if engine.index is not None:
-        engine._check_docs(requests, segs)
+        engine.check_docs(requests, segs)
     shape = [[(k, len(ids)) for k, ids in s] for s in segs]
     layout = build_layout(shape, engine.block, engine.device)
     docs = [(doc_id, ids) for r, s in zip(requests, segs)
@@ -102,11 +102,11 @@ def _compute_docs(engine, cold: "_ColdDocs", timer: Timer) -> float:
     """Compute the missing documents in a forward of their own, straight into their pages (the policies that
     read their stored KV before the request's forward). -> computed tiles."""
     bits = _bits_of(engine, cold.layout, cold.docs, timer)
-    meta = engine._metadata(cold.layout, bits, timer)
+    meta = engine.metadata(cold.layout, bits, timer)
     slots = cold.pages[cold.layout.token_phys // engine.block] * engine.block + cold.layout.token_phys % engine.block
     cache = PagedKVCache(cold.layout, engine.kv_store, cold.lease, cold.pages, slots,
                          cold.pages.new_empty(0, 0))
-    engine._forward(cold.ids[None], cold.layout.token_local_pos, meta, cache, timer)
+    engine.forward_tokens(cold.ids[None], cold.layout.token_local_pos, meta, cache, timer)
     if bits is not None:
         return float(meta.nnz())
     config = engine.model.config   # every causal pair
@@ -139,10 +139,10 @@ def _deviation(engine, layout, all_ids, docs, keys, lease, timer: Timer) -> list
     """Per document, per block: squared distance between the request's in-context keys of layer
     DEVIATION_LAYER and the cached ones (CacheBlend's signal), from a forward of the first layers only. Real
     slots only: a last block's padding slots hold whatever an earlier user of the page wrote."""
-    meta = engine._metadata(layout, _bits_of(engine, layout, docs, timer), timer)
+    meta = engine.metadata(layout, _bits_of(engine, layout, docs, timer), timer)
     cache = BatchKVCache(layout, reuse.DEVIATION_LAYER + 1)
-    state = StopAfter(engine._backend, meta, cache, engine.inv_freq, timer, reuse.DEVIATION_LAYER)
-    with engine._attn_impl(), contextlib.suppress(Stopped):
+    state = StopAfter(engine.attention_backend, meta, cache, engine.inv_freq, timer, reuse.DEVIATION_LAYER)
+    with engine.routed_attention(), contextlib.suppress(Stopped):
         engine.model.base_model(input_ids=all_ids[None], position_ids=layout.token_local_pos[None],
                               use_cache=False, sift_state=state)
     k_ctx, _ = cache.prompt_kv(reuse.DEVIATION_LAYER)
@@ -195,11 +195,11 @@ def _reuse_forward(engine, shape, layout, all_ids, docs, keys, lease, plan: "_Re
         run_computed = torch.cat([torch.ones_like(cold.pages, dtype=torch.bool), computed])
         first_request = len(cold.shape)
         bits = _bits_of(engine, run, cold.docs + docs, timer)
-    meta = engine._metadata(run, bits, timer, q_blocks=run_computed.nonzero().flatten())
+    meta = engine.metadata(run, bits, timer, q_blocks=run_computed.nonzero().flatten())
     sel = run_computed[run.token_phys // blk]
     slots = run_pages[meta.token_phys // blk] * blk + meta.token_phys % blk
     cache = PagedKVCache(run, engine.kv_store, lease, run_pages, slots, gen)
-    hidden = engine._forward(ids[sel][None], run.token_local_pos[sel], meta, cache, timer)
+    hidden = engine.forward_tokens(ids[sel][None], run.token_local_pos[sel], meta, cache, timer)
     last = run.token_phys[(run.req_first_token + run.req_n_tokens - 1).long()[first_request:]]
     rows = torch.searchsorted(meta.token_phys, last)
     logits = engine.model.get_output_embeddings()(hidden[0, rows]).float()
