@@ -42,7 +42,7 @@ import qa_sets  # bench/qa_sets.py
 
 import torch  # noqa: E402
 
-from sift.runtime.calibrate import calibrate_items, parse_setting  # noqa: E402
+from sift.runtime.calibrate import GUARD_BY, calibrate_items, parse_setting  # noqa: E402
 
 SETTINGS = ("tile=64", "tile=32", "tile=16",
             "tile=16,alpha=0.003,beta=0.02,gamma=0.2",
@@ -85,6 +85,8 @@ def parse_args():
     args.settings = [s for s in args.settings.split(";") if s.strip()]
     args.guard_ca = [float(x) for x in args.guard_ca.split(",") if x.strip()]
     args.guard_by = tuple(x.strip() for x in args.guard_by.split(",") if x.strip())
+    if not args.guard_by or set(args.guard_by) - set(GUARD_BY):
+        ap.error(f"--guard-by {','.join(args.guard_by)!r}: choose among {', '.join(GUARD_BY)}")
     if args.smoke:
         args.sets, args.held_in, args.max_new_tokens = args.sets[:1], 2, 2
         args.limit_hotpotqa = args.limit_2wiki = args.limit_long = 3
