@@ -2,7 +2,8 @@
 compared with dense and with the gold answers, aggregated with bootstrap confidence intervals; a report out.
 
     sift-eval INDEX QA_FILE --modes dense,sift [--model M] [--limit N] [--batch B] [--max-new-tokens T]
-              [--dtype auto|float32|bfloat16|float16] [--recall [--recall-limit N]] [--kv-store-gib G] --out DIR
+              [--dtype auto|float32|bfloat16|float16] [--block B] [--recall [--recall-limit N] [--recall-at-block]]
+              [--kv-store-gib G] --out DIR
 
 INDEX is a folder or an object-store URI. Modes: dense, sift, and the KV-reuse modes reuse, hybrid,
 hybrid:<policy>, hybrid:<policy>@<fraction> (runtime/reuse.py; they run with a KVStore of --kv-store-gib).
@@ -14,7 +15,8 @@ writes
                       for questions not run (a document missing from the index or stale, a prompt too long)
                       With --recall, `recall`: the SIFT paper's in-context recall of the index's bits on the
                       evaluated prompts (runtime/recall.py): LA / CA recall, LA / CA sparsity and the attention
-                      mass the sparse pattern keeps, per layer and in total, beside the paper's figures
+                      mass the sparse pattern keeps, per layer and in total, beside the paper's figures; at the
+                      index tile, or with --recall-at-block as the engine's kernel block computes the bits
     DIR/report.md     the summary table (and the recall table)
     DIR/summary.png   the per-mode means with their intervals
     DIR/recall.png    with --recall: recall and sparsity per layer
@@ -47,7 +49,7 @@ import numpy as np
 import torch
 
 from sift.errors import SiftError
-from sift.format import content_hash
+from sift.format import TILES, content_hash
 from sift.model import DTYPES, resolve_dtype
 from sift.plots import mode_summary, recall_by_layer
 
@@ -274,8 +276,9 @@ def _pct(x) -> str:
 
 def recall_markdown(recall: dict) -> list[str]:
     """The recall section: the total beside the paper's figures, then one row per layer."""
+    at = f", counted at kernel block {recall['block']}" if recall.get("block", recall["tile"]) != recall["tile"] else ""
     lines = [f"## In-context recall of the bits ({recall['prompts']} prompts, alpha {recall['alpha']:g}, "
-             f"beta {recall['beta']:g}, tile {recall['tile']})", "",
+             f"beta {recall['beta']:g}, tile {recall['tile']}{at})", "",
              "| | " + " | ".join(title for _, title in _RECALL_COLUMNS) + " |",
              "|---|" + "---:|" * len(_RECALL_COLUMNS),
              "| this index | " + " | ".join(_pct(recall["total"][k]) for k, _ in _RECALL_COLUMNS) + " |",
@@ -327,9 +330,9 @@ def _reuse_mode_ok(mode: str) -> bool:
 
 
 def _engine(index_path: str, model: str | None, device: str, backend: str,
-            kv_store_gib: float = 0.0, dtype: str = "auto") -> SiftEngine:
+            kv_store_gib: float = 0.0, dtype: str = "auto", block: int | None = None) -> SiftEngine:
     """The engine over the index at `index_path` (a folder or an object-store URI); with a KV store of
-    kv_store_gib (modes reuse / hybrid)."""
+    kv_store_gib (modes reuse / hybrid); block: the kernel block (None: the engine's default)."""
     from sift.model import load_model
 
     from .kv_store import KVStore
@@ -340,20 +343,21 @@ def _engine(index_path: str, model: str | None, device: str, backend: str,
     index = SiftIndex.open(index_path, device=device)
     hf, tokenizer, _ = load_model(model or index.model_name, dtype=resolve_dtype(dtype, device), device=device)
     store = KVStore(hbm_bytes=int(kv_store_gib * 2**30)) if kv_store_gib > 0 else None
-    return SiftEngine(hf, tokenizer, index, backend=backend, kv_store=store)
+    return SiftEngine(hf, tokenizer, index, backend=backend, kv_store=store, block=block)
 
 
 def run(index_path: Path, qa_file: Path, *, modes: list[str], model: str | None = None, fmt: str = "auto",
         limit: int | None = None, batch: int = 1, max_new_tokens: int = 24, device: str = "auto",
         backend: str = "auto", resamples: int = 2000, seed: int = 0, recall: bool = False,
-        recall_limit: int | None = None, kv_store_gib: float = 4.0, dtype: str = "auto",
-        echo=lambda msg: None) -> dict:
+        recall_limit: int | None = None, kv_store_gib: float = 4.0, dtype: str = "auto", block: int | None = None,
+        recall_at_block: bool = False, echo=lambda msg: None) -> dict:
     """The whole eval -> the report (as report.json holds it). recall: also measure the bits' in-context recall
-    on the first `recall_limit` (None: all) evaluated questions. kv_store_gib: the KV store of the reuse modes
-    (created only when one is asked for)."""
+    on the first `recall_limit` (None: all) evaluated questions, at the index tile (recall_at_block: as the
+    engine's kernel block computes the bits). kv_store_gib: the KV store of the reuse modes (created only when
+    one is asked for). block: the engine's kernel block (None: 128 on CUDA, the index tile on CPU)."""
     items, fmt = load_qa(qa_file, fmt, limit)
     reusing = any(m.partition(":")[0] in ("reuse", "hybrid") for m in modes)
-    engine = _engine(index_path, model, device, backend, kv_store_gib if reusing else 0.0, dtype)
+    engine = _engine(index_path, model, device, backend, kv_store_gib if reusing else 0.0, dtype, block)
     echo(f"{len(items)} questions ({fmt}); index {index_path}: {len(engine.index)} documents, tile "
          f"{engine.index.tile}; backend {engine.backend}, block {engine.block}; modes {', '.join(modes)}")
     rows, skipped = evaluate(engine, items, modes, batch=batch, max_new_tokens=max_new_tokens, echo=echo)
@@ -368,7 +372,8 @@ def run(index_path: Path, qa_file: Path, *, modes: list[str], model: str | None 
     if recall:
         evaluated = {r["id"] for r in rows}
         requests = [item.request() for item in items if item.id in evaluated][:recall_limit]
-        report["recall"] = measure_recall(engine, requests, echo=echo)
+        report["recall"] = measure_recall(engine, requests, echo=echo,
+                                          block=engine.block if recall_at_block else None)
     return report
 
 
@@ -394,12 +399,19 @@ def run(index_path: Path, qa_file: Path, *, modes: list[str], model: str | None 
               help="Also measure the bits' in-context LA / CA recall and sparsity (the SIFT paper's way).")
 @click.option("--recall-limit", type=click.IntRange(1), default=None,
               help="Measure recall on the first N evaluated questions only (default: all).")
+@click.option("--recall-at-block", is_flag=True,
+              help="Count recall and sparsity as the engine's kernel block computes the bits (a tile or page the "
+                   "bits drop inside a computed block counts as kept) instead of at the index tile.")
+@click.option("--block", type=click.Choice([str(t) for t in TILES]), default=None,
+              callback=lambda _c, _p, v: None if v is None else int(v),
+              help="The kernel block (default: 128 on CUDA, the index tile on CPU); --block 128 on CPU computes "
+                   "the blocks a GPU computes.")
 @click.option("--kv-store-gib", type=click.FloatRange(0.01), default=4.0, show_default=True,
               help="HBM (host memory on CPU) of the KV store the reuse / hybrid modes use.")
 @click.option("--out", type=click.Path(path_type=Path), required=True,
               help="Folder for report.json, report.md and summary.png.")
 def main(index_path, qa_file, modes, model, fmt, limit, batch, max_new_tokens, device, dtype, backend, resamples,
-         recall, recall_limit, kv_store_gib, out):
+         recall, recall_limit, recall_at_block, block, kv_store_gib, out):
     """Evaluate the answers of each mode against dense and the gold answers of a QA set over INDEX.
 
     QA_FILE: JSONL of {"id", "question", "answers": [...], "docs": [{"id", "text"}], "prefix"?}, or the
@@ -412,7 +424,8 @@ def main(index_path, qa_file, modes, model, fmt, limit, batch, max_new_tokens, d
     try:
         report = run(index_path, qa_file, modes=_parse_modes(modes), model=model, fmt=fmt, limit=limit, batch=batch,
                      max_new_tokens=max_new_tokens, device=device, backend=backend, resamples=resamples,
-                     recall=recall, recall_limit=recall_limit, kv_store_gib=kv_store_gib, dtype=dtype, echo=log)
+                     recall=recall, recall_limit=recall_limit, kv_store_gib=kv_store_gib, dtype=dtype, block=block,
+                     recall_at_block=recall_at_block, echo=log)
         write_report(report, out)
     except SiftError as e:
         click.echo(f"error: {e}", err=True)

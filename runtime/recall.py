@@ -21,6 +21,11 @@ so no L x L matrix is ever held) and, per (layer, query head), counts against th
 
 alpha and beta are the index's own thresholds. Prefix and query rows are dense in SIFT and are not counted.
 Counts are summed over heads, documents and prompts, per layer; "total" sums the layers.
+
+By default the bits are counted as profiled, at the index's tile (the paper's measure). With a kernel block
+larger than the tile (`measure(..., block=128)`, what a GPU engine runs), the engine computes a whole
+(query block, key block) as soon as one tile or page in it is kept: `coarsen` turns the bits into that pattern,
+so that recall and the CA mass lost count what the engine actually drops.
 """
 from __future__ import annotations
 
@@ -238,8 +243,26 @@ def measure_prompt(model, segments: list[tuple[str, list[int]]], masks: list[Doc
 # -------------------------------------------------------------------------------------- over an index
 
 
-def doc_masks(index, docs: list[tuple[str, int]]) -> list[DocMasks]:
-    """docs: (doc_id, n_tokens) -> their bits from the index, decoded (on the CPU)."""
+def coarsen(masks: DocMasks, r: int) -> DocMasks:
+    """The tiles and pages a kernel block of `r` tiles computes (blocks start at the document's first tile, as
+    the layout pads documents to whole blocks): a tile (i, j) is computed iff some kept tile of its block pair
+    (i // r, j // r) is, a page iff some kept page of its key block is. Same shapes as `masks`."""
+    if r == 1:
+        return masks
+    la, ca = masks.la, masks.ca
+    p = ca.shape[-1]
+    nb = -(-p // r)
+    pad = nb * r - p
+    la_blocks = torch.nn.functional.pad(la, (0, pad, 0, pad)).reshape(*la.shape[:2], nb, r, nb, r).any(dim=(3, 5))
+    ca_blocks = torch.nn.functional.pad(ca, (0, pad)).reshape(*ca.shape[:2], nb, r).any(dim=-1)
+    la = la_blocks.repeat_interleave(r, dim=2).repeat_interleave(r, dim=3)[..., :p, :p]
+    causal = torch.ones(p, p, dtype=torch.bool).tril()
+    return DocMasks(la=la & causal, ca=ca_blocks.repeat_interleave(r, dim=-1)[..., :p])
+
+
+def doc_masks(index, docs: list[tuple[str, int]], block: int | None = None) -> list[DocMasks]:
+    """docs: (doc_id, n_tokens) -> their bits from the index, decoded (on the CPU); with `block` (a multiple
+    of the index tile), as a kernel of that block computes them (`coarsen`)."""
     bits = index.fetch(docs)
     layers, heads = bits.n_layers, bits.n_heads
     out = []
@@ -249,15 +272,20 @@ def doc_masks(index, docs: list[tuple[str, int]]) -> list[DocMasks]:
         la0, ca0 = int(bits.la_base[i]), int(bits.ca_base[i])
         la = bits.la_bytes[la0:la0 + layers * heads * la_nb].view(layers, heads, la_nb).cpu()
         ca = bits.ca_bytes[ca0:ca0 + layers * heads * ca_nb].view(layers, heads, ca_nb).cpu()
-        out.append(DocMasks(la=tril_to_square(unpack_msb(la, p * (p + 1) // 2), p), ca=unpack_msb(ca, p)))
+        masks = DocMasks(la=tril_to_square(unpack_msb(la, p * (p + 1) // 2), p), ca=unpack_msb(ca, p))
+        out.append(coarsen(masks, (block or index.tile) // index.tile))
     return out
 
 
-def measure(engine, requests: list[Request], echo=lambda msg: None) -> dict:
+def measure(engine, requests: list[Request], echo=lambda msg: None, block: int | None = None) -> dict:
     """The recall section of an eval: the engine's index and model over the requests' multi-document prompts
-    (every document must be in the index and fresh: the eval checks that first). -> summary with the
-    thresholds and the paper's figures."""
+    (every document must be in the index and fresh: the eval checks that first). block: count the bits as a
+    kernel of this block computes them (None: as profiled, at the index tile). -> summary with the
+    thresholds, the block and the paper's figures."""
     index = engine.index
+    block = block or index.tile
+    if block % index.tile:
+        raise ValueError(f"block {block} is not a multiple of the index tile {index.tile}")
     profile = index.manifest.profile
     alpha, beta = float(profile["alpha"]), float(profile["beta"])
     counts = RecallCounts.zeros(engine.model.config.num_hidden_layers, engine.model.config.num_attention_heads)
@@ -265,8 +293,8 @@ def measure(engine, requests: list[Request], echo=lambda msg: None) -> dict:
         segments = engine.tokenize(request)
         doc_ids = [ids for kind, ids in segments if kind == "doc"]
         docs = [(doc_id, len(ids)) for (doc_id, _), ids in zip(request.docs, doc_ids)]
-        counts.add(measure_prompt(engine.model, segments, doc_masks(index, docs), tile=index.tile, alpha=alpha,
-                                  beta=beta))
+        counts.add(measure_prompt(engine.model, segments, doc_masks(index, docs, block), tile=index.tile,
+                                  alpha=alpha, beta=beta))
         echo(f"recall: {k}/{len(requests)} prompts")
-    return dict(alpha=alpha, beta=beta, gamma=profile.get("gamma"), tile=index.tile, paper=PAPER,
+    return dict(alpha=alpha, beta=beta, gamma=profile.get("gamma"), tile=index.tile, block=block, paper=PAPER,
                 **counts.summary())

@@ -286,15 +286,18 @@ def test_cli_recall_all_ones(eval_setup):
     skipped, and document rows keep all their attention mass."""
     index, qa, root = eval_setup
     out = root / "out-recall"
-    proc = _run(index, qa, "--modes", "dense", "--max-new-tokens", "1", "--recall", "--out", out)
+    proc = _run(index, qa, "--modes", "dense", "--max-new-tokens", "1", "--recall", "--recall-at-block",
+                "--block", "32", "--out", out)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    recall = json.loads((out / "report.json").read_text())["recall"]
+    report = json.loads((out / "report.json").read_text())
+    recall = report["recall"]
     assert recall["prompts"] == 3 and (recall["alpha"], recall["beta"], recall["tile"]) == (0.001, 0.01, 16)
+    assert recall["block"] == 32 == report["settings"]["block"]
     total = recall["total"]
     assert total["la_recall"] == 1.0 and total["ca_recall"] == 1.0
     assert total["la_sparsity"] == 0.0 and total["ca_sparsity"] == 0.0
     assert total["mass_kept"] == pytest.approx(1.0, abs=1e-6)
     assert total["la_high_cells"] > 0 and total["ca_high_cells"] > 0  # q1 and q2 have two documents
     assert len(recall["layers"]) == 30 and recall["paper"]["la_recall"] == 0.939
-    assert "In-context recall" in (out / "report.md").read_text()
+    assert "counted at kernel block 32" in (out / "report.md").read_text()
     assert (out / "recall.png").stat().st_size > 1000

@@ -6,7 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from sift.runtime.recall import DocMasks, measure_prompt
+from sift.format import n_pages
+from sift.kernels.bits import pack_msb, tril_to_square
+from sift.kernels.block_indices import block_indices_ref, pack_doc_bits
+from sift.kernels.layout import build_layout
+from sift.runtime.recall import DocMasks, coarsen, measure_prompt
 
 from .helpers import smollm2, wiki_texts
 
@@ -109,3 +113,45 @@ def test_recall_equals_brute_force_eager_attention():
     total = got.summary()["total"]
     assert total["la_recall"] == pytest.approx(got.la_high_kept.sum() / got.la_high.sum())
     assert total["ca_sparsity"] == pytest.approx(1 - got.ca_pairs_kept.sum() / got.ca_pairs.sum())
+
+
+@pytest.mark.parametrize("block", [16, 64, 128])
+def test_coarsened_bits_are_the_blocks_the_engine_computes(block):
+    """`coarsen` (what `measure(..., block=B)` and the guard count as kept) against the engine's own decoding of
+    the same packed bits into kernel blocks (`block_indices_ref`, the torch twin of the Triton decoder): a tile
+    or page is counted kept iff the engine computes its block pair."""
+    r, n_heads = block // TILE, 3
+    requests = [[("prefix", 5), ("doc", 37), ("doc", 150), ("doc", 200), ("query", 7)]]
+    layout = build_layout(requests, block)
+    g = torch.Generator().manual_seed(3)
+    masks, la_blobs, ca_blobs = [], [], []
+    for n in layout.doc_n_tokens.tolist():
+        p = n_pages(n, TILE)
+        i, j = torch.tril_indices(p, p)
+        la = (torch.rand(1, n_heads, p * (p + 1) // 2, generator=g) < 0.08) | (i == j)  # the diagonal is always set
+        ca = torch.rand(1, n_heads, p, generator=g) < 0.1
+        la_blobs.append(pack_msb(la).numpy().tobytes())
+        ca_blobs.append(pack_msb(ca).numpy().tobytes())
+        masks.append(DocMasks(la=tril_to_square(la, p), ca=ca))
+    bits = pack_doc_bits(la_blobs, ca_blobs, layout.doc_n_tokens.tolist(), tile=TILE, n_layers=1, n_heads=n_heads)
+    la_ptr, ca_ptr = bits.layer_ptrs(0)
+    indptr, indices = block_indices_ref(layout, bits.la_bytes, la_ptr, bits.ca_bytes, ca_ptr, TILE)
+    nb = layout.n_blocks
+    keep = torch.zeros(n_heads * nb, nb, dtype=torch.bool)
+    for row in range(n_heads * nb):
+        keep[row, indices[indptr[row]:indptr[row + 1]].long()] = True
+    keep = keep.view(n_heads, nb, nb)
+    first = layout.doc_first_block.tolist()
+    coarse = [coarsen(m, r) for m in masks]
+    for m, c in enumerate(coarse):
+        p = c.ca.shape[-1]
+        i, j = torch.tril_indices(p, p)
+        assert torch.equal(c.la[0][:, i, j], keep[:, first[m] + i // r, first[m] + j // r])
+        assert not c.la[0].triu(1).any()
+        assert (c.la[0] >= masks[m].la[0]).all() and (c.ca[0] >= masks[m].ca[0]).all()  # coarsening only adds
+        for later in range(m + 1, len(coarse)):
+            assert torch.equal(c.ca[0], keep[:, first[later], first[m] + torch.arange(p) // r])
+    if r > 1:
+        assert sum(int(c.ca.sum()) for c in coarse) > sum(int(m.ca.sum()) for m in masks)
+    else:
+        assert all(torch.equal(c.la, m.la) and torch.equal(c.ca, m.ca) for c, m in zip(coarse, masks))
