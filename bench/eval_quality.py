@@ -1,32 +1,34 @@
 """What SIFT's sparsity costs in answers, per QA set: `sift-calibrate`'s sweep, Pareto front, choice and held-out
 evaluation, and the floor of the agreement measure, on the real SmolLM2-135M-Instruct.
 
-For each set of bench/qa_sets.py (hotpotqa, 2wiki, long) the first --held-in questions are held in and the next
+For each set of bench/qa_sets.py (hotpotqa, 2wiki, long, nq-long) the first --held-in questions are held in and the next
 ones, up to --limit-<set>, held out. `runtime.calibrate.calibrate_items` then
 
 1. builds an index of the held-in documents for every setting of --settings (indexes built in this process with
    the builder's Profiler and writers: bench/qa_sets.py `build_in_process`, no Ray) and measures whole-answer
    and first-token agreement of `sift` with `dense` and the tiles computed (the engine's (head, query block, key
-   block) triples over dense, at the engine's kernel block: 128 on CUDA, the index tile on CPU);
+   block) triples over dense, at the engine's kernel block: --block, else 128 on CUDA and the index tile on CPU);
 2. draws the Pareto front and chooses the sparsest setting meeting --target-agreement on the held-in questions;
 3. evaluates the chosen setting, the paper's defaults (tile 64, alpha 0.001, beta 0.01, gamma 0.1) and every
-   other setting of the held-in front on the held-out questions (sift-eval's report: agreement with 95%
+   other setting of the held-in front (--held-out-all: every swept setting) on the held-out questions (sift-eval's report: agreement with 95%
    bootstrap intervals, gold containment, F1, KL);
 4. measures the floor: the engine's dense answers against greedy answers of the same weights through
    transformers' own attention (SDPA), at the serving dtype and at the other of float32 / bfloat16.
 
 With --guard-ca, each setting's guarded twins are swept beside it (`runtime.calibrate.guard`: CA pages kept
 whole in the layers, or with --guard-by head the (layer, head) pairs, whose document rows lose more than eps of
-their attention mass on dropped CA pages, measured on --guard-prompts held-in prompts).
+their attention mass on dropped CA pages, measured on --guard-prompts held-in prompts; --guard-at-block counts
+the pages as the engine's kernel block computes them).
 
 Writes bench/results/eval_quality.json: `sets["<set>/<dtype>"]` (`"<set>/<dtype>/<tag>"` with --tag), each
 set's front.json content with the run that produced it (command, date, device), written after each set; entries
 of other keys already in the file are kept, so runs per dtype, per set or per tag add up to one result. Under --work, each set's calibration
 folder (front.png, held-out reports, calibrated.toml when a setting met the target).
 
-    python bench/eval_quality.py --device cuda --model-dir DIR [--sets hotpotqa,2wiki,long] [--held-in 25]
-                                 [--limit-long 100] [--dtype bfloat16] [--max-new-tokens 16]
-                                 [--guard-ca 0.04,0.03] [--guard-by layer,head] [--no-floor] [--tag T]
+    python bench/eval_quality.py --device cuda --model-dir DIR [--sets hotpotqa,2wiki,long,nq-long] [--held-in 25]
+                                 [--limit-long 100] [--limit-nq-long 100] [--dtype bfloat16] [--max-new-tokens 16]
+                                 [--guard-ca 0.04,0.03] [--guard-by layer,head] [--guard-at-block] [--no-floor]
+                                 [--held-out-all] [--block B] [--tag T]
     python bench/eval_quality.py --smoke     # 3 questions of one set, 2 settings, 2 tokens: checks it runs
 """
 from __future__ import annotations
@@ -58,6 +60,7 @@ def parse_args():
     ap.add_argument("--limit-hotpotqa", type=int, default=100, help="questions of the hotpotqa set (held in + out)")
     ap.add_argument("--limit-2wiki", type=int, default=200, help="questions of the 2wiki set (held in + out)")
     ap.add_argument("--limit-long", type=int, default=100, help="questions of the long-document set")
+    ap.add_argument("--limit-nq-long", type=int, default=100, help="questions of the NQ long-document set")
     ap.add_argument("--settings", default=";".join(SETTINGS),
                     help="semicolon-separated settings (sift-calibrate --setting syntax)")
     ap.add_argument("--guard-ca", default="",
@@ -66,16 +69,25 @@ def parse_args():
     ap.add_argument("--guard-by", default="layer",
                     help="comma-separated: layer and / or head (sift-calibrate --guard-by)")
     ap.add_argument("--guard-prompts", type=int, default=5, help="held-in prompts the guard measures on")
+    ap.add_argument("--guard-at-block", action="store_true",
+                    help="the guard counts pages as the engine's kernel block computes them (sift-calibrate "
+                         "--guard-at-block)")
+    ap.add_argument("--held-out-all", action="store_true",
+                    help="evaluate every swept setting on the held-out questions, not only the held-in front")
     ap.add_argument("--no-floor", dest="floor", action="store_false", help="skip the floor (dense against dense)")
     ap.add_argument("--tag", default="", help="stored as sets[\"<set>/<dtype>/<tag>\"] (a run beside the main one)")
     ap.add_argument("--target-agreement", type=float, default=0.95)
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--dtype", default="auto", help="serving dtype (auto: bfloat16 on CUDA, float32 on CPU)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (Triton kernels)")
+    ap.add_argument("--block", type=int, default=None, choices=(16, 32, 64, 128),
+                    help="kernel block (default: 128 on CUDA, the index tile on CPU; 128 on CPU computes the GPU's "
+                         "blocks)")
     ap.add_argument("--model-dir", type=Path, default=None,
                     help="a plain transformers folder of the default model (where the GGUF package is not installed)")
     ap.add_argument("--hotpotqa-json", type=Path, default=qa_sets.SHARED / "hotpotqa_train.json")
     ap.add_argument("--wiki", type=Path, default=qa_sets.SHARED / "wiki_vital_summaries_en.json.gz")
+    ap.add_argument("--nq-json", type=Path, default=qa_sets.SHARED / "nq-open-oracle.jsonl.gz")
     ap.add_argument("--work", type=Path, default=Path("/tmp/sift-eval-quality"),
                     help="folder for each set's calibration (indexes, reports, front.png)")
     args = ap.parse_args()
@@ -89,7 +101,7 @@ def parse_args():
         ap.error(f"--guard-by {','.join(args.guard_by)!r}: choose among {', '.join(GUARD_BY)}")
     if args.smoke:
         args.sets, args.held_in, args.max_new_tokens = args.sets[:1], 2, 2
-        args.limit_hotpotqa = args.limit_2wiki = args.limit_long = 3
+        args.limit_hotpotqa = args.limit_2wiki = args.limit_long = args.limit_nq_long = 3
         args.settings = args.settings[:2]
     return args
 
@@ -137,21 +149,23 @@ def main() -> None:
     settings = [parse_setting(s) for s in args.settings]
     run = dict(model=DEFAULT_MODEL, device=args.device, settings=args.settings, held_in=args.held_in,
                guard_ca=args.guard_ca, guard_by=args.guard_by, guard_prompts=args.guard_prompts,
-               target_agreement=args.target_agreement, max_new_tokens=args.max_new_tokens,
+               target_agreement=args.target_agreement, max_new_tokens=args.max_new_tokens, block=args.block,
+               held_out_all=args.held_out_all, guard_at_block=args.guard_at_block,
                command=" ".join(["python", "bench/eval_quality.py", *sys.argv[1:]]))
     path = common.out_dir(args) / "eval_quality.json"
     results = json.loads(path.read_text()).get("sets", {}) if path.exists() else {}
     lines = []
     for name in args.sets:
-        limit = {"hotpotqa": args.limit_hotpotqa, "2wiki": args.limit_2wiki, "long": args.limit_long}[name]
-        items = qa_sets.load_set(name, limit, hotpotqa_json=args.hotpotqa_json, wiki=args.wiki)
+        limit = getattr(args, "limit_" + name.replace("-", "_"))
+        items = qa_sets.load_set(name, limit, hotpotqa_json=args.hotpotqa_json, wiki=args.wiki, nq_json=args.nq_json)
         print(f"{name}: {len(items)} questions", flush=True)
         t = time.perf_counter()
         result = calibrate_items(items, args.work / name, name=name, settings=settings, held_in=args.held_in,
                                  target=args.target_agreement, model=model, device=args.device, dtype=args.dtype,
-                                 max_new_tokens=args.max_new_tokens, held_out_front=True, floor=args.floor,
+                                 max_new_tokens=args.max_new_tokens, held_out_front=True,
+                                 held_out_all=args.held_out_all, floor=args.floor,
                                  guard_ca=args.guard_ca, guard_by=args.guard_by, guard_prompts=args.guard_prompts,
-                                 build=builder,
+                                 guard_at_block=args.guard_at_block, block=args.block, build=builder,
                                  echo=lambda m: print("  " + m, flush=True))
         result["seconds"] = time.perf_counter() - t
         key = "/".join([name, result["dtype"], *([args.tag] if args.tag else [])])

@@ -65,13 +65,16 @@ def hybrid_modes(modes) -> list[str]:
 
 def parse_args():
     ap = common.parser(__doc__.split("\n\n")[0])
-    ap.add_argument("--sets", default=",".join(SETS), help=f"comma-separated QA sets among {', '.join(SETS)}")
+    ap.add_argument("--sets", default="hotpotqa,2wiki,long", help=f"comma-separated QA sets among {', '.join(SETS)}")
     ap.add_argument("--limit-hotpotqa", type=int, default=40, help="questions of the hotpotqa set")
     ap.add_argument("--limit-long", type=int, default=15, help="questions of the long-document set")
     ap.add_argument("--limit-2wiki", type=int, default=40, help="questions of the 2wiki set")
+    ap.add_argument("--limit-nq-long", type=int, default=15, help="questions of the NQ long-document set")
     ap.add_argument("--doc-chars", type=int, default=5400, help="characters per long document")
     ap.add_argument("--hotpotqa-json", type=Path, default=SHARED / "hotpotqa_train.json",
                     help="official HotpotQA JSON the long set is built from")
+    ap.add_argument("--nq-json", type=Path, default=SHARED / "nq-open-oracle.jsonl.gz",
+                    help="NaturalQuestions-open oracle file the nq-long set is built from")
     ap.add_argument("--wiki", type=Path, default=SHARED / "wiki_vital_summaries_en.json.gz",
                     help="Wikipedia vital-article leads the long set embeds paragraphs in")
     ap.add_argument("--index", type=Path, default=None, help="an existing index of the set's documents "
@@ -113,6 +116,7 @@ def parse_args():
     args.modes = modes_of(args.fractions, args.policies)
     if args.smoke:
         args.limit_hotpotqa, args.limit_long, args.limit_2wiki, args.max_new_tokens, args.resamples = 2, 2, 2, 4, 200
+        args.limit_nq_long = 2
     return args
 
 
@@ -120,8 +124,8 @@ def parse_args():
 
 
 def load_set(name: str, args) -> list[QAItem]:
-    limit = {"hotpotqa": args.limit_hotpotqa, "2wiki": args.limit_2wiki, "long": args.limit_long}[name]
-    return qa_sets.load_set(name, limit, hotpotqa_json=args.hotpotqa_json, wiki=args.wiki, doc_chars=args.doc_chars)
+    return qa_sets.load_set(name, getattr(args, "limit_" + name.replace("-", "_")), hotpotqa_json=args.hotpotqa_json,
+                            wiki=args.wiki, doc_chars=args.doc_chars, nq_json=args.nq_json)
 
 
 def prefix_text(args) -> str | None:
@@ -291,7 +295,7 @@ def main() -> None:
                     hybrid_fractions=args.fractions, max_new_tokens=args.max_new_tokens, tile=args.tile,
                     profile_prefix=args.profile_prefix,
                     store_gib=args.store_gib, doc_chars=args.doc_chars,
-                    limits={"hotpotqa": args.limit_hotpotqa, "2wiki": args.limit_2wiki, "long": args.limit_long},
+                    limits={name: getattr(args, "limit_" + name.replace("-", "_")) for name in args.sets},
                     ci=dict(method="percentile bootstrap of the mean", level=0.95, resamples=args.resamples),
                     command=" ".join(["python", "bench/eval_reuse.py", *sys.argv[1:]]))
     results, tables = {}, []

@@ -6,6 +6,9 @@
     long       the long-document set of runtime/qa.py (`long_documents`): each question's two gold paragraphs
                and first distractor, each embedded in ~1-1.5K tokens of Wikipedia leads on one topic
                (../shared/data/hotpotqa_train.json and wiki_vital_summaries_en.json.gz)
+    nq-long    runtime/qa.py's `nq_long_documents`: NaturalQuestions-open questions (single hop), each over its
+               gold passage and two other questions' passages, each embedded like `long`'s paragraphs
+               (../shared/data/nq-open-oracle.jsonl.gz): a second long-document set, of other questions
 
 `build_in_process` writes the index `sift-build` would write for the same documents and profile settings, with
 the builder's Profiler, shard writer and manifest commit in this process and no Ray: for a GPU machine that has
@@ -21,17 +24,18 @@ import shutil
 import time
 from pathlib import Path
 
-from sift.runtime.qa import QAItem, load_qa, long_documents
+from sift.runtime.qa import QAItem, load_qa, long_documents, nq_long_documents
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data"
 HOTPOTQA = ROOT / "runtime" / "data" / "hotpotqa_train_100.jsonl.gz"
 TWOWIKI = ROOT / "runtime" / "data" / "2wikimultihopqa_dev_200.jsonl.gz"
-SETS = ("hotpotqa", "2wiki", "long")
+SETS = ("hotpotqa", "2wiki", "long", "nq-long")
 
 
 def load_set(name: str, limit: int, *, hotpotqa_json: Path = SHARED / "hotpotqa_train.json",
-             wiki: Path = SHARED / "wiki_vital_summaries_en.json.gz", doc_chars: int = 5400) -> list[QAItem]:
+             wiki: Path = SHARED / "wiki_vital_summaries_en.json.gz", doc_chars: int = 5400,
+             nq_json: Path = SHARED / "nq-open-oracle.jsonl.gz") -> list[QAItem]:
     """The first `limit` questions of one of SETS."""
     if name == "hotpotqa":
         return _read_gz(HOTPOTQA, "hotpotqa", limit)
@@ -39,6 +43,8 @@ def load_set(name: str, limit: int, *, hotpotqa_json: Path = SHARED / "hotpotqa_
         return _read_gz(TWOWIKI, "jsonl", limit)
     if name == "long":
         return long_documents(hotpotqa_json, wiki, limit=limit, doc_chars=doc_chars)
+    if name == "nq-long":
+        return nq_long_documents(nq_json, wiki, limit=limit, doc_chars=doc_chars)
     raise ValueError(f"QA set {name!r} is not one of {', '.join(SETS)}")
 
 

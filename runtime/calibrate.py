@@ -2,8 +2,9 @@
 
     sift-calibrate QA_FILE --out DIR [--held-in N] [--limit N] [--target-agreement 0.95] [--sweep-only]
                    [--reuse-sweep] [--setting "tile=16,alpha=0.001,beta=0.01,gamma=0.1" ...] [--model M]
-                   [--max-new-tokens T] [--device D] [--dtype T] [--no-floor] [--held-out-front]
-                   [--guard-ca EPS ... [--guard-by layer|head ...] [--guard-prompts N]]
+                   [--max-new-tokens T] [--device D] [--dtype T] [--block B] [--no-floor]
+                   [--held-out-front | --held-out-all] [--guard-ca EPS ... [--guard-by layer|head ...]
+                   [--guard-prompts N] [--guard-at-block]]
 
 1. The first --held-in questions of QA_FILE are held in, the rest (up to --limit) held out.
 2. Sweep: for every setting (tile, alpha, beta, gamma, LA criterion and coverage; `DEFAULT_GRID` unless
@@ -12,7 +13,8 @@
    densely and with SIFT: whole-answer and first-token agreement with dense, and the tiles computed.
    With --guard-ca, each setting's guarded twins are swept too (`guard`: CA pages kept whole in the layers,
    or with --guard-by head the (layer, head) pairs, whose document rows lose more than EPS of their attention
-   mass on dropped CA pages, measured in context on the first --guard-prompts held-in prompts).
+   mass on dropped CA pages, measured in context on the first --guard-prompts held-in prompts; with
+   --guard-at-block, counting the pages as the engine's kernel block computes them).
 3. The Pareto front of agreement against tiles computed -> DIR/front.json and DIR/front.png.
 4. Unless --sweep-only: the sparsest setting whose held-in agreement meets --target-agreement is chosen and
    written as DIR/calibrated.toml (`sift-build --config DIR/calibrated.toml` takes it); it and the paper's
@@ -20,7 +22,7 @@
    `sift-eval`'s full report -> DIR/held_out/<setting>/report.{json,md}, summarised in front.json.
    --reuse-sweep takes the points of an earlier run's front.json instead of sweeping again (to choose for
    another target without rebuilding). --held-out-front evaluates the defaults and every setting of the
-   held-in front there, also when no setting meets the target.
+   held-in front there, also when no setting meets the target; --held-out-all every swept setting.
 5. The floor (unless --no-floor): how often dense agrees with dense. The engine's dense answers against greedy
    answers of the same weights through transformers' own attention, at the serving dtype and at the other of
    float32 / bfloat16, on the held-in and the held-out questions (front.json `floor`, `held_out_floor`; lines
@@ -28,7 +30,8 @@
    asks sparsity to agree with dense more often than dense agrees with itself.
 
 Settings are compared on the same questions, the same model and the same greedy decoding; tile fraction is the
-engine's (head, query block, key block) triples computed over dense (CPU: blocks of the index tile).
+engine's (head, query block, key block) triples computed over dense, at the kernel block (--block; default 128
+on CUDA, the index tile on CPU: --block 128 on CPU computes the GPU's blocks).
 Exit codes: 0 done (also when no setting met the target: then no TOML is written and front.json says so),
 2 bad usage or input (one line on stderr).
 """
@@ -45,6 +48,7 @@ import click
 import torch
 
 from sift.errors import SiftError
+from sift.format import TILES
 from sift.model import DTYPES, resolve_dtype
 from sift.plots import pareto_front
 
@@ -167,6 +171,12 @@ def pareto(rows: list[dict]) -> list[dict]:
     return sorted((r for r in rows if not dominated(r)), key=lambda r: r["tile_fraction"])
 
 
+def held_out_settings(rows: list[dict], front: list[dict], every: bool = False) -> list["Setting"]:
+    """What `--held-out-front` evaluates on the held-out questions: the paper's defaults, then the settings of
+    the held-in front (every: of all swept rows, dominated or not), in their order, without repeats."""
+    return list(dict.fromkeys([DEFAULT, *(Setting(**r["setting"]) for r in (rows if every else front))]))
+
+
 def choose(rows: list[dict], target: float) -> dict | None:
     """The sparsest row whose agreement meets the target (ties: the higher agreement, then the label); None when
     no row does."""
@@ -182,10 +192,11 @@ def choose(rows: list[dict], target: float) -> dict | None:
 class _Runner:
     """The model once; one engine per index; dense answers once per (question, block)."""
 
-    def __init__(self, model: str, device: str, max_new_tokens: int, echo, dtype: str = "auto"):
+    def __init__(self, model: str, device: str, max_new_tokens: int, echo, dtype: str = "auto",
+                 block: int | None = None):
         from sift.model import load_model
 
-        self.device, self.model_name = device, model
+        self.device, self.model_name, self.block = device, model, block
         self.dtype = resolve_dtype(dtype, device)
         self.hf, self.tokenizer, _ = load_model(model, dtype=self.dtype, device=device)
         self.max_new_tokens, self.echo = max_new_tokens, echo
@@ -196,7 +207,7 @@ class _Runner:
         from .engine import SiftEngine
         from .store import SiftIndex
 
-        return SiftEngine(self.hf, self.tokenizer, SiftIndex.open(index_path, device=self.device))
+        return SiftEngine(self.hf, self.tokenizer, SiftIndex.open(index_path, device=self.device), block=self.block)
 
     def dense(self, engine, item: QAItem) -> list[int]:
         key = (item.id, engine.block)
@@ -351,14 +362,16 @@ GUARD_BY = ("layer", "head")
 
 
 def guard(runner: _Runner, rows: list[dict], items: list[QAItem], eps_list, prompts: int, echo,
-          by=("layer",)) -> tuple[list, dict]:
+          by=("layer",), at_block: bool = False) -> tuple[list, dict]:
     """The guarded twins of swept settings. One set of thresholds does not suit every layer: the bits come from
     each document alone, and in some layers later documents read pages the document's own rows never
     concentrate on. For each swept setting (not itself guarded) the model runs the first `prompts` held-in
-    prompts with exact attention against the setting's bits (`runtime.recall`), and for each eps the layers
+    prompts with exact attention against the setting's bits (`runtime.recall`; at_block: as the engine's kernel
+    block computes them, where a page the bits drop inside a computed block is not lost), and for each eps the
+    layers
     (by "layer": `ca_full_layers`) or the (layer, head) pairs (by "head": `ca_full_heads`, finer: a layer's
     other heads keep their bits) whose document rows lose more than eps of their attention mass on dropped CA
-    pages keep all their CA pages. -> (the new settings, {label: {"prompts", "ca_mass_lost", "ca_recall",
+    pages keep all their CA pages. -> (the new settings, {label: {"prompts", "block", "ca_mass_lost", "ca_recall",
     "heads_ca_mass_lost", "guards": {eps: layers}, "guards_heads": {eps: pairs}}})."""
     from .recall import measure
 
@@ -372,9 +385,9 @@ def guard(runner: _Runner, rows: list[dict], items: list[QAItem], eps_list, prom
             continue
         engine = runner.engine(Path(row["index"]))
         runnable = [item for item in items if skip_reason(engine, item) is None][:prompts]
-        summary = measure(engine, [item.request() for item in runnable])
+        summary = measure(engine, [item.request() for item in runnable], block=engine.block if at_block else None)
         lost = [layer["ca_mass_lost"] for layer in summary["layers"]]
-        entry = info[row["label"]] = dict(prompts=len(runnable), ca_mass_lost=lost,
+        entry = info[row["label"]] = dict(prompts=len(runnable), block=summary["block"], ca_mass_lost=lost,
                                           ca_recall=[layer["ca_recall"] for layer in summary["layers"]],
                                           heads_ca_mass_lost=summary["heads_ca_mass_lost"])
         candidates = []
@@ -421,8 +434,8 @@ def _previous_sweep(out: Path, qa_file: Path, held_in: int, model: str, max_new_
 
 def calibrate(qa_file: Path, out: Path, *, settings, held_in: int, limit: int | None, target: float | None,
               model: str, fmt: str = "auto", device: str = "auto", dtype: str = "auto", max_new_tokens: int = 24,
-              reuse_sweep=False, floor=True, held_out_front=False, guard_ca=(), guard_prompts=5, guard_by=("layer",),
-              echo=lambda m: None):
+              reuse_sweep=False, floor=True, held_out_front=False, held_out_all=False, guard_ca=(), guard_prompts=5,
+              guard_by=("layer",), guard_at_block=False, block=None, echo=lambda m: None):
     """The whole calibration of QA_FILE's questions -> the front.json content (see `calibrate_items`)."""
     items, fmt = load_qa(qa_file, fmt, limit)
     if len(items) <= held_in and target is not None:
@@ -430,36 +443,41 @@ def calibrate(qa_file: Path, out: Path, *, settings, held_in: int, limit: int | 
                         f"needed to hold some out; lower --held-in or use --sweep-only")
     return calibrate_items(items, out, name=str(qa_file), settings=settings, held_in=held_in, target=target,
                            model=model, device=device, dtype=dtype, max_new_tokens=max_new_tokens,
-                           reuse_sweep=reuse_sweep, floor=floor, held_out_front=held_out_front, guard_ca=guard_ca,
-                           guard_prompts=guard_prompts, guard_by=guard_by, echo=echo)
+                           reuse_sweep=reuse_sweep, floor=floor, held_out_front=held_out_front,
+                           held_out_all=held_out_all, guard_ca=guard_ca,
+                           guard_prompts=guard_prompts, guard_by=guard_by, guard_at_block=guard_at_block, block=block,
+                           echo=echo)
 
 
 def calibrate_items(items: list[QAItem], out: Path, *, name: str, settings, held_in: int, target: float | None,
                     model: str, device: str = "auto", dtype: str = "auto", max_new_tokens: int = 24,
-                    reuse_sweep=False, floor=True, held_out_front=False, guard_ca=(), guard_prompts=5,
-                    guard_by=("layer",), build=sift_build, echo=lambda m: None):
+                    reuse_sweep=False, floor=True, held_out_front=False, held_out_all=False, guard_ca=(), guard_prompts=5,
+                    guard_by=("layer",), guard_at_block=False, block=None, build=sift_build, echo=lambda m: None):
     """The calibration of `items` (the first `held_in` held in, the rest held out) -> the front.json content.
     target None: sweep only; reuse_sweep: the points of the previous run's front.json instead of a new sweep
     (e.g. to choose again for another target); floor: also measure how often two dense computations agree
     (`_Runner.floor`) on the held-in and held-out questions; held_out_front: evaluate the paper's defaults and
     every setting of the held-in front on the held-out questions, also when no setting meets the target;
+    held_out_all: the same with every swept setting, on the front or not (settings fixed beforehand, to be
+    compared on held-out questions);
     guard_ca: eps values for the guarded twins of the swept settings (`guard`, measured over the first
-    `guard_prompts` held-in prompts, by layer and / or by head as `guard_by` says), swept beside them; build: what turns a setting and a corpus folder
-    into an index (default: the `sift-build` CLI)."""
+    `guard_prompts` held-in prompts, by layer and / or by head as `guard_by` says), swept beside them; block: the
+    engine's kernel block (None: 128 on CUDA, the index tile on CPU; 128 on CPU computes the blocks a GPU
+    would); build: what turns a setting and a corpus folder into an index (default: the `sift-build` CLI)."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     out.mkdir(parents=True, exist_ok=True)
     inside, outside = items[:held_in], items[held_in:]
     _write_items(inside, out / "held_in.jsonl")
     _write_items(outside, out / "held_out.jsonl")
-    runner = _Runner(model, device, max_new_tokens, echo, dtype)
+    runner = _Runner(model, device, max_new_tokens, echo, dtype, block)
     if reuse_sweep:
         rows = _previous_sweep(out, Path(name), len(inside), model, max_new_tokens)
     else:
         rows = sweep(runner, settings, inside, out, model, echo, build)
     guards = {}
     if guard_ca and not reuse_sweep:
-        twins, guards = guard(runner, rows, inside, guard_ca, guard_prompts, echo, by=guard_by)
+        twins, guards = guard(runner, rows, inside, guard_ca, guard_prompts, echo, by=guard_by, at_block=guard_at_block)
         rows += sweep(runner, twins, inside, out, model, echo, build)
     front = pareto(rows)
     result = dict(qa_file=name, model=model, device=device, dtype=runner.dtype, held_in=len(inside),
@@ -477,7 +495,7 @@ def calibrate_items(items: list[QAItem], out: Path, *, name: str, settings, held
                 echo(f"the target {target:.0%} is above the floor: dense agrees with transformers' {runner.dtype} "
                      f"dense on {own:.0%} of the held-in questions; judge settings against the floor, or in float32")
     chosen = choose(rows, target) if target is not None else None
-    evaluate_out = [DEFAULT, *(Setting(**r["setting"]) for r in front)] if held_out_front else []
+    evaluate_out = held_out_settings(rows, front, every=held_out_all) if held_out_front or held_out_all else []
     if target is not None:
         result["chosen"] = chosen
         if chosen is None:
@@ -525,10 +543,16 @@ def _floor_line(floor: dict) -> str:
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--dtype", type=click.Choice(["auto", *DTYPES]), default="auto", show_default=True,
               help="The dtype the model serves in (auto: bfloat16 on CUDA, float32 on CPU).")
+@click.option("--block", type=click.Choice([str(t) for t in TILES]), default=None,
+              callback=lambda _c, _p, v: None if v is None else int(v),
+              help="The kernel block (default: 128 on CUDA, the index tile on CPU); --block 128 on CPU computes "
+                   "the blocks a GPU computes (the same tile fractions; answers up to rounding).")
 @click.option("--floor/--no-floor", default=True, show_default=True,
               help="Also measure how often dense agrees with dense (transformers' attention, each dtype).")
 @click.option("--held-out-front", is_flag=True,
               help="Evaluate the defaults and every setting of the held-in front on the held-out questions.")
+@click.option("--held-out-all", is_flag=True,
+              help="Evaluate the defaults and every swept setting, on the front or not, on the held-out questions.")
 @click.option("--guard-ca", "guard_ca", multiple=True, type=click.FloatRange(0, 1, min_open=True),
               help="Also sweep each setting's guarded twin: CA pages kept whole in the layers whose document rows "
                    "lose more than this share of their attention mass on dropped CA pages (repeatable).")
@@ -537,8 +561,11 @@ def _floor_line(floor: dict) -> str:
                                       "head) pairs (finer); repeat for both.")
 @click.option("--guard-prompts", type=click.IntRange(1), default=5, show_default=True,
               help="Held-in prompts the guard measures each setting's in-context attention on.")
+@click.option("--guard-at-block", is_flag=True,
+              help="Count the guard's lost mass as the engine's kernel block computes the bits (a dropped page inside "
+                   "a computed block is not lost) instead of at the index tile.")
 def main(qa_file, out, held_in, limit, target_agreement, sweep_only, reuse_sweep, settings, model, fmt, max_new_tokens,
-         device, dtype, floor, held_out_front, guard_ca, guard_by, guard_prompts):
+         device, dtype, block, floor, held_out_front, held_out_all, guard_ca, guard_by, guard_prompts, guard_at_block):
     """Sweep profile settings on held-in questions of QA_FILE, draw the Pareto front of agreement with dense
     against tiles computed, and write the sparsest setting meeting the target as a `sift-build` config."""
     from sift.model import DEFAULT_MODEL
@@ -549,8 +576,9 @@ def main(qa_file, out, held_in, limit, target_agreement, sweep_only, reuse_sweep
         result = calibrate(qa_file, out, settings=grid, held_in=held_in, limit=limit,
                            target=None if sweep_only else target_agreement, model=model or DEFAULT_MODEL, fmt=fmt,
                            device=device, dtype=dtype, max_new_tokens=max_new_tokens, reuse_sweep=reuse_sweep,
-                           floor=floor, held_out_front=held_out_front, guard_ca=guard_ca,
-                           guard_prompts=guard_prompts, guard_by=guard_by, echo=log)
+                           floor=floor, held_out_front=held_out_front, held_out_all=held_out_all, guard_ca=guard_ca,
+                           guard_prompts=guard_prompts, guard_by=guard_by, guard_at_block=guard_at_block, block=block,
+                           echo=log)
     except SiftError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(EXIT_ERROR)

@@ -28,6 +28,9 @@ embeds each of a question's paragraphs in a document of Wikipedia lead sections 
     - doc_id "<title> (long)"; the same title always gives the same document, so questions share documents.
 With doc_chars = 0 the paragraphs are kept as they are (doc_id = title): the short twin of the set, the same
 questions over the same three paragraphs. Deterministic: the same inputs give the same file byte for byte.
+`nq_long_documents` (`nq-long-docs`) builds the same kind of documents for NaturalQuestions-open (single-hop)
+questions: the gold passage and two other questions' passages, each embedded the same way, doc_id
+"<title> [<hash of the document's text>] (long)".
 """
 from __future__ import annotations
 
@@ -224,15 +227,16 @@ def _hash(text: str) -> int:
 
 
 def _embed(title: str, paragraph: str, leads_by_topic: dict[str, list[tuple[str, str]]], excluded: set[str],
-           answer: str, doc_chars: int) -> str:
-    """The paragraph among leads of one topic (module docstring), about doc_chars characters long."""
+           answers: tuple[str, ...], doc_chars: int) -> str:
+    """The paragraph among leads of one topic (module docstring), about doc_chars characters long; leads
+    mentioning one of `answers` are skipped."""
     topics = sorted(leads_by_topic)
     leads = leads_by_topic[topics[_hash(title) % len(topics)]]
     start = _hash("start:" + title) % len(leads)
     chosen, size = [], len(paragraph)
     for k in range(len(leads)):
         lead_title, text = leads[(start + k) % len(leads)]
-        if lead_title in excluded or (answer and answer.lower() in text.lower()):
+        if lead_title in excluded or any(a and a.lower() in text.lower() for a in answers):
             continue
         if size >= doc_chars:
             break
@@ -266,11 +270,61 @@ def long_documents(hotpotqa: str | Path, wiki: str | Path, *, limit: int | None 
         excluded = {t for t, _ in pairs}
         kept = [(t, text) for t, text in pairs if t in gold or t == distractor]
         if doc_chars:
-            docs = [(f"{t} (long)", _embed(t, text, leads_by_topic, excluded, q["answer"], doc_chars))
+            docs = [(f"{t} (long)", _embed(t, text, leads_by_topic, excluded, (q["answer"],), doc_chars))
                     for t, text in kept]
         else:
             docs = kept
         items.append(QAItem(id=str(q["_id"]), question=q["question"], answers=(q["answer"],), docs=tuple(docs)))
+    return items
+
+
+def nq_long_documents(nq: str | Path, wiki: str | Path, *, limit: int | None = None,
+                      doc_chars: int = 5400) -> list[QAItem]:
+    """NaturalQuestions-open questions over long documents (module docstring): each question's gold passage and,
+    as distractors, the gold passages of the next two questions of the file (skipping any that mentions one of
+    this question's answers or shares its title), each embedded among topic leads like the HotpotQA
+    paragraphs; the gold document's place among the three is hashed from the question. Single-hop questions
+    whose answer sits in one of three ~1.2K-token documents. nq: nq-open-oracle.jsonl.gz (question, answers,
+    ctxs = [the gold passage {title, text}])."""
+    try:
+        with gzip.open(nq, "rt") as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        with gzip.open(wiki, "rt") as f:
+            leads = json.load(f)
+    except (OSError, ValueError) as e:
+        raise SiftError(f"cannot read the long-document sources ({e}): give nq-open-oracle.jsonl.gz and "
+                        f"wiki_vital_summaries_en.json.gz") from None
+    leads_by_topic: dict[str, list[tuple[str, str]]] = {}
+    for title in sorted(leads):
+        entry = leads[title]
+        leads_by_topic.setdefault(entry.get("topic") or "Uncategorized", []).append((title, entry["extract"]))
+
+    def passage(r: dict) -> tuple[str, str]:
+        ctx = r["ctxs"][0]
+        return ctx["title"], ctx["text"]
+
+    items = []
+    for row, r in enumerate(rows[:limit], 1):
+        answers = tuple(_answers(r.get("answers"), row, "nq"))
+        gold = passage(r)
+        distractors = []
+        for k in range(1, len(rows)):
+            title, text = passage(rows[(row - 1 + k) % len(rows)])
+            if title != gold[0] and title not in {t for t, _ in distractors} and \
+                    not any(a.lower() in text.lower() for a in answers):
+                distractors.append((title, text))
+            if len(distractors) == 2:
+                break
+        kept = list(distractors)
+        kept.insert(_hash("gold:" + r["question"]) % 3, gold)
+        excluded = {t for t, _ in kept}
+        texts = [_embed(t, text, leads_by_topic, excluded, answers, doc_chars) if doc_chars else text
+                 for t, text in kept]
+        # One title has several NQ passages, and a passage's leads depend on the question's answers: the doc_id
+        # names the document's text, not only the title
+        docs = [(f"{t} [{_hash(text) % 16 ** 8:08x}]" + (" (long)" if doc_chars else ""), text)
+                for (t, _), text in zip(kept, texts)]
+        items.append(QAItem(id=f"nq-{row}", question=r["question"], answers=answers, docs=tuple(docs)))
     return items
 
 
@@ -306,6 +360,26 @@ def long_docs(out, hotpotqa, wiki, limit, doc_chars):
     leads) as the eval's JSONL."""
     try:
         items = long_documents(hotpotqa, wiki, limit=limit, doc_chars=doc_chars)
+    except SiftError as e:
+        raise click.ClickException(str(e)) from None
+    write_jsonl(items, out)
+    click.echo(f"{len(items)} questions, {sum(len(i.docs) for i in items)} documents -> {out}")
+
+
+@main.command("nq-long-docs")
+@click.argument("out", type=click.Path(path_type=Path))
+@click.option("--nq", type=click.Path(path_type=Path), default=Path("../shared/data/nq-open-oracle.jsonl.gz"),
+              show_default=True, help="NaturalQuestions-open with each question's gold passage (ctxs).")
+@click.option("--wiki", type=click.Path(path_type=Path), default=Path("../shared/data/wiki_vital_summaries_en.json.gz"),
+              show_default=True, help="Wikipedia vital-article leads (title -> {extract, topic}).")
+@click.option("--limit", type=click.IntRange(1), default=None, help="The first N questions only.")
+@click.option("--doc-chars", type=click.IntRange(0), default=5400, show_default=True,
+              help="Characters per long document (~4 per SmolLM2 token); 0: the passages as they are.")
+def nq_long_docs(out, nq, wiki, limit, doc_chars):
+    """Write NaturalQuestions-open questions over three ~1-2K-token documents (the gold passage and two other
+    questions' passages inside topic-grouped Wikipedia leads) as the eval's JSONL."""
+    try:
+        items = nq_long_documents(nq, wiki, limit=limit, doc_chars=doc_chars)
     except SiftError as e:
         raise click.ClickException(str(e)) from None
     write_jsonl(items, out)

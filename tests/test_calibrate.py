@@ -16,7 +16,7 @@ from sift.kernels.profile_ref import profile_layer_ref
 from sift.pipeline.config import load_config
 from sift.runtime.calibrate import (DEFAULT, DEFAULT_GRID, Setting, choose, guard_heads, guard_layers, pareto,
                                     parse_setting)
-from sift.runtime.qa import load_qa, long_documents, write_jsonl
+from sift.runtime.qa import load_qa, long_documents, nq_long_documents, write_jsonl
 
 
 def _row(label, tiles, agreement):
@@ -39,6 +39,18 @@ def test_choose_picks_sparsest_meeting_target():
 def test_pareto_front():
     assert [r["label"] for r in pareto(TOY)] == ["f", "c", "b", "a"]
     assert pareto([_row("x", 0.5, 0.5), _row("y", 0.5, 0.5)]) == [_row("x", 0.5, 0.5), _row("y", 0.5, 0.5)]
+
+
+def test_held_out_settings_front_or_every_swept_one():
+    from sift.runtime.calibrate import held_out_settings
+
+    a, b, c = Setting(tile=16), Setting(tile=32), Setting(tile=16, alpha=0.01)
+    rows = [dict(setting=asdict(s), label=s.label, tile_fraction=t, agreement=g)
+            for s, t, g in ((a, 0.5, 0.9), (b, 0.7, 0.8), (c, 0.9, 1.0))]  # b is dominated by a
+    front = pareto(rows)
+    assert held_out_settings(rows, front) == [DEFAULT, a, c]
+    assert held_out_settings(rows, front, every=True) == [DEFAULT, a, b, c]
+    assert held_out_settings([dict(setting=asdict(DEFAULT))] * 2, [], every=True) == [DEFAULT]
 
 
 def test_parse_setting_and_toml_taken_by_the_builder(tmp_path):
@@ -163,6 +175,46 @@ def test_long_documents_construction(tmp_path):
     again = load_qa(tmp_path / "long.jsonl")[0]
     assert again == items
     assert long_documents(tmp_path / "h.json", tmp_path / "w.json.gz", doc_chars=400) == items  # deterministic
+
+
+def test_nq_long_documents_construction(tmp_path):
+    def row(q, answers, title, text):
+        return {"question": q, "answers": answers, "ctxs": [{"title": title, "text": text, "hasanswer": True}]}
+
+    rows = [row("who wrote alpha", ["Ann Lee"], "Alpha", "Alpha was written by Ann Lee."),
+            row("where is beta", ["Paris"], "Beta", "Beta is in Paris. Ann Lee lived there."),  # mentions q1's answer
+            row("when was gamma", ["1901"], "Gamma", "Gamma dates from 1901."),
+            row("what is delta", ["a river"], "Alpha", "Another passage titled Alpha: delta is a river."),
+            row("who is epsilon", ["Bo"], "Epsilon", "Epsilon is Bo.")]
+    leads = {f"Lead {i}": {"extract": f"Lead text number {i}. " * 5, "topic": "T1" if i % 2 else "T2"}
+             for i in range(40)}
+    leads["Lead 3"]["extract"] = "This lead mentions Ann Lee and must be skipped for question 1."
+    leads["Gamma"] = {"extract": "A lead titled like a passage of the question.", "topic": "T1"}
+    with gzip.open(tmp_path / "nq.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    with gzip.open(tmp_path / "w.json.gz", "wt") as f:
+        json.dump(leads, f)
+    items = nq_long_documents(tmp_path / "nq.jsonl.gz", tmp_path / "w.json.gz", doc_chars=400)
+    assert [i.id for i in items] == [f"nq-{k}" for k in range(1, 6)] and items[0].answers == ("Ann Lee",)
+    # question 1: its passage, and the next passages that neither mention "Ann Lee" nor share its title
+    titles = [doc_id.split(" [")[0] for doc_id, _ in items[0].docs]
+    assert sorted(titles) == ["Alpha", "Epsilon", "Gamma"]
+    for doc_id, text in items[0].docs:
+        assert doc_id.endswith(" (long)") and 400 <= len(text) < 400 + 200
+        assert "must be skipped" not in text and "titled like" not in text
+    gold = [text for _, text in items[0].docs if "Alpha was written by Ann Lee." in text.split("\n\n")]
+    assert len(gold) == 1 and sum("Ann Lee" in text for _, text in items[0].docs) == 1
+    # the last question wraps around to the first ones
+    assert sorted(d.split(" [")[0] for d, _ in items[4].docs) == ["Alpha", "Beta", "Epsilon"]
+    # a doc_id names one text across questions, even where a title has two passages
+    texts = {}
+    for item in items:
+        for doc_id, text in item.docs:
+            assert texts.setdefault(doc_id, text) == text
+    assert len({d for d in texts if d.startswith("Alpha [")}) >= 2
+    short = nq_long_documents(tmp_path / "nq.jsonl.gz", tmp_path / "w.json.gz", doc_chars=0, limit=2)
+    assert len(short) == 2 and "Alpha was written by Ann Lee." in dict(short[0].docs).values()
+    assert nq_long_documents(tmp_path / "nq.jsonl.gz", tmp_path / "w.json.gz", doc_chars=400) == items
 
 
 def test_long_documents_sample_in_repository():
@@ -359,9 +411,11 @@ def test_guard_sweeps_twins_with_the_layers_losing_mass(tmp_path):
              for q in QUESTIONS if len(q["docs"]) > 1]
     result = calibrate_items(items, tmp_path / "cal", name="toy.jsonl", settings=[Setting(tile=16, gamma=0.5)],
                              held_in=len(items), target=None, model=DEFAULT_MODEL, device="cpu", max_new_tokens=2,
-                             floor=False, guard_ca=(0.001,), guard_prompts=1, guard_by=("layer", "head"), build=build)
+                             floor=False, guard_ca=(0.001,), guard_prompts=1, guard_by=("layer", "head"), block=32,
+                             guard_at_block=True, build=build)
     info = result["guard"]["t16-a0.001-b0.01-g0.5"]
-    assert info["prompts"] == 1 and len(info["ca_mass_lost"]) == cfg.num_hidden_layers
+    # no CA page is kept, so none is computed at the engine's block either: all cross-document mass is lost
+    assert info["prompts"] == 1 and info["block"] == 32 and len(info["ca_mass_lost"]) == cfg.num_hidden_layers
     assert all(lost > 0.001 for lost in info["ca_mass_lost"])
     assert info["guards"]["0.001"] == tuple(range(cfg.num_hidden_layers))
     assert [s.ca_full_layers for s in built[:2]] == [(), tuple(range(cfg.num_hidden_layers))]
