@@ -10,8 +10,8 @@ ones, up to --limit-<set>, held out. `runtime.calibrate.calibrate_items` then
    block) triples over dense, at the engine's kernel block: --block, else 128 on CUDA and the index tile on CPU);
 2. draws the Pareto front and chooses the sparsest setting meeting --target-agreement on the held-in questions;
 3. evaluates the chosen setting, the paper's defaults (tile 64, alpha 0.001, beta 0.01, gamma 0.1) and every
-   other setting of the held-in front (--held-out-all: every swept setting) on the held-out questions (sift-eval's report: agreement with 95%
-   bootstrap intervals, gold containment, F1, KL);
+   other setting of the held-in front (--held-out-all: every swept setting) on the held-out questions
+   (sift-eval's report: agreement with 95% bootstrap intervals, gold containment, F1, KL);
 4. measures the floor: the engine's dense answers against greedy answers of the same weights through
    transformers' own attention (SDPA), at the serving dtype and at the other of float32 / bfloat16.
 
@@ -22,8 +22,9 @@ the pages as the engine's kernel block computes them).
 
 Writes bench/results/eval_quality.json: `sets["<set>/<dtype>"]` (`"<set>/<dtype>/<tag>"` with --tag), each
 set's front.json content with the run that produced it (command, date, device), written after each set; entries
-of other keys already in the file are kept, so runs per dtype, per set or per tag add up to one result. Under --work, each set's calibration
-folder (front.png, held-out reports, calibrated.toml when a setting met the target).
+of other keys already in the file are kept, so runs per dtype, per set or per tag add up to one result. Under
+--work, each set's calibration folder (front.png, held-out reports, calibrated.toml when a setting met the
+target).
 
     python bench/eval_quality.py --device cuda --model-dir DIR [--sets hotpotqa,2wiki,long,nq-long] [--held-in 25]
                                  [--limit-long 100] [--limit-nq-long 100] [--dtype bfloat16] [--max-new-tokens 16]

@@ -368,11 +368,10 @@ def guard(runner: _Runner, rows: list[dict], items: list[QAItem], eps_list, prom
     concentrate on. For each swept setting (not itself guarded) the model runs the first `prompts` held-in
     prompts with exact attention against the setting's bits (`runtime.recall`; at_block: as the engine's kernel
     block computes them, where a page the bits drop inside a computed block is not lost), and for each eps the
-    layers
-    (by "layer": `ca_full_layers`) or the (layer, head) pairs (by "head": `ca_full_heads`, finer: a layer's
-    other heads keep their bits) whose document rows lose more than eps of their attention mass on dropped CA
-    pages keep all their CA pages. -> (the new settings, {label: {"prompts", "block", "ca_mass_lost", "ca_recall",
-    "heads_ca_mass_lost", "guards": {eps: layers}, "guards_heads": {eps: pairs}}})."""
+    layers (by "layer": `ca_full_layers`) or the (layer, head) pairs (by "head": `ca_full_heads`, finer: a
+    layer's other heads keep their bits) whose document rows lose more than eps of their attention mass on
+    dropped CA pages keep all their CA pages. -> (the new settings, {label: {"prompts", "block", "ca_mass_lost",
+    "ca_recall", "heads_ca_mass_lost", "guards": {eps: layers}, "guards_heads": {eps: pairs}}})."""
     from .recall import measure
 
     unknown = set(by) - set(GUARD_BY)
@@ -444,15 +443,15 @@ def calibrate(qa_file: Path, out: Path, *, settings, held_in: int, limit: int | 
     return calibrate_items(items, out, name=str(qa_file), settings=settings, held_in=held_in, target=target,
                            model=model, device=device, dtype=dtype, max_new_tokens=max_new_tokens,
                            reuse_sweep=reuse_sweep, floor=floor, held_out_front=held_out_front,
-                           held_out_all=held_out_all, guard_ca=guard_ca,
-                           guard_prompts=guard_prompts, guard_by=guard_by, guard_at_block=guard_at_block, block=block,
-                           echo=echo)
+                           held_out_all=held_out_all, guard_ca=guard_ca, guard_prompts=guard_prompts,
+                           guard_by=guard_by, guard_at_block=guard_at_block, block=block, echo=echo)
 
 
 def calibrate_items(items: list[QAItem], out: Path, *, name: str, settings, held_in: int, target: float | None,
                     model: str, device: str = "auto", dtype: str = "auto", max_new_tokens: int = 24,
-                    reuse_sweep=False, floor=True, held_out_front=False, held_out_all=False, guard_ca=(), guard_prompts=5,
-                    guard_by=("layer",), guard_at_block=False, block=None, build=sift_build, echo=lambda m: None):
+                    reuse_sweep=False, floor=True, held_out_front=False, held_out_all=False, guard_ca=(),
+                    guard_prompts=5, guard_by=("layer",), guard_at_block=False, block=None, build=sift_build,
+                    echo=lambda m: None):
     """The calibration of `items` (the first `held_in` held in, the rest held out) -> the front.json content.
     target None: sweep only; reuse_sweep: the points of the previous run's front.json instead of a new sweep
     (e.g. to choose again for another target); floor: also measure how often two dense computations agree
