@@ -246,22 +246,29 @@ def _embed(title: str, paragraph: str, leads_by_topic: dict[str, list[tuple[str,
     return "\n\n".join(chosen)
 
 
+def _sources(read_questions, wiki: str | Path, questions_name: str):
+    """(the questions `read_questions()` gives, the Wikipedia leads grouped by topic: {topic: [(title, text)]}
+    in title order); a source that cannot be read is one SiftError naming both files."""
+    try:
+        questions = read_questions()
+        with gzip.open(wiki, "rt") as f:
+            leads = json.load(f)
+    except (OSError, ValueError) as e:
+        raise SiftError(f"cannot read the long-document sources ({e}): give {questions_name} and "
+                        f"wiki_vital_summaries_en.json.gz") from None
+    by_topic: dict[str, list[tuple[str, str]]] = {}
+    for title in sorted(leads):
+        entry = leads[title]
+        by_topic.setdefault(entry.get("topic") or "Uncategorized", []).append((title, entry["extract"]))
+    return questions, by_topic
+
+
 def long_documents(hotpotqa: str | Path, wiki: str | Path, *, limit: int | None = None,
                    doc_chars: int = 5400) -> list[QAItem]:
     """HotpotQA questions over long documents (module docstring; doc_chars 0: the paragraphs as they are).
     hotpotqa: the official JSON (a list of questions with context and supporting_facts); wiki:
     wiki_vital_summaries_en.json.gz (title -> {extract, topic})."""
-    try:
-        questions = json.loads(Path(hotpotqa).read_text())
-        with gzip.open(wiki, "rt") as f:
-            leads = json.load(f)
-    except (OSError, ValueError) as e:
-        raise SiftError(f"cannot read the long-document sources ({e}): give the HotpotQA JSON and "
-                        f"wiki_vital_summaries_en.json.gz") from None
-    leads_by_topic: dict[str, list[tuple[str, str]]] = {}
-    for title in sorted(leads):
-        entry = leads[title]
-        leads_by_topic.setdefault(entry.get("topic") or "Uncategorized", []).append((title, entry["extract"]))
+    questions, leads_by_topic = _sources(lambda: json.loads(Path(hotpotqa).read_text()), wiki, "the HotpotQA JSON")
     items = []
     for row, q in enumerate(questions[:limit], 1):
         pairs = _context_pairs(q["context"], row, "hotpotqa", "")
@@ -286,18 +293,11 @@ def nq_long_documents(nq: str | Path, wiki: str | Path, *, limit: int | None = N
     paragraphs; the gold document's place among the three is hashed from the question. Single-hop questions
     whose answer sits in one of three ~1.2K-token documents. nq: nq-open-oracle.jsonl.gz (question, answers,
     ctxs = [the gold passage {title, text}])."""
-    try:
+    def read_nq():
         with gzip.open(nq, "rt") as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-        with gzip.open(wiki, "rt") as f:
-            leads = json.load(f)
-    except (OSError, ValueError) as e:
-        raise SiftError(f"cannot read the long-document sources ({e}): give nq-open-oracle.jsonl.gz and "
-                        f"wiki_vital_summaries_en.json.gz") from None
-    leads_by_topic: dict[str, list[tuple[str, str]]] = {}
-    for title in sorted(leads):
-        entry = leads[title]
-        leads_by_topic.setdefault(entry.get("topic") or "Uncategorized", []).append((title, entry["extract"]))
+            return [json.loads(line) for line in f if line.strip()]
+
+    rows, leads_by_topic = _sources(read_nq, wiki, "nq-open-oracle.jsonl.gz")
 
     def passage(r: dict) -> tuple[str, str]:
         ctx = r["ctxs"][0]
@@ -346,44 +346,50 @@ def main():
     """QA-set tools."""
 
 
-@main.command("long-docs")
-@click.argument("out", type=click.Path(path_type=Path))
-@click.option("--hotpotqa", type=click.Path(path_type=Path), default=Path("../shared/data/hotpotqa_train.json"),
-              show_default=True, help="Official HotpotQA JSON (distractor setting).")
-@click.option("--wiki", type=click.Path(path_type=Path), default=Path("../shared/data/wiki_vital_summaries_en.json.gz"),
-              show_default=True, help="Wikipedia vital-article leads (title -> {extract, topic}).")
-@click.option("--limit", type=click.IntRange(1), default=None, help="The first N questions only.")
-@click.option("--doc-chars", type=click.IntRange(0), default=5400, show_default=True,
-              help="Characters per long document (~4 per SmolLM2 token); 0: the paragraphs as they are.")
+def _long_doc_command(name: str, source: str, default: str, source_help: str):
+    """A long-document command: `name OUT` with its question source option (`source`, default path, help) and
+    the options both commands take (wiki, limit, doc-chars)."""
+    options = (
+        main.command(name),
+        click.argument("out", type=click.Path(path_type=Path)),
+        click.option(source, type=click.Path(path_type=Path), default=Path(default), show_default=True, help=source_help),
+        click.option("--wiki", type=click.Path(path_type=Path),
+                     default=Path("../shared/data/wiki_vital_summaries_en.json.gz"), show_default=True,
+                     help="Wikipedia vital-article leads (title -> {extract, topic})."),
+        click.option("--limit", type=click.IntRange(1), default=None, help="The first N questions only."),
+        click.option("--doc-chars", type=click.IntRange(0), default=5400, show_default=True,
+                     help="Characters per long document (~4 per SmolLM2 token); 0: the paragraphs as they are."))
+
+    def decorate(command):
+        for option in reversed(options):
+            command = option(command)
+        return command
+    return decorate
+
+
+def _write_set(build, out: Path) -> None:
+    try:
+        items = build()
+    except SiftError as e:
+        raise click.ClickException(str(e)) from None
+    write_jsonl(items, out)
+    click.echo(f"{len(items)} questions, {sum(len(i.docs) for i in items)} documents -> {out}")
+
+
+@_long_doc_command("long-docs", "--hotpotqa", "../shared/data/hotpotqa_train.json",
+                   "Official HotpotQA JSON (distractor setting).")
 def long_docs(out, hotpotqa, wiki, limit, doc_chars):
     """Write HotpotQA questions over ~1-2K-token documents (gold paragraphs inside topic-grouped Wikipedia
     leads) as the eval's JSONL."""
-    try:
-        items = long_documents(hotpotqa, wiki, limit=limit, doc_chars=doc_chars)
-    except SiftError as e:
-        raise click.ClickException(str(e)) from None
-    write_jsonl(items, out)
-    click.echo(f"{len(items)} questions, {sum(len(i.docs) for i in items)} documents -> {out}")
+    _write_set(lambda: long_documents(hotpotqa, wiki, limit=limit, doc_chars=doc_chars), out)
 
 
-@main.command("nq-long-docs")
-@click.argument("out", type=click.Path(path_type=Path))
-@click.option("--nq", type=click.Path(path_type=Path), default=Path("../shared/data/nq-open-oracle.jsonl.gz"),
-              show_default=True, help="NaturalQuestions-open with each question's gold passage (ctxs).")
-@click.option("--wiki", type=click.Path(path_type=Path), default=Path("../shared/data/wiki_vital_summaries_en.json.gz"),
-              show_default=True, help="Wikipedia vital-article leads (title -> {extract, topic}).")
-@click.option("--limit", type=click.IntRange(1), default=None, help="The first N questions only.")
-@click.option("--doc-chars", type=click.IntRange(0), default=5400, show_default=True,
-              help="Characters per long document (~4 per SmolLM2 token); 0: the passages as they are.")
+@_long_doc_command("nq-long-docs", "--nq", "../shared/data/nq-open-oracle.jsonl.gz",
+                   "NaturalQuestions-open with each question's gold passage (ctxs).")
 def nq_long_docs(out, nq, wiki, limit, doc_chars):
     """Write NaturalQuestions-open questions over three ~1-2K-token documents (the gold passage and two other
     questions' passages inside topic-grouped Wikipedia leads) as the eval's JSONL."""
-    try:
-        items = nq_long_documents(nq, wiki, limit=limit, doc_chars=doc_chars)
-    except SiftError as e:
-        raise click.ClickException(str(e)) from None
-    write_jsonl(items, out)
-    click.echo(f"{len(items)} questions, {sum(len(i.docs) for i in items)} documents -> {out}")
+    _write_set(lambda: nq_long_documents(nq, wiki, limit=limit, doc_chars=doc_chars), out)
 
 
 if __name__ == "__main__":
