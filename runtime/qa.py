@@ -352,7 +352,8 @@ def _long_doc_command(name: str, source: str, default: str, source_help: str):
     options = (
         main.command(name),
         click.argument("out", type=click.Path(path_type=Path)),
-        click.option(source, type=click.Path(path_type=Path), default=Path(default), show_default=True, help=source_help),
+        click.option(source, type=click.Path(path_type=Path), default=Path(default), show_default=True,
+                     help=source_help),
         click.option("--wiki", type=click.Path(path_type=Path),
                      default=Path("../shared/data/wiki_vital_summaries_en.json.gz"), show_default=True,
                      help="Wikipedia vital-article leads (title -> {extract, topic})."),
