@@ -298,10 +298,15 @@ def nq_long_documents(nq: str | Path, wiki: str | Path, *, limit: int | None = N
             return [json.loads(line) for line in f if line.strip()]
 
     rows, leads_by_topic = _sources(read_nq, wiki, "nq-open-oracle.jsonl.gz")
+    for row, r in enumerate(rows, 1):
+        ctxs = r.get("ctxs") if isinstance(r, dict) else None
+        if not (isinstance(r, dict) and isinstance(r.get("question"), str) and isinstance(ctxs, list) and ctxs
+                and isinstance(ctxs[0], dict) and all(isinstance(ctxs[0].get(k), str) for k in ("title", "text"))):
+            raise SiftError(f"{nq} row {row}: each row needs a 'question' string and 'ctxs' = [{{'title', 'text'}}, "
+                            f"...] with the gold passage first; give the NaturalQuestions-open oracle file")
 
     def passage(r: dict) -> tuple[str, str]:
-        ctx = r["ctxs"][0]
-        return ctx["title"], ctx["text"]
+        return r["ctxs"][0]["title"], r["ctxs"][0]["text"]
 
     items = []
     for row, r in enumerate(rows[:limit], 1):

@@ -215,6 +215,10 @@ def test_nq_long_documents_construction(tmp_path):
     short = nq_long_documents(tmp_path / "nq.jsonl.gz", tmp_path / "w.json.gz", doc_chars=0, limit=2)
     assert len(short) == 2 and "Alpha was written by Ann Lee." in dict(short[0].docs).values()
     assert nq_long_documents(tmp_path / "nq.jsonl.gz", tmp_path / "w.json.gz", doc_chars=400) == items
+    with gzip.open(tmp_path / "bad.jsonl.gz", "wt") as f:
+        f.writelines(json.dumps(r) + "\n" for r in [rows[0], {"question": "no passage", "answers": ["x"]}])
+    with pytest.raises(SiftError, match="row 2: each row needs a 'question' string and 'ctxs'"):
+        nq_long_documents(tmp_path / "bad.jsonl.gz", tmp_path / "w.json.gz", doc_chars=400)
 
 
 def test_long_documents_sample_in_repository():
