@@ -53,7 +53,7 @@ from sift.model import DTYPES, resolve_dtype
 from sift.plots import pareto_front
 
 from .eval import REFERENCE, aggregate, evaluate, skip_reason, write_report
-from .qa import FORMATS, QAItem, load_qa, write_corpus
+from .qa import FORMATS, QAItem, load_qa, write_corpus, write_qa
 
 EXIT_OK, EXIT_ERROR = 0, 2
 CRITERIA = ("threshold", "mass")
@@ -410,14 +410,6 @@ def guard(runner: _Runner, rows: list[dict], items: list[QAItem], eps_list, prom
     return twins, info
 
 
-def _write_items(items: list[QAItem], path: Path) -> None:
-    with open(path, "w") as f:
-        for item in items:
-            f.write(json.dumps(dict(id=item.id, question=item.question, answers=list(item.answers),
-                                    docs=[dict(id=d, text=t) for d, t in item.docs], prefix=item.prefix),
-                               ensure_ascii=False) + "\n")
-
-
 def _previous_sweep(out: Path, qa_file: Path, held_in: int, model: str, max_new_tokens: int) -> list[dict]:
     """The points of DIR/front.json, checked to come from the same questions, model and decoding."""
     try:
@@ -467,8 +459,8 @@ def calibrate_items(items: list[QAItem], out: Path, *, name: str, settings, held
         device = "cuda" if torch.cuda.is_available() else "cpu"
     out.mkdir(parents=True, exist_ok=True)
     inside, outside = items[:held_in], items[held_in:]
-    _write_items(inside, out / "held_in.jsonl")
-    _write_items(outside, out / "held_out.jsonl")
+    write_qa(inside, out / "held_in.jsonl")
+    write_qa(outside, out / "held_out.jsonl")
     runner = _Runner(model, device, max_new_tokens, echo, dtype, block)
     if reuse_sweep:
         rows = _previous_sweep(out, Path(name), len(inside), model, max_new_tokens)

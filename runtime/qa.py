@@ -200,6 +200,15 @@ def load_qa(path: str | Path, fmt: str = "auto", limit: int | None = None) -> tu
     return [reader(r, i) for i, r in enumerate(rows, 1)], fmt
 
 
+def write_qa(items: list[QAItem], path: str | Path) -> None:
+    """Write questions as the QA JSONL that `load_qa` reads (format "jsonl")."""
+    with open(path, "w") as f:
+        for item in items:
+            f.write(json.dumps(dict(id=item.id, question=item.question, answers=list(item.answers),
+                                    docs=[dict(id=d, text=t) for d, t in item.docs], prefix=item.prefix),
+                               ensure_ascii=False) + "\n")
+
+
 def write_corpus(items: list[QAItem], path: str | Path) -> list[str]:
     """Write the questions' documents as a `sift-build` corpus (one JSONL of {"id", "text"}). A doc_id that two
     questions give different texts keeps its first text (the later questions are then reported stale by the

@@ -109,6 +109,15 @@ class RecallCounts:
 # ------------------------------------------------------------------------------------- one prompt's pass
 
 
+def row_blocks(spans: list[tuple[str, int, int]]):
+    """(r0, r1, document ordinal or None) of each block of query rows the exact attention computes: blocks lie
+    inside one segment, and a document's start at whole tiles of the document."""
+    docs = [(s, e) for kind, s, e in spans if kind == "doc"]
+    for kind, s, e in spans:
+        for r0 in range(s, e, ROW_BLOCK):
+            yield r0, min(e, r0 + ROW_BLOCK), (docs.index((s, e)) if kind == "doc" else None)
+
+
 def _tile_sums(x: torch.Tensor, row_tiles: int, key_tiles: int, t: int) -> torch.Tensor:
     """x: [Hq, row_tiles * t, key_tiles * t] -> [Hq, row_tiles, key_tiles] float64 sums per tile."""
     rows_summed = x.reshape(x.shape[0], row_tiles, t, key_tiles * t).sum(dim=2)
@@ -130,11 +139,7 @@ class _Observer:
         self.counts = RecallCounts.zeros(n_layers, masks[0].ca.shape[1] if masks else 1)
 
     def row_blocks(self):
-        """(r0, r1, doc index or None): blocks of rows inside one segment; a document's blocks start at whole
-        tiles of the document."""
-        for kind, s, e in self.spans:
-            for r0 in range(s, e, ROW_BLOCK):
-                yield r0, min(e, r0 + ROW_BLOCK), (self.docs.index((s, e)) if kind == "doc" else None)
+        return row_blocks(self.spans)
 
     def observe(self, layer: int, m: int, r0: int, r1: int, a: torch.Tensor) -> None:
         """a: [Hq, r1 - r0, r1] fp32 probabilities of rows r0..r1 (all inside document m) over keys 0..r1.
@@ -219,15 +224,30 @@ def measure_prompt(model, segments: list[tuple[str, list[int]]], masks: list[Doc
                    alpha: float, beta: float) -> RecallCounts:
     """One prompt's counts. segments: (kind, token ids) in prompt order as `SiftEngine.tokenize` gives them;
     masks: the bits of its documents, in order (on the CPU). Runs on the model's device."""
-    from transformers import AttentionInterface
+    n_layers = model.config.num_hidden_layers
+    observer = _Observer(spans_of(segments), masks, tile, alpha, beta, n_layers, model.device)
+    observer.count_tiles()
+    run_exact(model, segments, observer)
+    observer.counts.prompts = 1
+    return observer.counts
 
+
+def spans_of(segments: list[tuple[str, list[int]]]) -> list[tuple[str, int, int]]:
+    """(kind, token ids) in prompt order -> (kind, start, end) of each segment in the unsegmented prompt."""
     spans, pos = [], 0
     for kind, ids in segments:
         spans.append((kind, pos, pos + len(ids)))
         pos += len(ids)
-    n_layers = model.config.num_hidden_layers
-    observer = _Observer(spans, masks, tile, alpha, beta, n_layers, model.device)
-    observer.count_tiles()
+    return spans
+
+
+@torch.inference_mode()
+def run_exact(model, segments: list[tuple[str, list[int]]], observer) -> None:
+    """One forward of `model` over the unsegmented prompt with the exact attention of this module, feeding
+    `observer` (an object with `row_blocks()` and `observe(layer, m, r0, r1, a)`, as `_Observer`) each block of
+    document rows' probabilities."""
+    from transformers import AttentionInterface
+
     ids = torch.tensor([[t for _, seg in segments for t in seg]], device=model.device)
     AttentionInterface.register(ATTN_NAME, _recall_attention)
     previous = model.config._attn_implementation
@@ -236,8 +256,6 @@ def measure_prompt(model, segments: list[tuple[str, list[int]]], masks: list[Doc
         model.base_model(input_ids=ids, use_cache=False, sift_recall=observer)
     finally:
         model.set_attn_implementation(previous)
-    observer.counts.prompts = 1
-    return observer.counts
 
 
 # -------------------------------------------------------------------------------------- over an index
