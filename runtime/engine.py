@@ -7,6 +7,7 @@ One request walks forward through these steps:
       -> stale / unknown checks       each document's ids must hash to the index's content_hash
       -> BatchLayout                  segments padded to kernel blocks, logical and segment-local positions
       -> index.fetch                  all layers' bits of the batch's documents, once per batch, on the device
+                                      (or the caller's `BatchBits`: the eval's in-context oracle)
       -> PrefillMetadata              every layer's block CSR decoded from the bits (or the dense CSR), once,
                                       before the forward (runtime/metadata.py)
       -> model forward                the unchanged transformers model on the packed real tokens [1, n_real],
@@ -43,6 +44,7 @@ import torch
 from sift.errors import SiftError
 from sift.format import TILES, content_hash
 
+from ..kernels.block_indices import DocBits
 from ..kernels.layout import build_layout
 from ..kernels.rope import rope_inv_freq
 from ..kernels.sparse_attention import HEAD_DIMS
@@ -60,6 +62,16 @@ GPU_BLOCK = 128
 
 
 # ---------------------------------------------------------------------------------------------- public types
+
+
+@dataclass(frozen=True, eq=False)
+class BatchBits:
+    """Bits of one call's documents given by the caller instead of fetched from the index (mode "sift"; the
+    in-context oracle of runtime/oracle.py). bits: every document of the batch, requests in order, each request's
+    documents in prompt order; tile: their tile (one of TILES, at most the engine's block)."""
+
+    bits: DocBits
+    tile: int
 
 
 @dataclass(frozen=True)
@@ -241,11 +253,12 @@ class SiftEngine:
                         f"tokens (content_hash {entry.content_hash[:16]}...): its text changed since it was indexed; "
                         f"rebuild the index (`sift-build CORPUS --out {index.path}` re-profiles changed documents)")
 
-    def validate_requests(self, requests, mode: str) -> None:
-        """Refuse an unknown mode, a mode the engine cannot serve (no index, no KV store) and bad requests."""
+    def validate_requests(self, requests, mode: str, indexed: bool = True) -> None:
+        """Refuse an unknown mode, a mode the engine cannot serve (no index, no KV store) and bad requests.
+        indexed=False: mode "sift" runs on bits the caller gives, without the index."""
         if mode.partition(":")[0] not in MODES:
             raise SiftError(f"mode={mode!r} must be one of {', '.join(MODES)} (or 'hybrid:<policy>[@<fraction>]')")
-        if mode == "sift" and self.index is None:
+        if mode == "sift" and indexed and self.index is None:
             raise SiftError("mode='sift' needs an index: create the engine with SiftIndex.open(path)")
         if mode not in ("sift", "dense"):
             reuse.parse_mode(mode)
@@ -264,18 +277,29 @@ class SiftEngine:
     # ----------------------------------------------------------------------------------------- prefill
 
     @torch.inference_mode()
-    def prefill(self, requests: Sequence[Request], mode: str = "sift") -> PrefillResult:
-        """Prefill a batch -> PrefillResult (logits at each request's last position)."""
+    def prefill(self, requests: Sequence[Request], mode: str = "sift", *,
+                bits: BatchBits | None = None) -> PrefillResult:
+        """Prefill a batch -> PrefillResult (logits at each request's last position). bits: mode "sift" with
+        these bits rather than the index's."""
         with self._lock:
-            result, _, cache = self._run_prefill(requests, mode, new_tokens=0)
+            result, _, cache = self._run_prefill(requests, mode, new_tokens=0, bits=bits)
             reuse_prefill.release(cache)
             return result
 
-    def _run_prefill(self, requests: Sequence[Request], mode: str, new_tokens: int):
+    def _run_prefill(self, requests: Sequence[Request], mode: str, new_tokens: int, bits: BatchBits | None = None):
+        if bits is not None:
+            self._check_supplied(mode, bits)
         if mode in ("sift", "dense") or mode.partition(":")[0] not in MODES:
-            return self._prefill(requests, mode, new_tokens)
+            return self._prefill(requests, mode, new_tokens, bits)
         fields, layout, cache = reuse_prefill.prefill(self, requests, mode, new_tokens)
         return PrefillResult(mode=mode, backend=self.backend, block=self.block, **fields), layout, cache
+
+    def _check_supplied(self, mode: str, bits: BatchBits) -> None:
+        if mode != "sift":
+            raise SiftError(f"bits were given with mode={mode!r}: supplied bits serve mode 'sift' only")
+        if bits.tile not in TILES or bits.tile > self.block:
+            raise SiftError(f"supplied bits of tile {bits.tile}: the tile must be one of {TILES} and at most the "
+                            f"engine's block {self.block}")
 
     def _check_lengths(self, lengths: list[int], new_tokens: int) -> None:
         for r, n in enumerate(lengths):
@@ -298,14 +322,20 @@ class SiftEngine:
                             f"the sparse pattern assumes full causal attention; shorten the prompt")
         return segs, lengths
 
-    def _plan(self, requests: Sequence[Request], mode: str, timer: Timer, new_tokens: int):
+    def _plan(self, requests: Sequence[Request], mode: str, timer: Timer, new_tokens: int,
+              supplied: BatchBits | None = None):
         """Requests -> (token ids of the batch [1, n_real], layout, prompt lengths, the documents' bits or None)."""
         segs, lengths = self.segments(requests, new_tokens)
-        if mode == "sift":
+        if mode == "sift" and supplied is None:
             self.check_docs(requests, segs)
         layout = build_layout([[(k, len(ids)) for k, ids in s] for s in segs], self.block, self.device)
         bits = None
-        if mode == "sift" and layout.n_docs:
+        if supplied is not None:
+            if supplied.bits.la_base.numel() != layout.n_docs:
+                raise SiftError(f"supplied bits hold {supplied.bits.la_base.numel()} documents, the batch has "
+                                f"{layout.n_docs}: give one entry per document of every request, in order")
+            bits = supplied.bits if layout.n_docs else None
+        elif mode == "sift" and layout.n_docs:
             docs = [(doc_id, len(ids)) for r, s in zip(requests, segs)
                     for (doc_id, _), ids in zip(r.docs, [ids for k, ids in s if k == "doc"])]
             with timer("fetch"):
@@ -313,26 +343,27 @@ class SiftEngine:
         ids = torch.tensor([[t for s in segs for _, seg in s for t in seg]], device=self.device)
         return ids, layout, lengths, bits
 
-    def metadata(self, layout, bits, timer: Timer, q_blocks: torch.Tensor | None = None) -> PrefillMetadata:
-        """Every layer's block CSR, before the forward: from the bits, or dense when there are none; only the
-        rows of `q_blocks` when given."""
+    def metadata(self, layout, bits, timer: Timer, q_blocks: torch.Tensor | None = None,
+                 tile: int | None = None) -> PrefillMetadata:
+        """Every layer's block CSR, before the forward: from the bits (of `tile`, default the index's), or dense
+        when there are none; only the rows of `q_blocks` when given."""
         n_layers, n_heads = self.model.config.num_hidden_layers, self.model.config.num_attention_heads
         with timer("decode"):
             if bits is None:
                 return PrefillMetadata.build(layout, dense_layers(layout, n_heads, n_layers), sparse=False,
                                              q_blocks=q_blocks)
-            indices = self.attention_backend.decode_indices(layout, bits, self.tile, n_heads)
+            indices = self.attention_backend.decode_indices(layout, bits, tile or self.tile, n_heads)
             return PrefillMetadata.build(layout, indices, sparse=True, q_blocks=q_blocks)
 
-    def _prefill(self, requests: Sequence[Request], mode: str, new_tokens: int):
+    def _prefill(self, requests: Sequence[Request], mode: str, new_tokens: int, supplied: BatchBits | None = None):
         """-> (PrefillResult, layout, the batch's KV cache with room for new_tokens more per request)."""
         t0 = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
-        self.validate_requests(requests, mode)
+        self.validate_requests(requests, mode, indexed=supplied is None)
         timer = Timer(self.device)
-        ids, layout, lengths, bits = self._plan(requests, mode, timer, new_tokens)
-        meta = self.metadata(layout, bits, timer)
+        ids, layout, lengths, bits = self._plan(requests, mode, timer, new_tokens, supplied)
+        meta = self.metadata(layout, bits, timer, tile=supplied.tile if supplied is not None else None)
         n_layers = self.model.config.num_hidden_layers
         cache = BatchKVCache(layout, n_layers, gen_blocks=-(-new_tokens // self.block))
         hidden = self.forward_tokens(ids, layout.token_local_pos, meta, cache, timer)
@@ -362,16 +393,18 @@ class SiftEngine:
         return hidden
 
     @torch.inference_mode()
-    def generate(self, requests: Sequence[Request], max_new_tokens: int = 32, mode: str = "sift") -> GenerateResult:
+    def generate(self, requests: Sequence[Request], max_new_tokens: int = 32, mode: str = "sift", *,
+                 bits: BatchBits | None = None) -> GenerateResult:
         """Greedy generation: prefill, then one token per request per step over the position-free cache,
-        until eos or max_new_tokens."""
+        until eos or max_new_tokens. bits: mode "sift" with these bits rather than the index's."""
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise SiftError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
         with self._lock:
-            return self._generate(requests, max_new_tokens, mode)
+            return self._generate(requests, max_new_tokens, mode, bits)
 
-    def _generate(self, requests: Sequence[Request], max_new_tokens: int, mode: str) -> GenerateResult:
-        prefill, layout, cache = self._run_prefill(requests, mode, new_tokens=max_new_tokens)
+    def _generate(self, requests: Sequence[Request], max_new_tokens: int, mode: str,
+                  bits: BatchBits | None = None) -> GenerateResult:
+        prefill, layout, cache = self._run_prefill(requests, mode, new_tokens=max_new_tokens, bits=bits)
         try:
             return self._decode_loop(requests, max_new_tokens, prefill, layout, cache)
         finally:

@@ -6,7 +6,10 @@ compared with dense and with the gold answers, aggregated with bootstrap confide
               [--kv-store-gib G] --out DIR
 
 INDEX is a folder or an object-store URI. Modes: dense, sift, and the KV-reuse modes reuse, hybrid,
-hybrid:<policy>, hybrid:<policy>@<fraction> (runtime/reuse.py; they run with a KVStore of --kv-store-gib).
+hybrid:<policy>, hybrid:<policy>@<fraction> (runtime/reuse.py; they run with a KVStore of --kv-store-gib), and
+the reference oracle@<coverage> (runtime/oracle.py): sift with the bits of the index's format chosen from each
+prompt's own exact attention, keeping at least <coverage> of every (layer, head)'s document-row attention mass
+in the fewest blocks (at the engine's block; its TTFT leaves out the exact pass that chooses them).
 
 writes
     DIR/report.json   settings; `modes.<mode>`: `n` and, for each metric below, {"mean": x, "ci95": [lo, hi]}
@@ -53,6 +56,7 @@ from sift.format import TILES, content_hash
 from sift.model import DTYPES, resolve_dtype
 from sift.plots import mode_summary, recall_by_layer
 
+from . import oracle
 from .engine import MODES, GenerateResult, SiftEngine
 from .reuse import POLICIES, parse_mode
 from .qa import FORMATS, QAItem, load_qa
@@ -148,9 +152,20 @@ def skip_reason(engine: SiftEngine, item: QAItem) -> str | None:
     return None
 
 
-def _generate(engine: SiftEngine, items: list[QAItem], modes, max_new_tokens: int) -> dict[str, GenerateResult]:
+def _generate(engine: SiftEngine, items: list[QAItem], modes, max_new_tokens: int | None) -> dict[str, GenerateResult]:
+    """Every mode on one batch (max_new_tokens None: prefill only, -> PrefillResults). The oracle modes share
+    one exact pass per prompt."""
     requests = [item.request() for item in items]
-    return {mode: engine.generate(requests, max_new_tokens, mode=mode) for mode in modes}
+    masses = oracle.batch_masses(engine, requests) if any(oracle.parse_mode(m) for m in modes) else None
+    out = {}
+    for mode in modes:
+        coverage = oracle.parse_mode(mode)
+        kwargs = dict(mode=mode)
+        if coverage is not None:
+            kwargs = dict(mode="sift", bits=oracle.batch_bits(engine, requests, coverage, masses))
+        out[mode] = (engine.generate(requests, max_new_tokens, **kwargs) if max_new_tokens
+                     else engine.prefill(requests, **kwargs))
+    return out
 
 
 def _score(item: QAItem, results: dict[str, GenerateResult], i: int) -> dict:
@@ -203,11 +218,10 @@ def evaluate(engine: SiftEngine, items: list[QAItem], modes, *, batch: int = 1, 
         else:
             runnable.append(item)
     if runnable:  # first calls pay one-off costs (allocator, kernel compilation): keep them out of TTFT
-        for mode in modes:
-            try:
-                engine.prefill([runnable[0].request()], mode=mode)
-            except SiftError:
-                pass  # the question is refused again, and reported, below
+        try:
+            _generate(engine, runnable[:1], modes, None)
+        except SiftError:
+            pass  # the question is refused again, and reported, below
     rows = []
     for start in range(0, len(runnable), batch):
         r, s = _run_batch(engine, runnable[start:start + batch], modes, max_new_tokens)
@@ -313,11 +327,14 @@ def write_report(report: dict, out: Path) -> None:
 
 def _parse_modes(text: str) -> list[str]:
     modes = list(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))
-    bad = [m for m in modes if m.partition(":")[0] not in MODES
-           or (m.partition(":")[0] in ("reuse", "hybrid") and not _reuse_mode_ok(m))]
+    for m in modes:
+        oracle.parse_mode(m)  # a malformed oracle@C says so itself
+    bad = [m for m in modes if oracle.parse_mode(m) is None and (
+           m.partition(":")[0] not in MODES or (m.partition(":")[0] in ("reuse", "hybrid") and not _reuse_mode_ok(m)))]
     if not modes or bad:
-        raise SiftError(f"--modes {text!r}: each mode must be one of {', '.join(MODES)} or "
-                        f"hybrid:<policy>[@<fraction>] with a policy in {', '.join(POLICIES)} (comma-separated)")
+        raise SiftError(f"--modes {text!r}: each mode must be one of {', '.join(MODES)}, "
+                        f"hybrid:<policy>[@<fraction>] with a policy in {', '.join(POLICIES)}, or oracle@<coverage> "
+                        f"(comma-separated)")
     return [REFERENCE, *(m for m in modes if m != REFERENCE)]
 
 
@@ -350,12 +367,16 @@ def run(index_path: Path, qa_file: Path, *, modes: list[str], model: str | None 
         limit: int | None = None, batch: int = 1, max_new_tokens: int = 24, device: str = "auto",
         backend: str = "auto", resamples: int = 2000, seed: int = 0, recall: bool = False,
         recall_limit: int | None = None, kv_store_gib: float = 4.0, dtype: str = "auto", block: int | None = None,
-        recall_at_block: bool = False, echo=lambda msg: None) -> dict:
+        recall_at_block: bool = False, items: list[QAItem] | None = None, echo=lambda msg: None) -> dict:
     """The whole eval -> the report (as report.json holds it). recall: also measure the bits' in-context recall
     on the first `recall_limit` (None: all) evaluated questions, at the index tile (recall_at_block: as the
     engine's kernel block computes the bits). kv_store_gib: the KV store of the reuse modes (created only when
-    one is asked for). block: the engine's kernel block (None: 128 on CUDA, the index tile on CPU)."""
-    items, fmt = load_qa(qa_file, fmt, limit)
+    one is asked for). block: the engine's kernel block (None: 128 on CUDA, the index tile on CPU). items: the
+    questions already read (qa_file then only names them in the report)."""
+    if items is None:
+        items, fmt = load_qa(qa_file, fmt, limit)
+    else:
+        items, fmt = items[:limit], "given"
     reusing = any(m.partition(":")[0] in ("reuse", "hybrid") for m in modes)
     engine = _engine(index_path, model, device, backend, kv_store_gib if reusing else 0.0, dtype, block)
     echo(f"{len(items)} questions ({fmt}); index {index_path}: {len(engine.index)} documents, tile "
@@ -381,7 +402,8 @@ def run(index_path: Path, qa_file: Path, *, modes: list[str], model: str | None 
 @click.argument("index_path", metavar="INDEX")
 @click.argument("qa_file", type=click.Path(path_type=Path))
 @click.option("--modes", default="dense,sift", show_default=True,
-              help=f"Comma-separated modes to compare ({', '.join(MODES)}); dense is always run, as the reference.")
+              help=f"Comma-separated modes to compare ({', '.join(MODES)}, oracle@<coverage>); dense is always "
+                   f"run, as the reference.")
 @click.option("--model", default=None, help="The served model (default: the index's model).")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="auto", show_default=True,
               help="QA set format (auto: from the first row's fields).")

@@ -225,6 +225,21 @@ def test_cli_end_to_end(eval_setup):
     assert (out / "summary.png").stat().st_size > 1000
 
 
+def test_cli_oracle_modes(eval_setup):
+    """The oracle modes (runtime/oracle.py) through the CLI: at coverage 1 the in-context pattern is dense and
+    answers like dense; at 0.9 it skips blocks on the questions with two documents."""
+    index, qa, root = eval_setup
+    out = root / "out-oracle"
+    proc = _run(index, qa, "--modes", "dense,oracle@1,oracle@0.9", "--max-new-tokens", "3", "--out", out)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["settings"]["modes"] == ["dense", "oracle@1", "oracle@0.9"]
+    full, sparse = report["modes"]["oracle@1"], report["modes"]["oracle@0.9"]
+    assert full["tile_fraction"]["mean"] == 1.0 and full["agreement_answer"]["mean"] == 1.0
+    fractions = [r["modes"]["oracle@0.9"]["tile_fraction"] for r in report["rows"]]
+    assert fractions[0] < 1.0 and fractions[1] < 1.0, fractions   # q1, q2: two documents each
+
+
 def test_cli_bad_usage(eval_setup):
     """Exit code 2 and one line, no traceback (in-process: the same click command the console script runs)."""
     index, qa, root = eval_setup
@@ -234,6 +249,8 @@ def test_cli_bad_usage(eval_setup):
     assert len(result.stderr.strip().splitlines()) == 1
     result = runner.invoke(main, [str(index), str(qa), "--modes", "dense,hybrid:magic", "--out", str(root / "bad")])
     assert result.exit_code == 2 and "hybrid:<policy>" in result.stderr, result.stderr
+    result = runner.invoke(main, [str(index), str(qa), "--modes", "dense,oracle@2", "--out", str(root / "bad")])
+    assert result.exit_code == 2 and "oracle@C" in result.stderr, result.stderr
     result = runner.invoke(main, [str(root / "no-index"), str(qa), "--out", str(root / "bad")])
     assert result.exit_code == 2 and "sift-build" in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
