@@ -218,10 +218,11 @@ def evaluate(engine: SiftEngine, items: list[QAItem], modes, *, batch: int = 1, 
         else:
             runnable.append(item)
     if runnable:  # first calls pay one-off costs (allocator, kernel compilation): keep them out of TTFT
-        try:
-            _generate(engine, runnable[:1], modes, None)
-        except SiftError:
-            pass  # the question is refused again, and reported, below
+        for mode in modes:
+            try:
+                _generate(engine, runnable[:1], [mode], None)
+            except SiftError:
+                pass  # the question is refused again, and reported, below
     rows = []
     for start in range(0, len(runnable), batch):
         r, s = _run_batch(engine, runnable[start:start + batch], modes, max_new_tokens)
