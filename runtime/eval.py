@@ -156,13 +156,18 @@ def _generate(engine: SiftEngine, items: list[QAItem], modes, max_new_tokens: in
     """Every mode on one batch (max_new_tokens None: prefill only, -> PrefillResults). The oracle modes share
     one exact pass per prompt."""
     requests = [item.request() for item in items]
-    masses = oracle.batch_masses(engine, requests) if any(oracle.parse_mode(m) for m in modes) else None
+    parsed = {m: oracle.parse_mode(m) for m in modes}
+    masses = (oracle.batch_masses(engine, requests) if any(p and p[0] == "oracle" for p in parsed.values())
+              else None)
+    readers: dict = {}
     out = {}
     for mode in modes:
-        coverage = oracle.parse_mode(mode)
         kwargs = dict(mode=mode)
-        if coverage is not None:
-            kwargs = dict(mode="sift", bits=oracle.batch_bits(engine, requests, coverage, masses))
+        if parsed[mode] is not None:
+            name, coverage = parsed[mode]
+            bits = (oracle.batch_bits(engine, requests, coverage, masses) if name == "oracle"
+                    else oracle.reader_bits(engine, requests, coverage, readers))
+            kwargs = dict(mode="sift", bits=bits)
         out[mode] = (engine.generate(requests, max_new_tokens, **kwargs) if max_new_tokens
                      else engine.prefill(requests, **kwargs))
     return out

@@ -32,22 +32,24 @@ from ..kernels.block_indices import pack_doc_bits
 from .engine import BatchBits, Request
 from .recall import DocMasks, row_blocks, run_exact, spans_of
 
-MODE = "oracle"
+MODES = ("oracle", "reader")
+READER_TOKENS = 1024
 
 
-def parse_mode(mode: str) -> float | None:
-    """"oracle@C" -> coverage C in (0, 1]; None for any other mode. A malformed oracle mode raises SiftError."""
+def parse_mode(mode: str) -> tuple[str, float] | None:
+    """"oracle@C" / "reader@C" -> (name, coverage C in (0, 1]); None for any other mode. A malformed one raises
+    SiftError."""
     name, _, value = mode.partition("@")
-    if name != MODE:
+    if name not in MODES:
         return None
     try:
         coverage = float(value)
     except ValueError:
         coverage = -1.0
     if not 0.0 < coverage <= 1.0:
-        raise SiftError(f"mode {mode!r}: write oracle@C with C the share of document rows' attention mass kept, "
-                        f"in (0, 1], e.g. oracle@0.99")
-    return coverage
+        raise SiftError(f"mode {mode!r}: write {name}@C with C the share of document rows' attention mass kept, "
+                        f"in (0, 1], e.g. {name}@0.99")
+    return name, coverage
 
 
 @dataclass(frozen=True)
@@ -148,6 +150,51 @@ def pack(masks: list[DocMasks], n_tokens: list[int], tile: int, device) -> Batch
     ca = [pack_msb(m.ca).numpy().tobytes() for m in masks]
     bits = pack_doc_bits(la, ca, n_tokens, tile=tile, n_layers=n_layers, n_heads=n_heads, device=device)
     return BatchBits(bits=bits, tile=tile)
+
+
+def reader_ids(tokenizer, n_tokens: int = READER_TOKENS) -> list[int]:
+    """The fixed reader: the shipped sample corpus's Wikipedia leads, in file order, cut at n_tokens tokens."""
+    import json
+
+    from ..pipeline.corpus import SAMPLE_CORPUS
+
+    ids: list[int] = []
+    with open(SAMPLE_CORPUS / "wiki_vital_leads.jsonl") as f:
+        for line in f:
+            ids += tokenizer("\n\n" + json.loads(line)["text"], add_special_tokens=False).input_ids
+            if len(ids) >= n_tokens:
+                break
+    return ids[:n_tokens]
+
+
+def reader_mass(engine, doc_ids: list[int], reader: list[int]) -> PromptMass:
+    """A document's mass as a profile could see it offline: the document alone after the index's profiling
+    prefix, read by the fixed `reader` placed after it. Only the document's own tiles and its pages' reads are
+    candidates (the reader's own tiles carry no mass here)."""
+    segments = [("prefix", list(engine.prefix_ids)), ("doc", list(doc_ids)), ("doc", list(reader))]
+    mass = prompt_mass(engine.model, segments, engine.block)
+    return PromptMass(own=[mass.own[0], torch.zeros_like(mass.own[1])], read=mass.read, rows=mass.rows,
+                      tile=mass.tile)
+
+
+def reader_bits(engine, requests: list[Request], coverage: float, cache: dict | None = None) -> BatchBits | None:
+    """The reader criterion's bits for a batch: each document's masks chosen from `reader_mass` at `coverage`,
+    the same for the document wherever it appears (what a builder could store). cache: doc token ids (tuple) ->
+    reader mass, shared across calls by the caller."""
+    cache = {} if cache is None else cache
+    reader = cache.setdefault("reader", reader_ids(engine.tokenizer))
+    masks, n_tokens = [], []
+    for request in requests:
+        for kind, ids in engine.tokenize(request):
+            if kind == "doc":
+                key = tuple(ids)
+                if key not in cache:
+                    cache[key] = reader_mass(engine, ids, reader)
+                masks.append(select(cache[key], coverage)[0])
+                n_tokens.append(len(ids))
+    if not masks:
+        return None
+    return pack(masks, n_tokens, engine.block, engine.device)
 
 
 def batch_masses(engine, requests: list[Request]) -> list[PromptMass]:

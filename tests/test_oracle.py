@@ -6,8 +6,10 @@ import pytest
 import torch
 
 from sift.errors import SiftError
+from sift.kernels.bits import tril_to_square, unpack_msb
 from sift.runtime import Request, SiftEngine
-from sift.runtime.oracle import PromptMass, batch_bits, batch_masses, parse_mode, prompt_mass, select
+from sift.runtime.oracle import (PromptMass, batch_bits, batch_masses, parse_mode, prompt_mass, reader_bits, reader_ids,
+                                 reader_mass, select)
 
 from .helpers import smollm2, wiki_texts
 
@@ -76,11 +78,14 @@ def test_select_hand_worked_toy():
 
 
 def test_parse_mode():
-    assert parse_mode("oracle@0.99") == 0.99 and parse_mode("oracle@1") == 1.0
+    assert parse_mode("oracle@0.99") == ("oracle", 0.99) and parse_mode("oracle@1") == ("oracle", 1.0)
+    assert parse_mode("reader@0.995") == ("reader", 0.995)
     assert parse_mode("sift") is None and parse_mode("hybrid:first@0.3") is None
     for bad in ("oracle", "oracle@0", "oracle@1.5", "oracle@x"):
         with pytest.raises(SiftError, match="oracle@C"):
             parse_mode(bad)
+    with pytest.raises(SiftError, match="reader@C"):
+        parse_mode("reader@2")
 
 
 def _dense_pairs(nb):
@@ -133,3 +138,33 @@ def test_supplied_bits_are_checked():
         engine.generate([request], 2, mode="dense", bits=bits)
     with pytest.raises(SiftError, match="2 documents, the batch has 4"):
         engine.generate([request, request], 2, mode="sift", bits=bits)
+
+
+def test_reader_bits_depend_on_the_document_only():
+    """The reader criterion's bits of a document (runtime/oracle.py `reader_bits`) are the oracle's choice on the
+    prompt [profiling prefix, document, fixed reader], whatever request, place or neighbours the document has:
+    what a builder could store. They keep the diagonal and drop some pages the reader reads little."""
+    model, tokenizer = smollm2()
+    engine = SiftEngine(model, tokenizer, None, block=TILE, backend="torch")
+    texts = [t[:300] for t in wiki_texts(3)]
+    reader = reader_ids(tokenizer, 96)
+    assert len(reader) == 96
+    first = Request(prefix="Read.\n", docs=[("a", texts[0]), ("b", texts[1])], query="\nWhich?")
+    second = Request(prefix="Other words.\n", docs=[("c", texts[2]), ("b", texts[1])], query="\nWhat?")
+    cache = {"reader": reader}
+    bits = reader_bits(engine, [first, second], 0.98, cache)
+    assert len([k for k in cache if k != "reader"]) == 3          # b is profiled once
+    b_ids = [ids for kind, ids in engine.tokenize(first) if kind == "doc"][1]
+    expected = select(reader_mass(engine, b_ids, reader), 0.98)[0]
+    n = len(b_ids)
+    p = -(-n // TILE)
+    la_nb, ca_nb = int(bits.bits.la_head_nbytes[1]), int(bits.bits.ca_head_nbytes[1])
+    for d in (1, 3):                                               # b in the first and in the second request
+        la0, ca0 = int(bits.bits.la_base[d]), int(bits.bits.ca_base[d])
+        la = bits.bits.la_bytes[la0:la0 + la_nb * expected.ca.shape[0] * expected.ca.shape[1]]
+        ca = bits.bits.ca_bytes[ca0:ca0 + ca_nb * expected.ca.shape[0] * expected.ca.shape[1]]
+        la = tril_to_square(unpack_msb(la.view(*expected.ca.shape[:2], la_nb), p * (p + 1) // 2), p)
+        ca = unpack_msb(ca.view(*expected.ca.shape[:2], ca_nb), p)
+        assert torch.equal(la, expected.la) and torch.equal(ca, expected.ca)
+    assert bool(expected.la.diagonal(dim1=-2, dim2=-1).all())
+    assert 0 < int((~expected.ca).sum()) < expected.ca.numel()
