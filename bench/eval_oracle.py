@@ -15,7 +15,7 @@ file are kept.
 
     python bench/eval_oracle.py --device cuda --model-dir DIR [--dtype float32] [--sets long,nq-long] [--first 41]
                                 [--limit-long 100] [--limit-nq-long 100] [--coverages 0.999,0.998,0.995,0.99]
-                                [--setting tile=64] [--max-new-tokens 16]
+                                [--readers 0.997,0.995] [--setting tile=64] [--max-new-tokens 16] [--tag T]
     python bench/eval_oracle.py --smoke     # 2 questions of one set, one coverage, 2 tokens: checks it runs
 """
 from __future__ import annotations
@@ -45,6 +45,9 @@ def parse_args():
         ap.add_argument(f"--limit-{name}", type=int, default=default, help=f"last question of the {name} set")
     ap.add_argument("--coverages", default="0.999,0.998,0.995,0.99",
                     help="comma-separated C: the oracle keeps at least C of each (layer, head)'s document-row mass")
+    ap.add_argument("--readers", default="",
+                    help="comma-separated C: also the reader criterion reader@C (each document's bits chosen from "
+                         "its own attention and a fixed reader text after it)")
     ap.add_argument("--setting", default="tile=64", help="the index's profile (sift-calibrate --setting syntax)")
     ap.add_argument("--tag", default="", help="stored as sets[\"<set>/<dtype>/<tag>\"] (a run beside the main one)")
     ap.add_argument("--max-new-tokens", type=int, default=16)
@@ -63,6 +66,7 @@ def parse_args():
     if not args.sets or not set(args.sets) <= set(qa_sets.SETS):
         ap.error(f"--sets {args.sets}: each must be one of {', '.join(qa_sets.SETS)}")
     args.coverages = [float(x) for x in args.coverages.split(",") if x.strip()]
+    args.readers = [float(x) for x in args.readers.split(",") if x.strip()]
     if args.smoke:
         args.sets, args.first, args.max_new_tokens, args.coverages = args.sets[:1], 1, 2, args.coverages[:1]
         args.limit_hotpotqa = args.limit_2wiki = args.limit_long = args.limit_nq_long = 2
@@ -87,8 +91,9 @@ def main() -> None:
     model = str(args.model_dir) if args.model_dir is not None else DEFAULT_MODEL
     builder = InProcessBuilder(args.model_dir, args.device, args.dtype)
     setting = parse_setting(args.setting)
-    modes = ["dense", "sift", *(f"oracle@{c:g}" for c in args.coverages)]
+    modes = ["dense", "sift", *(f"oracle@{c:g}" for c in args.coverages), *(f"reader@{c:g}" for c in args.readers)]
     run = dict(model=DEFAULT_MODEL, device=args.device, setting=args.setting, coverages=args.coverages,
+               readers=args.readers,
                max_new_tokens=args.max_new_tokens, block=args.block,
                command=" ".join(["python", "bench/eval_oracle.py", *sys.argv[1:]]))
     path = common.out_dir(args) / "eval_oracle.json"
