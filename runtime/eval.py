@@ -9,7 +9,9 @@ INDEX is a folder or an object-store URI. Modes: dense, sift, and the KV-reuse m
 hybrid:<policy>, hybrid:<policy>@<fraction> (runtime/reuse.py; they run with a KVStore of --kv-store-gib), and
 the reference oracle@<coverage> (runtime/oracle.py): sift with the bits of the index's format chosen from each
 prompt's own exact attention, keeping at least <coverage> of every (layer, head)'s document-row attention mass
-in the fewest blocks (at the engine's block; its TTFT leaves out the exact pass that chooses them).
+in the fewest blocks (at the engine's block; its TTFT leaves out the exact pass that chooses them), and
+reader@<coverage>, a candidate offline criterion measured the same way: each document's bits chosen from its own
+attention and that of a fixed reader text placed after it, so the same for the document in every request.
 
 writes
     DIR/report.json   settings; `modes.<mode>`: `n` and, for each metric below, {"mean": x, "ci95": [lo, hi]}
@@ -334,13 +336,13 @@ def write_report(report: dict, out: Path) -> None:
 def _parse_modes(text: str) -> list[str]:
     modes = list(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))
     for m in modes:
-        oracle.parse_mode(m)  # a malformed oracle@C says so itself
+        oracle.parse_mode(m)  # a malformed oracle@C / reader@C says so itself
     bad = [m for m in modes if oracle.parse_mode(m) is None and (
            m.partition(":")[0] not in MODES or (m.partition(":")[0] in ("reuse", "hybrid") and not _reuse_mode_ok(m)))]
     if not modes or bad:
         raise SiftError(f"--modes {text!r}: each mode must be one of {', '.join(MODES)}, "
-                        f"hybrid:<policy>[@<fraction>] with a policy in {', '.join(POLICIES)}, or oracle@<coverage> "
-                        f"(comma-separated)")
+                        f"hybrid:<policy>[@<fraction>] with a policy in {', '.join(POLICIES)}, oracle@<coverage> or "
+                        f"reader@<coverage> (comma-separated)")
     return [REFERENCE, *(m for m in modes if m != REFERENCE)]
 
 
@@ -408,7 +410,7 @@ def run(index_path: Path, qa_file: Path, *, modes: list[str], model: str | None 
 @click.argument("index_path", metavar="INDEX")
 @click.argument("qa_file", type=click.Path(path_type=Path))
 @click.option("--modes", default="dense,sift", show_default=True,
-              help=f"Comma-separated modes to compare ({', '.join(MODES)}, oracle@<coverage>); dense is always "
+              help=f"Comma-separated modes to compare ({', '.join(MODES)}, oracle@<coverage>, reader@<coverage>); dense is always "
                    f"run, as the reference.")
 @click.option("--model", default=None, help="The served model (default: the index's model).")
 @click.option("--format", "fmt", type=click.Choice(FORMATS), default="auto", show_default=True,

@@ -18,6 +18,11 @@ with dense, when its bits are as good as the prompt itself can make them (the or
 dense pass's attention, which the sparse pass then perturbs, and greedily: a near-best, not a proven bound). If
 the oracle needs more blocks than an index's thresholds compute for an agreement target, no profile of documents
 on their own can reach that target at fewer blocks.
+
+The reader criterion (`reader@C`) is the same choice made where a builder could make it: on the prompt [profiling
+prefix, document, a fixed reader text] (`reader_ids`: the shipped sample corpus's Wikipedia leads, 1024 tokens),
+keeping the document's tiles and pages only. Its bits depend on the document alone, so an index could store them;
+it is measured here, against the oracle and the thresholds, before it becomes a profile criterion of the builder.
 """
 from __future__ import annotations
 
