@@ -50,7 +50,7 @@ def hotpot_request(q: dict, *, chat: bool = True):
     return Request("Answer the question from the passages.\n", docs, f"\nQuestion: {q['question']}\nAnswer:")
 
 
-def _sample_corpus() -> Path:
+def sample_corpus() -> Path:
     """The sample corpus shipped in the builder's package folder (found without importing the builder)."""
     spec = importlib.util.find_spec("sift.pipeline")
     return Path(spec.submodule_search_locations[0]) / "sample_corpus"
@@ -181,7 +181,7 @@ def main(index_path, questions, max_new_tokens, batch, all_questions, all_index,
             result = run(all_index, qs, max_new_tokens, batch, verbose=False, echo=log)
         else:
             if not (index_path / "manifest.json").exists():
-                corpus = _sample_corpus()
+                corpus = sample_corpus()
                 log(f"{index_path} has no index yet: building it from {corpus} (as `make demo` does)")
                 _ensure_index(index_path, corpus, None, log)
             result = run(index_path, load_questions(20)[:questions], max_new_tokens, batch, verbose=True, echo=echo)

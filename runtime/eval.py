@@ -161,7 +161,7 @@ def _generate(engine: SiftEngine, items: list[QAItem], modes, max_new_tokens: in
     parsed = {m: oracle.parse_mode(m) for m in modes}
     masses = (oracle.batch_masses(engine, requests) if any(p and p[0] == "oracle" for p in parsed.values())
               else None)
-    readers: dict = {}
+    readers = oracle.ReaderCache()
     out = {}
     for mode in modes:
         kwargs = dict(mode=mode)

@@ -26,7 +26,8 @@ it is measured here, against the oracle and the thresholds, before it becomes a 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,6 +35,7 @@ from sift.errors import SiftError
 
 from ..kernels.bits import pack_msb, square_to_tril
 from ..kernels.block_indices import pack_doc_bits
+from .demo import sample_corpus
 from .engine import BatchBits, Request
 from .recall import DocMasks, row_blocks, run_exact, spans_of
 
@@ -159,12 +161,8 @@ def pack(masks: list[DocMasks], n_tokens: list[int], tile: int, device) -> Batch
 
 def reader_ids(tokenizer, n_tokens: int = READER_TOKENS) -> list[int]:
     """The fixed reader: the shipped sample corpus's Wikipedia leads, in file order, cut at n_tokens tokens."""
-    import json
-
-    from ..pipeline.corpus import SAMPLE_CORPUS
-
     ids: list[int] = []
-    with open(SAMPLE_CORPUS / "wiki_vital_leads.jsonl") as f:
+    with open(sample_corpus() / "wiki_vital_leads.jsonl") as f:
         for line in f:
             ids += tokenizer("\n\n" + json.loads(line)["text"], add_special_tokens=False).input_ids
             if len(ids) >= n_tokens:
@@ -182,20 +180,29 @@ def reader_mass(engine, doc_ids: list[int], reader: list[int]) -> PromptMass:
                       tile=mass.tile)
 
 
-def reader_bits(engine, requests: list[Request], coverage: float, cache: dict | None = None) -> BatchBits | None:
+@dataclass
+class ReaderCache:
+    """The reader's token ids and each document's reader mass (by its token ids), kept across calls."""
+
+    reader: list[int] | None = None
+    masses: dict[tuple[int, ...], PromptMass] = field(default_factory=dict)
+
+
+def reader_bits(engine, requests: list[Request], coverage: float,
+                cache: ReaderCache | None = None) -> BatchBits | None:
     """The reader criterion's bits for a batch: each document's masks chosen from `reader_mass` at `coverage`,
-    the same for the document wherever it appears (what a builder could store). cache: doc token ids (tuple) ->
-    reader mass, shared across calls by the caller."""
-    cache = {} if cache is None else cache
-    reader = cache.setdefault("reader", reader_ids(engine.tokenizer))
+    the same for the document wherever it appears (what a builder could store)."""
+    cache = cache if cache is not None else ReaderCache()
+    if cache.reader is None:
+        cache.reader = reader_ids(engine.tokenizer)
     masks, n_tokens = [], []
     for request in requests:
         for kind, ids in engine.tokenize(request):
             if kind == "doc":
                 key = tuple(ids)
-                if key not in cache:
-                    cache[key] = reader_mass(engine, ids, reader)
-                masks.append(select(cache[key], coverage)[0])
+                if key not in cache.masses:
+                    cache.masses[key] = reader_mass(engine, ids, cache.reader)
+                masks.append(select(cache.masses[key], coverage)[0])
                 n_tokens.append(len(ids))
     if not masks:
         return None

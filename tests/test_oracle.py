@@ -8,7 +8,7 @@ import torch
 from sift.errors import SiftError
 from sift.kernels.bits import tril_to_square, unpack_msb
 from sift.runtime import Request, SiftEngine
-from sift.runtime.oracle import (PromptMass, batch_bits, batch_masses, parse_mode, prompt_mass, reader_bits, reader_ids,
+from sift.runtime.oracle import (PromptMass, ReaderCache, batch_bits, batch_masses, parse_mode, prompt_mass, reader_bits, reader_ids,
                                  reader_mass, select)
 
 from .helpers import smollm2, wiki_texts
@@ -151,9 +151,9 @@ def test_reader_bits_depend_on_the_document_only():
     assert len(reader) == 96
     first = Request(prefix="Read.\n", docs=[("a", texts[0]), ("b", texts[1])], query="\nWhich?")
     second = Request(prefix="Other words.\n", docs=[("c", texts[2]), ("b", texts[1])], query="\nWhat?")
-    cache = {"reader": reader}
+    cache = ReaderCache(reader=reader)
     bits = reader_bits(engine, [first, second], 0.98, cache)
-    assert len([k for k in cache if k != "reader"]) == 3          # b is profiled once
+    assert len(cache.masses) == 3                                  # b is profiled once
     b_ids = [ids for kind, ids in engine.tokenize(first) if kind == "doc"][1]
     expected = select(reader_mass(engine, b_ids, reader), 0.98)[0]
     n = len(b_ids)
