@@ -16,8 +16,8 @@ engine's kernel block, so the engine computes exactly the pattern chosen.
 What it answers: how many blocks a per-document index of this format must compute for sparse answers to agree
 with dense, when its bits are as good as the prompt itself can make them (the oracle's choice is made on the
 dense pass's attention, which the sparse pass then perturbs, and greedily: a near-best, not a proven bound). If
-the oracle needs more blocks than an index's thresholds compute for an agreement target, no profile of documents
-on their own can reach that target at fewer blocks.
+the oracle needs more blocks than an index's thresholds compute for an agreement target, a profile of documents on
+their own is not expected to reach that target at fewer blocks.
 
 The reader criterion (`reader@C`) is the same choice made where a builder could make it: on the prompt [profiling
 prefix, document, a fixed reader text] (`reader_ids`: the shipped sample corpus's Wikipedia leads, 1024 tokens),
@@ -37,7 +37,7 @@ from ..kernels.bits import pack_msb, square_to_tril
 from ..kernels.block_indices import pack_doc_bits
 from .demo import sample_corpus
 from .engine import BatchBits, Request
-from .recall import DocMasks, row_blocks, run_exact, spans_of
+from .recall import DocMasks, row_blocks, run_exact, spans_of, tile_sums
 
 MODES = ("oracle", "reader")
 READER_TOKENS = 1024
@@ -94,8 +94,7 @@ class _MassObserver:
         l0, l1 = r0 - s_m, r1 - s_m
         row_tiles, key_tiles = -(-rows // t), -(-l1 // t)
         own = torch.nn.functional.pad(a[:, :, s_m:r1], (0, key_tiles * t - l1, 0, row_tiles * t - rows))
-        mass = own.reshape(hq, row_tiles, t, key_tiles, t).sum(dim=(2, 4), dtype=torch.float64)
-        self.own[m][layer, :, l0 // t:l0 // t + row_tiles, :key_tiles] += mass
+        self.own[m][layer, :, l0 // t:l0 // t + row_tiles, :key_tiles] += tile_sums(own, row_tiles, key_tiles, t)
         for i, (s_i, e_i) in enumerate(self.docs[:m]):
             n = e_i - s_i
             keys = a[:, :, s_i:e_i].sum(dim=1, dtype=torch.float64)               # [Hq, n]

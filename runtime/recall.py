@@ -118,7 +118,7 @@ def row_blocks(spans: list[tuple[str, int, int]]):
             yield r0, min(e, r0 + ROW_BLOCK), (docs.index((s, e)) if kind == "doc" else None)
 
 
-def _tile_sums(x: torch.Tensor, row_tiles: int, key_tiles: int, t: int) -> torch.Tensor:
+def tile_sums(x: torch.Tensor, row_tiles: int, key_tiles: int, t: int) -> torch.Tensor:
     """x: [Hq, row_tiles * t, key_tiles * t] -> [Hq, row_tiles, key_tiles] float64 sums per tile."""
     rows_summed = x.reshape(x.shape[0], row_tiles, t, key_tiles * t).sum(dim=2)
     return rows_summed.reshape(x.shape[0], row_tiles, key_tiles, t).sum(dim=-1, dtype=torch.float64)
@@ -153,8 +153,8 @@ class _Observer:
         if l1 % t:  # only a document's last block is not whole tiles (rows and keys end together)
             own = torch.nn.functional.pad(own, (0, key_tiles * t - l1, 0, row_tiles * t - rows))
         la = self.on_device[m].la[layer][:, l0 // t:l0 // t + row_tiles, :key_tiles]
-        high = _tile_sums((own >= self.alpha).to(torch.float32), row_tiles, key_tiles, t)
-        mass = _tile_sums(own, row_tiles, key_tiles, t)
+        high = tile_sums((own >= self.alpha).to(torch.float32), row_tiles, key_tiles, t)
+        mass = tile_sums(own, row_tiles, key_tiles, t)
         c.la_high[layer] += float(high.sum())
         c.la_high_kept[layer] += float(high[la].sum())
         c.mass[layer] += hq * rows
