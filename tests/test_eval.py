@@ -21,7 +21,7 @@ from sift.runtime.eval import (bootstrap_ci, containment, evaluate, exact_match,
                               normalize_answer)
 from sift.runtime.qa import QAItem, load_qa, sniff_format, write_corpus
 
-from .helpers import smollm2
+from .helpers import rounding_tol, smollm2
 from .test_engine import write_index
 
 SIFT_EVAL = Path(sys.executable).with_name("sift-eval")
@@ -313,7 +313,8 @@ def test_cli_recall_all_ones(eval_setup):
     total = recall["total"]
     assert total["la_recall"] == 1.0 and total["ca_recall"] == 1.0
     assert total["la_sparsity"] == 0.0 and total["ca_sparsity"] == 0.0
-    assert total["mass_kept"] == pytest.approx(1.0, abs=1e-6)
+    # Each row's fp32 softmax sums to 1 within the rounding of a sum over its keys (these prompts are < 1024 tokens).
+    assert total["mass_kept"] == pytest.approx(1.0, abs=rounding_tol(torch.float32, reduction=1024))
     assert total["la_high_cells"] > 0 and total["ca_high_cells"] > 0  # q1 and q2 have two documents
     assert len(recall["layers"]) == 30 and recall["paper"]["la_recall"] == 0.939
     assert "counted at kernel block 32" in (out / "report.md").read_text()

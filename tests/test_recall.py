@@ -12,7 +12,7 @@ from sift.kernels.block_indices import block_indices_ref, pack_doc_bits
 from sift.kernels.layout import build_layout
 from sift.runtime.recall import DocMasks, coarsen, measure_prompt
 
-from .helpers import smollm2, wiki_texts
+from .helpers import model_rounding, smollm2, wiki_texts
 
 TILE = 16
 ALPHA, BETA = 0.01, 0.02
@@ -77,8 +77,11 @@ def test_recall_equals_brute_force_eager_attention():
         a = attentions[layer][0].float().numpy()
         own, cross, kept = _cell_flags(segments, masks, layer)
         la_high, ca_high = own & (a >= ALPHA), cross & (a >= BETA)
-        # Cells within float rounding of a threshold may fall either side in two exact computations.
-        near = int((own & (np.abs(a - ALPHA) < 1e-6)).sum() + (cross & (np.abs(a - BETA) < 1e-6)).sum())
+        # recall.py's exact attention and transformers' eager one round differently from the first layer on:
+        # cells within that rounding of a threshold may fall either side, and sums agree to it.
+        rel = model_rounding(cfg, depth=layer + 1)
+        near = int((own & (np.abs(a - ALPHA) <= rel * ALPHA)).sum()
+                   + (cross & (np.abs(a - BETA) <= rel * BETA)).sum())
         expected = dict(la_high=la_high.sum(), la_high_kept=(la_high & kept).sum(), ca_high=ca_high.sum(),
                         ca_high_kept=(ca_high & kept).sum())
         for name, value in expected.items():
@@ -91,17 +94,17 @@ def test_recall_equals_brute_force_eager_attention():
         prefix[:, :, :n_prefix] = True
         mass = (a * ((kept | prefix) & rows[:, :, None])).sum()
         assert got.mass[layer] == rows.sum()
-        assert got.mass_kept[layer] == pytest.approx(mass, rel=1e-5)
+        assert got.mass_kept[layer] == pytest.approx(mass, rel=rel)
         cross_rows = cross & rows[:, :, None]
-        assert got.ca_mass[layer] == pytest.approx((a * cross_rows).sum(), rel=1e-5)
-        assert got.ca_mass_kept[layer] == pytest.approx((a * (cross_rows & kept)).sum(), rel=1e-5)
+        assert got.ca_mass[layer] == pytest.approx((a * cross_rows).sum(), rel=rel)
+        assert got.ca_mass_kept[layer] == pytest.approx((a * (cross_rows & kept)).sum(), rel=rel)
         lost = (a * (cross_rows & ~kept)).sum() / rows.sum()
-        assert got.summary()["layers"][layer]["ca_mass_lost"] == pytest.approx(lost, rel=1e-4)
+        assert got.summary()["layers"][layer]["ca_mass_lost"] == pytest.approx(lost, rel=rel)
         assert lost > 0.01  # random CA bits drop pages that later documents read
         # per head: each head's lost mass over its own document rows
         head_lost = (a * (cross_rows & ~kept)).sum(axis=(1, 2)) / rows[0].sum()
-        assert got.summary()["heads_ca_mass_lost"][layer] == pytest.approx(head_lost.tolist(), rel=1e-4)
-        assert np.mean(head_lost) == pytest.approx(lost, rel=1e-4) and np.ptp(head_lost) > 0
+        assert got.summary()["heads_ca_mass_lost"][layer] == pytest.approx(head_lost.tolist(), rel=rel)
+        assert np.mean(head_lost) == pytest.approx(lost, rel=rel) and np.ptp(head_lost) > 0
         la = [m.la[layer] for m in masks]
         assert got.la_tiles[layer] == sum(x.shape[0] * x.shape[1] * (x.shape[1] + 1) / 2 for x in la)
         assert got.la_tiles_kept[layer] == sum(int(x.sum()) for x in la)
