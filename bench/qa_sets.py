@@ -1,12 +1,12 @@
 """The QA sets the answer benchmarks run (eval_reuse.py, eval_quality.py), and an index built in this process.
 
-    hotpotqa   runtime/data/hotpotqa_train_100.jsonl.gz: each question over its 10 paragraphs (~130 tokens each)
-    2wiki      runtime/data/2wikimultihopqa_dev_200.jsonl.gz: 2WikiMultihopQA dev questions (compositional,
+    hotpotqa   quality/data/hotpotqa_train_100.jsonl.gz: each question over its 10 paragraphs (~130 tokens each)
+    2wiki      quality/data/2wikimultihopqa_dev_200.jsonl.gz: 2WikiMultihopQA dev questions (compositional,
                comparison, bridge-comparison, inference) over their 10 paragraphs (~90 tokens each)
-    long       the long-document set of runtime/qa.py (`long_documents`): each question's two gold paragraphs
+    long       the long-document set of quality/qa.py (`long_documents`): each question's two gold paragraphs
                and first distractor, each embedded in ~1-1.5K tokens of Wikipedia leads on one topic
                (../shared/data/hotpotqa_train.json and wiki_vital_summaries_en.json.gz)
-    nq-long    runtime/qa.py's `nq_long_documents`: NaturalQuestions-open questions (single hop), each over its
+    nq-long    quality/qa.py's `nq_long_documents`: NaturalQuestions-open questions (single hop), each over its
                gold passage and two other questions' passages, each embedded like `long`'s paragraphs
                (../shared/data/nq-open-oracle.jsonl.gz): a second long-document set, of other questions
 
@@ -24,12 +24,12 @@ import shutil
 import time
 from pathlib import Path
 
-from sift.runtime.qa import QAItem, load_qa, long_documents, nq_long_documents
+from sift.quality.qa import QAItem, load_qa, long_documents, nq_long_documents
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data"
-HOTPOTQA = ROOT / "runtime" / "data" / "hotpotqa_train_100.jsonl.gz"
-TWOWIKI = ROOT / "runtime" / "data" / "2wikimultihopqa_dev_200.jsonl.gz"
+HOTPOTQA = ROOT / "quality" / "data" / "hotpotqa_train_100.jsonl.gz"
+TWOWIKI = ROOT / "quality" / "data" / "2wikimultihopqa_dev_200.jsonl.gz"
 SETS = ("hotpotqa", "2wiki", "long", "nq-long")
 
 
@@ -52,7 +52,7 @@ def _read_gz(path: Path, fmt: str, limit: int) -> list[QAItem]:
     try:
         import datasets  # noqa: F401 (load_qa reads through it)
     except ImportError:  # a GPU machine without it: the file is plain gzipped JSONL
-        from sift.runtime.qa import _READERS
+        from sift.quality.qa import _READERS
         with gzip.open(path, "rt") as f:
             rows = [json.loads(line) for _, line in zip(range(limit), f)]
         return [_READERS[fmt](r, i) for i, r in enumerate(rows, 1)]
@@ -60,7 +60,7 @@ def _read_gz(path: Path, fmt: str, limit: int) -> list[QAItem]:
 
 
 def corpus_docs(corpus: Path) -> dict[str, str]:
-    """doc_id -> text of a corpus folder written by `runtime.qa.write_corpus` (docs.jsonl of {"id", "text"})."""
+    """doc_id -> text of a corpus folder written by `quality.qa.write_corpus` (docs.jsonl of {"id", "text"})."""
     docs = {}
     with open(corpus / "docs.jsonl") as f:
         for line in f:

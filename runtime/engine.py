@@ -67,7 +67,7 @@ GPU_BLOCK = 128
 @dataclass(frozen=True, eq=False)
 class BatchBits:
     """Bits of one call's documents given by the caller instead of fetched from the index (mode "sift"; the
-    in-context oracle of runtime/oracle.py). bits: every document of the batch, requests in order, each request's
+    in-context oracle of quality/oracle.py). bits: every document of the batch, requests in order, each request's
     documents in prompt order; tile: their tile (one of TILES, at most the engine's block)."""
 
     bits: DocBits

@@ -1,4 +1,4 @@
-"""sift-calibrate (runtime/calibrate.py): the Pareto front and the choice on hand-made fronts, settings parsed
+"""sift-calibrate (quality/calibrate.py): the Pareto front and the choice on hand-made fronts, settings parsed
 and written as TOML the builder takes, the mass LA criterion of the profiling reference against a brute force on
 full attention matrices, and the long-document QA construction on small hand-written sources."""
 import gzip
@@ -14,9 +14,9 @@ from sift.errors import SiftError
 from sift.kernels.bits import tril_to_square, unpack_msb
 from sift.kernels.profile_ref import profile_layer_ref
 from sift.pipeline.config import load_config
-from sift.runtime.calibrate import (DEFAULT, DEFAULT_GRID, Setting, choose, guard_heads, guard_layers, pareto,
+from sift.quality.calibrate import (DEFAULT, DEFAULT_GRID, Setting, choose, guard_heads, guard_layers, pareto,
                                     parse_setting)
-from sift.runtime.qa import load_qa, long_documents, nq_long_documents, write_jsonl
+from sift.quality.qa import load_qa, long_documents, nq_long_documents, write_jsonl
 
 
 def _row(label, tiles, agreement):
@@ -42,7 +42,7 @@ def test_pareto_front():
 
 
 def test_held_out_settings_front_or_every_swept_one():
-    from sift.runtime.calibrate import held_out_settings
+    from sift.quality.calibrate import held_out_settings
 
     a, b, c = Setting(tile=16), Setting(tile=32), Setting(tile=16, alpha=0.01)
     rows = [dict(setting=asdict(s), label=s.label, tile_fraction=t, agreement=g)
@@ -234,7 +234,7 @@ def test_long_documents_sample_in_repository():
 
 def test_greedy_equals_transformers_generate():
     """`greedy` (the floor's other dense) against transformers' own generate, eos included and stopping there."""
-    from sift.runtime.calibrate import greedy
+    from sift.quality.calibrate import greedy
 
     from .helpers import smollm2
 
@@ -262,8 +262,8 @@ def test_calibrate_items_flow_and_floor(tmp_path):
     on CPU over an all-ones index: SIFT computes every tile, so it agrees with dense everywhere, and fp32 dense
     through the engine agrees with transformers' fp32 greedy answers on every question."""
     from sift.model import DEFAULT_MODEL, fingerprint, resolve_model_dir
-    from sift.runtime.calibrate import calibrate_items
-    from sift.runtime.qa import QAItem
+    from sift.quality.calibrate import calibrate_items
+    from sift.quality.qa import QAItem
 
     from .helpers import smollm2
     from .test_engine import write_index
@@ -385,8 +385,8 @@ def test_guard_sweeps_twins_with_the_layers_losing_mass(tmp_path):
     rows lose the mass they put on earlier documents, so the guard keeps CA whole in every layer that has
     cross-document cells; the twin is built (here: all ones) and swept beside the base setting."""
     from sift.model import DEFAULT_MODEL, fingerprint, resolve_model_dir
-    from sift.runtime.calibrate import calibrate_items
-    from sift.runtime.qa import QAItem
+    from sift.quality.calibrate import calibrate_items
+    from sift.quality.qa import QAItem
 
     from .helpers import smollm2
     from .test_engine import ones_bits, write_index

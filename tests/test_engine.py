@@ -25,12 +25,12 @@ from sift.pipeline import index as idx
 from sift.model import DEFAULT_MODEL, fingerprint, resolve_model_dir
 from sift.format import content_hash
 from sift.runtime import Request, SiftEngine, SiftIndex
-from sift.runtime.demo import QUERY, SYSTEM
+from sift.quality.demo import QUERY, SYSTEM
 from sift.kernels.sparse_attention import sparse_attention_torch
 
 from .helpers import assert_within, model_logit_tol, rounding_tol, run_in_threads, smollm2
 
-DATA = Path(__file__).resolve().parent.parent / "runtime" / "data" / "hotpotqa_train_100.jsonl.gz"
+DATA = Path(__file__).resolve().parent.parent / "quality" / "data" / "hotpotqa_train_100.jsonl.gz"
 
 
 def hotpot(n: int) -> list[dict]:

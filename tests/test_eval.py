@@ -1,4 +1,4 @@
-"""sift-eval (runtime/eval.py, runtime/qa.py): the metrics against hand-computed values, the bootstrap interval on
+"""sift-eval (quality/eval.py, quality/qa.py): the metrics against hand-computed values, the bootstrap interval on
 known cases, the QA readers on tiny hand-written files of each format, and the CLI end to end on CPU with the real
 SmolLM2 over an all-ones index (where SIFT must equal dense), a missing and a stale document reported as skipped.
 """
@@ -15,11 +15,11 @@ from click.testing import CliRunner
 
 from sift.errors import SiftError
 from sift.model import DEFAULT_MODEL, fingerprint, resolve_model_dir
-from sift.runtime.demo import QUERY, SYSTEM
+from sift.quality.demo import QUERY, SYSTEM
 from sift.runtime import GenerateResult, PrefillResult
-from sift.runtime.eval import (bootstrap_ci, containment, evaluate, exact_match, f1_score, kl_first_token, main,
+from sift.quality.eval import (bootstrap_ci, containment, evaluate, exact_match, f1_score, kl_first_token, main,
                               normalize_answer)
-from sift.runtime.qa import QAItem, load_qa, sniff_format, write_corpus
+from sift.quality.qa import QAItem, load_qa, sniff_format, write_corpus
 
 from .helpers import rounding_tol, smollm2
 from .test_engine import write_index
@@ -104,7 +104,7 @@ def test_reader_hotpotqa_official_json(tmp_path):
 
 
 def test_reader_hotpotqa_runtime_data():
-    items, fmt = load_qa(Path(__file__).resolve().parent.parent / "runtime" / "data" / "hotpotqa_train_100.jsonl.gz",
+    items, fmt = load_qa(Path(__file__).resolve().parent.parent / "quality" / "data" / "hotpotqa_train_100.jsonl.gz",
                          limit=2)
     assert fmt == "hotpotqa" and len(items) == 2
     assert items[0].question == "If Gallu is a demon Lilu is what?" and items[0].answers == ("a spirit",)
@@ -226,7 +226,7 @@ def test_cli_end_to_end(eval_setup):
 
 
 def test_cli_oracle_modes(eval_setup):
-    """The oracle modes (runtime/oracle.py) through the CLI: at coverage 1 the in-context pattern is dense and
+    """The oracle modes (quality/oracle.py) through the CLI: at coverage 1 the in-context pattern is dense and
     answers like dense; at 0.9 it skips blocks on the questions with two documents."""
     index, qa, root = eval_setup
     out = root / "out-oracle"

@@ -1,4 +1,4 @@
-"""The in-context oracle (runtime/oracle.py): its attention masses against the real SmolLM2's full eager attention
+"""The in-context oracle (quality/oracle.py): its attention masses against the real SmolLM2's full eager attention
 matrices summed by hand with numpy, its choice against a hand-worked toy, and the engine running exactly the
 pattern chosen (the blocks computed counted independently of the bit decoder)."""
 import numpy as np
@@ -8,7 +8,7 @@ import torch
 from sift.errors import SiftError
 from sift.kernels.bits import tril_to_square, unpack_msb
 from sift.runtime import Request, SiftEngine
-from sift.runtime.oracle import (PromptMass, ReaderCache, batch_bits, batch_masses, parse_mode, prompt_mass, reader_bits, reader_ids,
+from sift.quality.oracle import (PromptMass, ReaderCache, batch_bits, batch_masses, parse_mode, prompt_mass, reader_bits, reader_ids,
                                  reader_mass, select)
 
 from .helpers import model_rounding, smollm2, wiki_texts
@@ -143,7 +143,7 @@ def test_supplied_bits_are_checked():
 
 
 def test_reader_bits_depend_on_the_document_only():
-    """The reader criterion's bits of a document (runtime/oracle.py `reader_bits`) are the oracle's choice on the
+    """The reader criterion's bits of a document (quality/oracle.py `reader_bits`) are the oracle's choice on the
     prompt [profiling prefix, document, fixed reader], whatever request, place or neighbours the document has:
     what a builder could store. They keep the diagonal and drop some pages the reader reads little."""
     model, tokenizer = smollm2()

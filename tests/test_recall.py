@@ -1,4 +1,4 @@
-"""The paper's recall (runtime/recall.py) against a brute-force construction: the real SmolLM2's full eager
+"""The paper's recall (quality/recall.py) against a brute-force construction: the real SmolLM2's full eager
 attention matrices (transformers, attn_implementation="eager", output_attentions) of a tiny multi-document prompt,
 every cell compared with the thresholds and looked up in bits expanded to one flag per cell, counted with numpy.
 """
@@ -10,7 +10,7 @@ from sift.format import n_pages
 from sift.kernels.bits import pack_msb, tril_to_square
 from sift.kernels.block_indices import block_indices_ref, pack_doc_bits
 from sift.kernels.layout import build_layout
-from sift.runtime.recall import DocMasks, coarsen, measure_prompt
+from sift.quality.recall import DocMasks, coarsen, measure_prompt
 
 from .helpers import model_rounding, smollm2, wiki_texts
 

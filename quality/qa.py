@@ -4,7 +4,7 @@
     jsonl      one object a line: {"id", "question", "answers": [str, ...], "docs": [{"id", "text"}, ...],
                "prefix"?}; doc ids are the index's doc_ids
     hotpotqa   HotpotQA: "answer" and either "context" = [[title, [sentences]]] (the official JSON, or the hub's
-               {"title": [...], "sentences": [[...]]}) or "paragraphs" = [[title, text]] (runtime/data);
+               {"title": [...], "sentences": [[...]]}) or "paragraphs" = [[title, text]] (quality/data);
                doc_id = title, text = "".join(sentences) (HotpotQA sentences carry their leading spaces)
     musique    MuSiQue: "paragraphs" = [{"title", "paragraph_text"}], "answer" and "answer_aliases";
                doc_id = title
@@ -14,7 +14,7 @@
 `--format auto` picks the format from the first row's fields. A title that occurs twice in one question with
 two texts gets "#2", "#3", ... appended, in order, so every document of a question has its own doc_id.
 
-Long documents (`long_documents`, `python -m sift.runtime.qa long-docs OUT.jsonl`): HotpotQA paragraphs are
+Long documents (`long_documents`, `python -m sift.quality.qa long-docs OUT.jsonl`): HotpotQA paragraphs are
 ~130 tokens, too short for SIFT to skip tiles, while RAG documents are often 1-2K. The long-document set
 embeds each of a question's paragraphs in a document of Wikipedia lead sections on one topic:
     - per question (official HotpotQA JSON, distractor setting): its two gold paragraphs (supporting facts) and
@@ -44,8 +44,8 @@ import click
 
 from sift.errors import SiftError
 
+from ..runtime.engine import Request
 from .demo import QUERY, SYSTEM
-from .engine import Request
 
 FORMATS = ("auto", "jsonl", "hotpotqa", "musique", "2wiki")
 

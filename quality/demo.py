@@ -33,7 +33,7 @@ EXIT_OK, EXIT_ERROR = 0, 2
 
 
 def load_questions(n: int | None = None) -> list[dict]:
-    """HotpotQA questions (runtime/data, CC BY-SA 4.0): id, question, answer, paragraphs [[title, text]]."""
+    """HotpotQA questions (quality/data, CC BY-SA 4.0): id, question, answer, paragraphs [[title, text]]."""
     with gzip.open(DATA, "rt") as f:
         rows = [json.loads(line) for line in f]
     return rows if n is None else rows[:n]
@@ -42,7 +42,7 @@ def load_questions(n: int | None = None) -> list[dict]:
 def hotpot_request(q: dict, *, chat: bool = True):
     """A question as a RAG request: doc_id = paragraph title, text exactly as indexed. chat=True wraps prefix
     and query in SmolLM2's chat template (its special tokens are plain text here; the tokenizer parses them)."""
-    from .engine import Request
+    from ..runtime.engine import Request
 
     docs = [(title, text) for title, text in q["paragraphs"]]
     if chat:
@@ -99,8 +99,8 @@ def _shorten(text: str, width: int) -> str:
 def run(index_path: Path, questions: list[dict], max_new_tokens: int, batch: int, verbose: bool, echo) -> dict:
     from sift.model import DEFAULT_MODEL, load_model
 
-    from .engine import SiftEngine
-    from .store import SiftIndex
+    from ..runtime.engine import SiftEngine
+    from ..runtime.store import SiftIndex
 
     import torch
 

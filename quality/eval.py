@@ -7,7 +7,7 @@ compared with dense and with the gold answers, aggregated with bootstrap confide
 
 INDEX is a folder or an object-store URI. Modes: dense, sift, and the KV-reuse modes reuse, hybrid,
 hybrid:<policy>, hybrid:<policy>@<fraction> (runtime/reuse.py; they run with a KVStore of --kv-store-gib), and
-the reference oracle@<coverage> (runtime/oracle.py): sift with the bits of the index's format chosen from each
+the reference oracle@<coverage> (quality/oracle.py): sift with the bits of the index's format chosen from each
 prompt's own exact attention, keeping at least <coverage> of every (layer, head)'s document-row attention mass
 in the fewest blocks (at the engine's block; its TTFT leaves out the exact pass that chooses them), and
 reader@<coverage>, a candidate offline criterion measured the same way: each document's bits chosen from its own
@@ -19,7 +19,7 @@ writes
                       per question with each mode's answer and metrics; `skipped`: {"id", "question", "reason"}
                       for questions not run (a document missing from the index or stale, a prompt too long)
                       With --recall, `recall`: the SIFT paper's in-context recall of the index's bits on the
-                      evaluated prompts (runtime/recall.py): LA / CA recall, LA / CA sparsity and the attention
+                      evaluated prompts (quality/recall.py): LA / CA recall, LA / CA sparsity and the attention
                       mass the sparse pattern keeps, per layer and in total, beside the paper's figures; at the
                       index tile, or with --recall-at-block as the engine's kernel block computes the bits
     DIR/report.md     the summary table (and the recall table)
@@ -58,9 +58,9 @@ from sift.format import TILES, content_hash
 from sift.model import DTYPES, resolve_dtype
 from sift.plots import mode_summary, recall_by_layer
 
+from ..runtime.engine import MODES, GenerateResult, SiftEngine
+from ..runtime.reuse import POLICIES, parse_mode
 from . import oracle
-from .engine import MODES, GenerateResult, SiftEngine
-from .reuse import POLICIES, parse_mode
 from .qa import FORMATS, QAItem, load_qa
 from .recall import measure as measure_recall
 
@@ -360,8 +360,8 @@ def _engine(index_path: str, model: str | None, device: str, backend: str,
     kv_store_gib (modes reuse / hybrid); block: the kernel block (None: the engine's default)."""
     from sift.model import load_model
 
-    from .kv_store import KVStore
-    from .store import SiftIndex
+    from ..runtime.kv_store import KVStore
+    from ..runtime.store import SiftIndex
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"

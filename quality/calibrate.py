@@ -204,8 +204,8 @@ class _Runner:
         self._twins: dict[str, object] = {}
 
     def engine(self, index_path: Path):
-        from .engine import SiftEngine
-        from .store import SiftIndex
+        from ..runtime.engine import SiftEngine
+        from ..runtime.store import SiftIndex
 
         return SiftEngine(self.hf, self.tokenizer, SiftIndex.open(index_path, device=self.device), block=self.block)
 
@@ -347,13 +347,13 @@ def held_out(runner: _Runner, settings, items: list[QAItem], out: Path, model: s
 
 def guard_layers(ca_mass_lost: list, eps: float) -> tuple[int, ...]:
     """The layers whose document rows put more than `eps` of their attention mass on CA pages the bits drop (the
-    per-layer `ca_mass_lost` of `runtime.recall`); a layer without cross-document cells (None) never does."""
+    per-layer `ca_mass_lost` of `quality.recall`); a layer without cross-document cells (None) never does."""
     return tuple(i for i, lost in enumerate(ca_mass_lost) if lost is not None and lost > eps)
 
 
 def guard_heads(heads_ca_mass_lost: list, eps: float) -> tuple[tuple[int, int], ...]:
     """The (layer, head) pairs whose document rows put more than `eps` of their attention mass on dropped CA
-    pages (`runtime.recall`'s `heads_ca_mass_lost`, [layer][head]; None: no cross-document cells)."""
+    pages (`quality.recall`'s `heads_ca_mass_lost`, [layer][head]; None: no cross-document cells)."""
     return tuple((layer, head) for layer, row in enumerate(heads_ca_mass_lost) for head, lost in enumerate(row)
                  if lost is not None and lost > eps)
 
@@ -366,7 +366,7 @@ def guard(runner: _Runner, rows: list[dict], items: list[QAItem], eps_list, prom
     """The guarded twins of swept settings. One set of thresholds does not suit every layer: the bits come from
     each document alone, and in some layers later documents read pages the document's own rows never
     concentrate on. For each swept setting (not itself guarded) the model runs the first `prompts` held-in
-    prompts with exact attention against the setting's bits (`runtime.recall`; at_block: as the engine's kernel
+    prompts with exact attention against the setting's bits (`quality.recall`; at_block: as the engine's kernel
     block computes them, where a page the bits drop inside a computed block is not lost), and for each eps the
     layers (by "layer": `ca_full_layers`) or the (layer, head) pairs (by "head": `ca_full_heads`, finer: a
     layer's other heads keep their bits) whose document rows lose more than eps of their attention mass on
