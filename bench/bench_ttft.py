@@ -206,7 +206,7 @@ def bench_smollm2(tmp: pathlib.Path, n_questions: int, reps: int) -> list[dict]:
         return []
     try:
         from sift.model import DEFAULT_MODEL, load_model
-        from sift.quality.demo import hotpot_request, load_questions
+        from sift.quality.prompts import hotpot_request, load_questions
 
         model, tokenizer, identity = load_model(DEFAULT_MODEL, dtype="bfloat16", device="cuda")
     except (SiftError, ImportError, OSError) as e:

@@ -130,7 +130,7 @@ def load_set(name: str, args) -> list[QAItem]:
 
 def prefix_text(args) -> str | None:
     """The builder's `prefix_text` for --profile-prefix (None: its default, the BOS token)."""
-    from sift.quality.demo import SYSTEM
+    from sift.quality.prompts import SYSTEM
 
     return SYSTEM if args.profile_prefix == "system" else None
 

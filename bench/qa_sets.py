@@ -24,12 +24,11 @@ import shutil
 import time
 from pathlib import Path
 
+from sift.quality.prompts import HOTPOTQA, TWOWIKI
 from sift.quality.qa import QAItem, load_qa, long_documents, nq_long_documents
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data"
-HOTPOTQA = ROOT / "quality" / "data" / "hotpotqa_train_100.jsonl.gz"
-TWOWIKI = ROOT / "quality" / "data" / "2wikimultihopqa_dev_200.jsonl.gz"
 SETS = ("hotpotqa", "2wiki", "long", "nq-long")
 
 

@@ -36,7 +36,7 @@ from sift.errors import SiftError
 from ..kernels.bits import pack_msb, square_to_tril
 from ..kernels.block_indices import pack_doc_bits
 from ..runtime.engine import BatchBits, Request
-from .demo import sample_corpus
+from .prompts import sample_corpus
 from .recall import DocMasks, row_blocks, run_exact, spans_of, tile_sums
 
 MODES = ("oracle", "reader")

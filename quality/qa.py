@@ -45,7 +45,7 @@ import click
 from sift.errors import SiftError
 
 from ..runtime.engine import Request
-from .demo import QUERY, SYSTEM
+from .prompts import QUERY, SYSTEM
 
 FORMATS = ("auto", "jsonl", "hotpotqa", "musique", "2wiki")
 

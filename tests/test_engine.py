@@ -6,8 +6,6 @@ Indexes are written with the pipeline's own shard and manifest writers (no Ray):
 bits from `Profiler` for the sparse comparison. Expected values come from plain transformers (SDPA forward of
 the unsegmented prompt, `model.generate`), never from the engine.
 """
-import gzip
-import json
 from pathlib import Path
 
 import pyarrow as pa
@@ -25,17 +23,15 @@ from sift.pipeline import index as idx
 from sift.model import DEFAULT_MODEL, fingerprint, resolve_model_dir
 from sift.format import content_hash
 from sift.runtime import Request, SiftEngine, SiftIndex
-from sift.quality.demo import QUERY, SYSTEM
+from sift.quality.prompts import QUERY, SYSTEM, load_questions
 from sift.kernels.sparse_attention import sparse_attention_torch
 
 from .helpers import assert_within, model_logit_tol, rounding_tol, run_in_threads, smollm2
 
-DATA = Path(__file__).resolve().parent.parent / "quality" / "data" / "hotpotqa_train_100.jsonl.gz"
 
 
 def hotpot(n: int) -> list[dict]:
-    with gzip.open(DATA, "rt") as f:
-        return [json.loads(line) for _, line in zip(range(n), f)]
+    return load_questions(n)
 
 
 def request(q: dict, *, reverse: bool = False, prefix: str = SYSTEM, chars: int | None = None) -> Request:

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 
 from sift.errors import SiftError
 from sift.model import DEFAULT_MODEL, fingerprint, resolve_model_dir
-from sift.quality.demo import QUERY, SYSTEM
+from sift.quality.prompts import HOTPOTQA, QUERY, SYSTEM
 from sift.runtime import GenerateResult, PrefillResult
 from sift.quality.eval import (bootstrap_ci, containment, evaluate, exact_match, f1_score, kl_first_token, main,
                               normalize_answer)
@@ -103,9 +103,8 @@ def test_reader_hotpotqa_official_json(tmp_path):
     assert items[0].docs == (("Oak", "Oak is a tree. It is old."), ("Elm", "Elm is a tree."))
 
 
-def test_reader_hotpotqa_runtime_data():
-    items, fmt = load_qa(Path(__file__).resolve().parent.parent / "quality" / "data" / "hotpotqa_train_100.jsonl.gz",
-                         limit=2)
+def test_reader_hotpotqa_shipped_data():
+    items, fmt = load_qa(HOTPOTQA, limit=2)
     assert fmt == "hotpotqa" and len(items) == 2
     assert items[0].question == "If Gallu is a demon Lilu is what?" and items[0].answers == ("a spirit",)
     assert len(items[0].docs) == 10 and items[0].docs[0][0] == "Demon Dice"

@@ -19,7 +19,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from sift.errors import SiftError
 from sift.runtime import KVStore, Request, SiftEngine
-from sift.quality.demo import QUERY, SYSTEM
+from sift.quality.prompts import QUERY, SYSTEM
 
 from .helpers import assert_within, model_logit_tol
 from .test_engine import doc_ids, hotpot, plain_last_logits, real, write_index  # noqa: F401 (fixture)
