@@ -18,7 +18,6 @@ starting Ray per build would cost more than the profiling.
 from __future__ import annotations
 
 import dataclasses
-import gzip
 import json
 import shutil
 import time
@@ -37,25 +36,14 @@ def load_set(name: str, limit: int, *, hotpotqa_json: Path = SHARED / "hotpotqa_
              nq_json: Path = SHARED / "nq-open-oracle.jsonl.gz") -> list[QAItem]:
     """The first `limit` questions of one of SETS."""
     if name == "hotpotqa":
-        return _read_gz(HOTPOTQA, "hotpotqa", limit)
+        return load_qa(HOTPOTQA, "hotpotqa", limit)[0]
     if name == "2wiki":
-        return _read_gz(TWOWIKI, "jsonl", limit)
+        return load_qa(TWOWIKI, "jsonl", limit)[0]
     if name == "long":
         return long_documents(hotpotqa_json, wiki, limit=limit, doc_chars=doc_chars)
     if name == "nq-long":
         return nq_long_documents(nq_json, wiki, limit=limit, doc_chars=doc_chars)
     raise ValueError(f"QA set {name!r} is not one of {', '.join(SETS)}")
-
-
-def _read_gz(path: Path, fmt: str, limit: int) -> list[QAItem]:
-    try:
-        import datasets  # noqa: F401 (load_qa reads through it)
-    except ImportError:  # a GPU machine without it: the file is plain gzipped JSONL
-        from sift.quality.qa import _READERS
-        with gzip.open(path, "rt") as f:
-            rows = [json.loads(line) for _, line in zip(range(limit), f)]
-        return [_READERS[fmt](r, i) for i, r in enumerate(rows, 1)]
-    return load_qa(path, fmt, limit)[0]
 
 
 def corpus_docs(corpus: Path) -> dict[str, str]:

@@ -23,6 +23,7 @@ import click
 
 from sift.errors import SiftError
 
+from .eval import check_output_dir
 from .prompts import hotpot_request, load_questions, sample_corpus
 
 EXIT_OK, EXIT_ERROR = 0, 2
@@ -144,6 +145,10 @@ def main(index_path, questions, max_new_tokens, batch, all_questions, all_index,
     echo = lambda msg: click.echo(msg, err=False)  # noqa: E731
     log = lambda msg: click.echo(msg, err=True)  # noqa: E731
     try:
+        if json_out is not None:  # checked before any work, so that the results have somewhere to go
+            if json_out.is_dir():
+                raise SiftError(f"--json-out {json_out} is a folder: give the path of a file")
+            check_output_dir(json_out.parent, "--json-out")
         if all_questions:
             qs = load_questions()
             if not (all_index / "manifest.json").exists():

@@ -3,7 +3,10 @@ and written as TOML the builder takes, the mass LA criterion of the profiling re
 full attention matrices, and the long-document QA construction on small hand-written sources."""
 import gzip
 import json
+import subprocess
+import sys
 from dataclasses import asdict
+from pathlib import Path
 
 import numpy as np
 
@@ -17,6 +20,33 @@ from sift.pipeline.config import load_config
 from sift.quality.calibrate import (DEFAULT, DEFAULT_GRID, Setting, choose, guard_heads, guard_layers, pareto,
                                     parse_setting)
 from sift.quality.qa import load_qa, long_documents, nq_long_documents, write_jsonl
+
+
+SIFT_CALIBRATE = Path(sys.executable).with_name("sift-calibrate")
+SAMPLE = Path(__file__).resolve().parent / "data" / "long_docs_sample.jsonl"   # three questions
+
+
+def _refusal(*args, cwd) -> str:
+    """sift-calibrate refusing its arguments: exit 2 and one line on stderr, no traceback -> that line."""
+    proc = subprocess.run([str(SIFT_CALIBRATE), *map(str, args)], capture_output=True, text=True, timeout=300,
+                          cwd=cwd)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-2000:]
+    return lines[0]
+
+
+def test_cli_refuses_bad_out_settings_and_held_in_before_any_work(tmp_path):
+    """A file as --out, a tile the builder refuses, and more held-in questions than the file has are each one
+    line and exit 2 before anything is built or written (no folder is made)."""
+    taken = tmp_path / "taken"
+    taken.write_text("x\n")
+    assert f"--out {taken}" in _refusal(SAMPLE, "--out", taken, cwd=tmp_path)
+    line = _refusal(SAMPLE, "--out", tmp_path / "cal", "--setting", "tile=7", cwd=tmp_path)
+    assert "--setting 'tile=7': tile = 7 is not one of 16, 32, 64, 128" in line, line
+    assert not (tmp_path / "cal").exists()
+    line = _refusal(SAMPLE, "--out", tmp_path / "cal", "--held-in", "5", cwd=tmp_path)
+    assert f"{SAMPLE} has 3 questions: more than --held-in 5" in line and "None" not in line, line
+    assert not (tmp_path / "cal").exists()
 
 
 def _row(label, tiles, agreement):
@@ -59,7 +89,7 @@ def test_parse_setting_and_toml_taken_by_the_builder(tmp_path):
     m = parse_setting("tile=32,criterion=mass,coverage=0.99")
     assert (m.la_criterion, m.la_coverage, m.alpha) == ("mass", 0.99, DEFAULT.alpha)
     assert m.label == "t32-mass0.99-b0.01-g0.1" and s.label == "t16-a0.0003-b0.005-g0.05"
-    for bad in ("tile=16,delta=1", "tile=x", "criterion=median", "alpha"):
+    for bad in ("tile=16,delta=1", "tile=x", "criterion=median", "alpha", "tile=7", "beta=1.5", "coverage=0"):
         with pytest.raises(SiftError):
             parse_setting(bad)
     for setting in (s, m, *DEFAULT_GRID):

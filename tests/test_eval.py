@@ -284,6 +284,43 @@ class _Engine:
                               decode_s=0.0)
 
 
+def _one_line_error(proc: subprocess.CompletedProcess) -> str:
+    """The refusal a CLI prints: exit code 2 and one line on stderr, no traceback -> that line."""
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-2000:]
+    return lines[0]
+
+
+def test_cli_out_that_cannot_be_a_folder_is_refused_before_any_work(eval_setup, tmp_path):
+    """--out an existing file, or a path under one: refused at the start (exit 2, one line naming --out), not
+    after the whole evaluation with a traceback; sift-serve-demo's --json-out the same."""
+    index, qa, _ = eval_setup
+    taken = tmp_path / "taken"
+    taken.write_text("results of another run\n")
+    for out in (taken, taken / "report"):
+        line = _one_line_error(_run(index, qa, "--modes", "dense,sift", "--max-new-tokens", "1", "--out", out))
+        assert f"--out {out}" in line, line
+    assert taken.read_text() == "results of another run\n"
+    demo = subprocess.run([str(SIFT_EVAL.with_name("sift-serve-demo")), "--index", str(index), "--json-out",
+                           str(taken / "demo.json")], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert "--json-out" in _one_line_error(demo)
+
+
+def test_cli_malformed_qa_line_names_the_file_and_the_line(eval_setup, tmp_path):
+    index, _, _ = eval_setup
+    rows = [{"id": "q1", "question": "Capital of Kenya?", "answers": ["Nairobi"], "docs": [{"id": "kenya",
+                                                                                           "text": "Kenya."}]}] * 2
+    qa = tmp_path / "qa.jsonl"
+    qa.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"id": "q3", "question": \n')
+    line = _one_line_error(_run(index, qa, "--out", tmp_path / "out"))
+    assert f"QA file {qa} line 3: not valid JSON" in line, line
+    assert not (tmp_path / "out").exists()
+    array = tmp_path / "qa.json"
+    array.write_text("[\n" + json.dumps(rows[0]) + ",\n" + json.dumps(rows[1]) + "\n,]\n")
+    with pytest.raises(SiftError, match=rf"QA file {array} line 4: not valid JSON"):
+        load_qa(array)
+
+
 def test_refused_batch_is_rerun_one_by_one():
     items = [QAItem(id=q, question=q, answers=("Paris",), docs=()) for q in ("a", "refuse", "c")]
     engine = _Engine()
