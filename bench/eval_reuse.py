@@ -24,7 +24,7 @@ distribution, tile fraction, the share of the documents' tokens recomputed in co
 1 for dense and sift, which compute every document in context), TTFT; each the mean over questions with a 95%
 percentile-bootstrap interval. Writes bench/results/eval_reuse.json (after each question) and prints a
 Markdown table per set. On CPU the sparse modes apply their pattern as a mask over dense attention and decode
-through the torch reference kernels, so TTFT there measures correctness paths, not speed.
+through the kernels' ref twins, so TTFT there measures correctness paths, not speed.
 
     python bench/eval_reuse.py [--sets hotpotqa,2wiki,long] [--limit-hotpotqa 40] [--limit-2wiki 40]
                                [--limit-long 15] [--hybrid-fractions 0.15,0.3,0.5]

@@ -1,5 +1,5 @@
 """RoPE for every kernel (SPEC section 5): the parameters from a transformers config, the angle arithmetic the
-Triton kernels share, the key pass and the cos / sin table, and their torch twins.
+Triton kernels share, the key pass and the cos / sin table, and their ref twins.
 
 The attention kernel applies a *relative* rotation by `delta = block_offset[kb] - block_offset[qb]` to each key
 tile; that is exact only when the rotation angle is linear in position, `angle = position * inv_freq`. The RoPE
@@ -226,7 +226,7 @@ def rotate_key_blocks(k: torch.Tensor, block_offset: torch.Tensor, inv_freq: tor
 def rotate_key_blocks_ref(k: torch.Tensor, block_offset: torch.Tensor, inv_freq: torch.Tensor, *, block: int,
                           out: torch.Tensor | None = None, cos_sin: torch.Tensor | None = None,
                           pages: torch.Tensor | None = None) -> torch.Tensor:
-    """Torch twin of `rotate_key_blocks` (same signature and result up to rounding; fp64 angles)."""
+    """The ref twin of `rotate_key_blocks` (same signature and result up to rounding; fp64 angles)."""
     if pages is not None:
         k = gather_blocks(k, pages, block)
     positions = block_offset.long().repeat_interleave(block)
@@ -251,7 +251,7 @@ def cos_sin_table(block_offset: torch.Tensor, inv_freq: torch.Tensor, out: torch
 
 
 def cos_sin_table_ref(block_offset: torch.Tensor, inv_freq: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Torch twin of `cos_sin_table` (fp64 angles, rounded to fp32)."""
+    """The ref twin of `cos_sin_table` (fp64 angles, rounded to fp32)."""
     cos, sin = rope_cos_sin(block_offset.long(), inv_freq)
     table = torch.cat([cos, sin], dim=1).float()
     if out is None:

@@ -27,7 +27,7 @@ KVStore (runtime/kv_store.py): a missing document is computed on its own after t
 query, last and recomputed blocks (`q_blocks`), the other blocks' KV read from the documents' pages through a
 `PagedKVCache`.
 
-Backends (runtime/backends.py): "triton" (CUDA kernels), "torch" (CPU), "reference" (the kernels' torch twins
+Backends (runtime/backends.py): "triton" (CUDA kernels), "torch" (CPU), "reference" (the kernels' ref twins
 everywhere; small models only); "auto" picks triton on CUDA and torch on CPU, once, when the engine is made;
 the result records which one ran.
 """

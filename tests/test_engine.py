@@ -24,7 +24,7 @@ from sift.model import DEFAULT_MODEL, fingerprint, resolve_model_dir
 from sift.format import content_hash
 from sift.runtime import Request, SiftEngine, SiftIndex
 from sift.quality.prompts import QUERY, SYSTEM, load_questions
-from sift.kernels.sparse_attention import sparse_attention_torch
+from sift.kernels.sparse_attention import sparse_attention_sdpa
 
 from .helpers import assert_within, model_logit_tol, rounding_tol, run_in_threads, smollm2
 
@@ -258,8 +258,8 @@ def test_unknown_document_dense_fallback(tokenizer, tmp_path):
 
 
 def test_reference_backend_equals_torch_backend(tokenizer, tmp_path):
-    """The kernels' torch twins (backend="reference") and the vectorised CPU path give the same logits, with
-    sparse bits (random, half the tiles) so that the pattern matters."""
+    """The kernels' ref twins (backend="reference") and the SDPA CPU path (backend="torch") give the same logits,
+    with sparse bits (random, half the tiles) so that the pattern matters."""
     model = _tiny("qwen3", tmp_path)
     q = hotpot(1)[0]
     r = Request("Hi.", [(t, x[:90]) for t, x in q["paragraphs"][:3]], "Why?")
@@ -279,7 +279,7 @@ def test_reference_backend_equals_torch_backend(tokenizer, tmp_path):
 
 
 @pytest.mark.parametrize("hq,hkv,block", [(4, 2, 16), (6, 1, 32), (3, 3, 16)])
-def test_sparse_attention_torch_equals_reference(hq, hkv, block):
+def test_sparse_attention_sdpa_equals_ref(hq, hkv, block):
     """The engine's vectorised CPU attention equals `sparse_attention_ref` on a random two-request layout with
     lengths off the block grid, random bits and RoPE."""
     gen = torch.Generator().manual_seed(hq * 7 + block)
@@ -304,12 +304,12 @@ def test_sparse_attention_torch_equals_reference(hq, hkv, block):
                                scale=d ** -0.5, block=block)
     # Two fp32 computations of one layer: scores over head_dim, then softmax and P @ V over a request's keys.
     tol = rounding_tol(torch.float32, scale=v.abs().max().item(), reduction=max(d, lay.n_tokens), depth=2)
-    out = sparse_attention_torch(q, k, v, indptr, indices, lay, inv_freq, scale=d ** -0.5)
+    out = sparse_attention_sdpa(q, k, v, indptr, indices, lay, inv_freq, scale=d ** -0.5)
     assert_within(out, ref, tol, "sparse")
     indptr, indices = dense_block_indices(lay, hq)
     ref = sparse_attention_ref(q, k, v, indptr, indices, lay.block_valid, lay.block_offset, inv_freq,
                                scale=d ** -0.5, block=block)
-    out = sparse_attention_torch(q, k, v, indptr, indices, lay, inv_freq, scale=d ** -0.5, causal=True)
+    out = sparse_attention_sdpa(q, k, v, indptr, indices, lay, inv_freq, scale=d ** -0.5, causal=True)
     assert_within(out, ref, tol, "dense")
 
 

@@ -121,7 +121,7 @@ def test_recall_equals_brute_force_eager_attention():
 @pytest.mark.parametrize("block", [16, 64, 128])
 def test_coarsened_bits_are_the_blocks_the_engine_computes(block):
     """`coarsen` (what `measure(..., block=B)` and the guard count as kept) against the engine's own decoding of
-    the same packed bits into kernel blocks (`block_indices_ref`, the torch twin of the Triton decoder): a tile
+    the same packed bits into kernel blocks (`block_indices_ref`, the ref twin of the Triton decoder): a tile
     or page is counted kept iff the engine computes its block pair."""
     r, n_heads = block // TILE, 3
     requests = [[("prefix", 5), ("doc", 37), ("doc", 150), ("doc", 200), ("query", 7)]]

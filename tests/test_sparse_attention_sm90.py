@@ -3,7 +3,7 @@
 Gluon does not run in the Triton interpreter, so CI checks what can be checked here: the kernel compiles for
 sm_90 (Triton's bundled ptxas) within the SM's shared memory and with the Hopper machinery it is built on; the
 TMA views of q / k / v; that `sparse_attention` hands every call it cannot take to the tl kernel (whose results CI
-compares with the torch twin). Its numbers are checked on the H200 against `sparse_attention_ref` by
+compares with the ref twin). Its numbers are checked on the H200 against `sparse_attention_ref` by
 bench/check_sm90.py and bench/bench_attention.py (padded and token-order layouts, NaN in padding, offsets past
 65,535, empty rows, GQA 4, every output row of 32 heads x 16K-64K tokens).
 """
