@@ -93,9 +93,8 @@ def build_in_process(docs: dict[str, str], root: Path, cfg, model, tokenizer, mo
     idx.commit_manifest(root, fmt.Manifest.from_dict({
         "format": fmt.FORMAT, "format_version": fmt.FORMAT_VERSION, "generation": 1, "created_at": idx.now_iso(),
         "model": {"name": str(model_dir), "fingerprint": fingerprint(model_dir), "model_type": c.model_type,
-                  "n_layers": c.num_hidden_layers, "n_heads": c.num_attention_heads,
-                  "n_kv_heads": c.num_key_value_heads, "head_dim": c.hidden_size // c.num_attention_heads,
-                  "rope": {}, "max_position_embeddings": c.max_position_embeddings},
+                  **dataclasses.asdict(fmt.ModelGeometry.from_config(c)), "rope": {},
+                  "max_position_embeddings": c.max_position_embeddings},
         "profile": {**profile, "prefix_token_ids": list(profiler.prefix_ids), "profile_key": profile_key},
         "shards": [info.to_dict()], "errors": None, "documents": len(rows)}))
     return root

@@ -18,6 +18,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from sift.format import ModelGeometry
+
 from .layout import gather_blocks
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -69,7 +71,7 @@ def rope_inv_freq(config) -> RopeSpec:
     partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
     if partial != 1.0:
         raise ValueError(f"partial_rotary_factor={partial} is unsupported: the kernel rotates the whole head_dim")
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head_dim = ModelGeometry.from_config(config).head_dim
     if rope_type == "default":
         base = params["rope_theta"]
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))

@@ -54,10 +54,9 @@ from .forward import ATTN_NAME, DecodeAttention, PrefillAttention, Timer, sift_a
 from .kv_cache import BatchKVCache
 from .kv_store import Geometry, KVStore
 from .metadata import DecodeMetadata, PrefillMetadata
-from .store import SiftIndex
+from .store import ON_UNKNOWN, SiftIndex
 
 MODES = ("sift", "dense", "reuse", "hybrid")
-ON_UNKNOWN = ("error", "dense")
 GPU_BLOCK = 128
 
 
