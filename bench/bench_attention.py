@@ -3,7 +3,7 @@
     python bench/bench_attention.py [--lengths 16384,32768,65536] [--masks a,b] [--rounds 3]
     python bench/bench_attention.py --smoke      # CPU, Triton interpreter, tiny shapes: the script runs
 
-1. Correctness in bf16 against the torch twin (many segments, lengths not multiples of 128, offsets past 65,535,
+1. Correctness in bf16 against the ref twin (many segments, lengths not multiples of 128, offsets past 65,535,
    NaN in padding, every timed kernel) and, with every causal block listed, against dense causal SDPA over the
    unsegmented prompt.
 2. Timings at B=1, Hq=32, Hkv=8, D=128, bf16, L in --lengths: the tl kernel and the Gluon Hopper kernel with

@@ -93,7 +93,7 @@ def hf_cache_ttft(model, engine: SiftEngine, req: Request, reps: int) -> float:
 
 def check_backends(model, engine: SiftEngine, store: KVStore, req: Request) -> dict:
     """The engine-level check of the kernels on the reuse path: modes "reuse" (cold, then warm) and "hybrid"
-    with the Triton backend against the torch backend (SDPA per request, the kernels' torch twins for the
+    with the Triton backend against the torch backend (SDPA per request, the kernels' ref twins for the
     decode) on the same model and store, greedy generation included."""
     twin = SiftEngine(model, engine.tokenizer, engine.index, kv_store=store, backend="torch")
     out = {}

@@ -21,6 +21,7 @@ indices decode (CUDA events). Writes bench/results/ttft.json and prints a compac
 """
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import pathlib
@@ -68,12 +69,10 @@ def write_index(root: pathlib.Path, docs: dict[str, list[int]], bits: dict[str, 
     idx.prepare_dir(root)
     info = idx.write_table(root, pa.Table.from_pylist(rows, schema=fmt.DOCS_SCHEMA), kind="part",
                            profile_key="bench", backend="synthetic")
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     idx.commit_manifest(root, fmt.Manifest.from_dict({
         "format": fmt.FORMAT, "format_version": fmt.FORMAT_VERSION, "generation": 1, "created_at": idx.now_iso(),
         "model": {"name": "bench", "fingerprint": fp, "model_type": config.model_type,
-                  "n_layers": config.num_hidden_layers, "n_heads": config.num_attention_heads,
-                  "n_kv_heads": config.num_key_value_heads, "head_dim": head_dim, "rope": {},
+                  **dataclasses.asdict(fmt.ModelGeometry.from_config(config)), "rope": {},
                   "max_position_embeddings": config.max_position_embeddings},
         "profile": {"tile": tile, "prefix_token_ids": [], "profile_key": "bench"},
         "shards": [info.to_dict()], "errors": None, "documents": len(rows)}))
@@ -206,7 +205,7 @@ def bench_smollm2(tmp: pathlib.Path, n_questions: int, reps: int) -> list[dict]:
         return []
     try:
         from sift.model import DEFAULT_MODEL, load_model
-        from sift.runtime.demo import hotpot_request, load_questions
+        from sift.quality.prompts import hotpot_request, load_questions
 
         model, tokenizer, identity = load_model(DEFAULT_MODEL, dtype="bfloat16", device="cuda")
     except (SiftError, ImportError, OSError) as e:

@@ -1,5 +1,5 @@
 """Check that `SiftEngine` drives the Gluon Hopper kernel end to end, in prefill and in generation, and that its
-logits are as close to an fp32 reference as the bf16 torch twin's -> bench/results/check-engine-sm90.json.
+logits are as close to an fp32 reference as the bf16 ref twins' -> bench/results/check-engine-sm90.json.
 
 A random Llama-shaped model with head_dim 128 (so the prefill takes the Gluon kernel on sm_90; 4 layers, hidden
 1024, 8 query / 2 KV heads, built from a config, no download), three requests of ~1.2K tokens each (three
@@ -10,7 +10,7 @@ buffers) run four times over the same weights:
     gluon   bf16, backend "triton" as shipped: the Gluon kernel (its launches are counted, so a silent fallback
             to the tl kernel fails the check)
     tl      bf16, backend "triton" with the Gluon kernel refused: the portable tl kernel
-    twin    bf16, backend "torch": the kernels' torch twins, attention computed in fp32 from the bf16 inputs
+    twin    bf16, backend "torch": the kernels' ref twins, attention computed in fp32 from the bf16 inputs
     fp32    the same (bf16-rounded) weights in float32, backend "torch": the reference
 
 Pass: the kernels' last-position logits are within FACTOR times the twin's own error of the reference (relative

@@ -1,4 +1,4 @@
-"""GPU check of the Gluon Hopper kernel (kernels/sparse_attention_sm90.py): correctness against the torch twin and
+"""GPU check of the Gluon Hopper kernel (kernels/sparse_attention_sm90.py): correctness against the ref twin and
 the tl kernel, then a short timing of mask (a) or (b) with the RoPE overhead timed in pairs; writes
 bench/results/check-sm90.json (mask b: check-sm90-mask-b.json).
 

@@ -1,5 +1,5 @@
 """How many blocks must a per-document index compute for sparse answers to agree with dense? The in-context
-oracle (runtime/oracle.py: the bits of SIFT's format chosen from each prompt's own exact attention, losing at most
+oracle (quality/oracle.py: the bits of SIFT's format chosen from each prompt's own exact attention, losing at most
 1 - C of the document rows' attention mass per (layer, head)) at several coverages C, beside an index's bits
 (--setting, default the paper's thresholds) and dense, on the same questions in one run.
 
@@ -32,9 +32,9 @@ from eval_quality import InProcessBuilder  # bench/eval_quality.py
 
 import torch  # noqa: E402
 
-from sift.runtime.calibrate import parse_setting  # noqa: E402
-from sift.runtime.eval import run as run_eval  # noqa: E402
-from sift.runtime.qa import write_corpus, write_qa  # noqa: E402
+from sift.quality.calibrate import parse_setting  # noqa: E402
+from sift.quality.eval import run as run_eval  # noqa: E402
+from sift.quality.qa import write_corpus, write_qa  # noqa: E402
 
 
 def parse_args():

@@ -2,7 +2,7 @@
 evaluation, and the floor of the agreement measure, on the real SmolLM2-135M-Instruct.
 
 For each set of bench/qa_sets.py (hotpotqa, 2wiki, long, nq-long) the first --held-in questions are held in and the next
-ones, up to --limit-<set>, held out. `runtime.calibrate.calibrate_items` then
+ones, up to --limit-<set>, held out. `quality.calibrate.calibrate_items` then
 
 1. builds an index of the held-in documents for every setting of --settings (indexes built in this process with
    the builder's Profiler and writers: bench/qa_sets.py `build_in_process`, no Ray) and measures whole-answer
@@ -15,7 +15,7 @@ ones, up to --limit-<set>, held out. `runtime.calibrate.calibrate_items` then
 4. measures the floor: the engine's dense answers against greedy answers of the same weights through
    transformers' own attention (SDPA), at the serving dtype and at the other of float32 / bfloat16.
 
-With --guard-ca, each setting's guarded twins are swept beside it (`runtime.calibrate.guard`: CA pages kept
+With --guard-ca, each setting's guarded twins are swept beside it (`quality.calibrate.guard`: CA pages kept
 whole in the layers, or with --guard-by head the (layer, head) pairs, whose document rows lose more than eps of
 their attention mass on dropped CA pages, measured on --guard-prompts held-in prompts; --guard-at-block counts
 the pages as the engine's kernel block computes them).
@@ -45,7 +45,7 @@ import qa_sets  # bench/qa_sets.py
 
 import torch  # noqa: E402
 
-from sift.runtime.calibrate import GUARD_BY, calibrate_items, parse_setting  # noqa: E402
+from sift.quality.calibrate import GUARD_BY, calibrate_items, parse_setting  # noqa: E402
 
 SETTINGS = ("tile=64", "tile=32", "tile=16",
             "tile=16,alpha=0.003,beta=0.02,gamma=0.2",

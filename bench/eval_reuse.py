@@ -4,10 +4,10 @@ questions with the real SmolLM2-135M-Instruct, greedy, scored against dense and 
 Three sets (bench/qa_sets.py): hotpotqa (10 paragraphs of ~130 tokens per question), 2wiki (2WikiMultihopQA
 dev, 10 paragraphs of ~90 tokens) and long (gold paragraphs and a distractor inside ~1-1.5K-token documents).
 
-Per set: the questions' documents are written as a corpus (`runtime.qa.write_corpus`) and indexed with the
+Per set: the questions' documents are written as a corpus (`quality.qa.write_corpus`) and indexed with the
 `sift-build` CLI in a subprocess (default profile thresholds, tile --tile, 16 by default so that ~130-token
 paragraphs have tiles to skip; the config TOML is written next to the index), or an existing index is reused
-(--index, one set only). Then every mode runs on every question through `runtime.eval.evaluate`, one
+(--index, one set only). Then every mode runs on every question through `quality.eval.evaluate`, one
 question per call (batch 1; the call warms each mode up on its question first, which keeps one-off costs out of
 TTFT and lets the result be written after every question), with one KVStore for the whole set (--store-gib,
 large enough to hold every document): a question's documents are in the store after the first reuse mode's
@@ -24,7 +24,7 @@ distribution, tile fraction, the share of the documents' tokens recomputed in co
 1 for dense and sift, which compute every document in context), TTFT; each the mean over questions with a 95%
 percentile-bootstrap interval. Writes bench/results/eval_reuse.json (after each question) and prints a
 Markdown table per set. On CPU the sparse modes apply their pattern as a mask over dense attention and decode
-through the torch reference kernels, so TTFT there measures correctness paths, not speed.
+through the kernels' ref twins, so TTFT there measures correctness paths, not speed.
 
     python bench/eval_reuse.py [--sets hotpotqa,2wiki,long] [--limit-hotpotqa 40] [--limit-2wiki 40]
                                [--limit-long 15] [--hybrid-fractions 0.15,0.3,0.5]
@@ -46,8 +46,8 @@ import torch  # noqa: E402
 
 from sift.errors import SiftError  # noqa: E402
 from sift.runtime import KVStore, SiftEngine, SiftIndex  # noqa: E402
-from sift.runtime.eval import aggregate, cell, evaluate, summarise  # noqa: E402
-from sift.runtime.qa import QAItem, write_corpus  # noqa: E402
+from sift.quality.eval import aggregate, cell, evaluate, summarise  # noqa: E402
+from sift.quality.qa import QAItem, write_corpus  # noqa: E402
 
 from qa_sets import SETS, SHARED  # noqa: E402
 POLICIES = ("first", "deviation", "bits")
@@ -130,7 +130,7 @@ def load_set(name: str, args) -> list[QAItem]:
 
 def prefix_text(args) -> str | None:
     """The builder's `prefix_text` for --profile-prefix (None: its default, the BOS token)."""
-    from sift.runtime.demo import SYSTEM
+    from sift.quality.prompts import SYSTEM
 
     return SYSTEM if args.profile_prefix == "system" else None
 
@@ -196,7 +196,7 @@ def record_generations(engine: SiftEngine) -> dict:
 
 
 def run_set(name: str, items: list[QAItem], index_path: Path, model, tokenizer, args, write) -> dict:
-    """Evaluate the set one question at a time (`runtime.eval.evaluate` per question, which warms each mode up
+    """Evaluate the set one question at a time (`quality.eval.evaluate` per question, which warms each mode up
     first), calling write(result so far) after each, so that a long run leaves its partial result behind."""
     index = SiftIndex.open(index_path, device=args.device)
     store = KVStore(hbm_bytes=int(args.store_gib * 2**30), dram_bytes=0)

@@ -25,7 +25,7 @@ floor(h * 270 / n_heads), so the mask has the model's average sparsity across de
 9 heads, cycled (h -> h % 9). `stats["heads"]` lists the (layer, head) each query head took.
 
 Decoding is the runtime's: `pack_doc_bits` then `block_indices` (Triton) on CUDA, or `block_indices_ref` (its
-torch twin) on CPU; the index tile (64) is coarsened to the kernel block (128) by the decode itself.
+ref twin) on CPU; the index tile (64) is coarsened to the kernel block (128) by the decode itself.
 """
 from __future__ import annotations
 
@@ -152,7 +152,7 @@ def real_mask(context: int, n_heads: int = 32, device: str | torch.device | None
               layer: int | None = None, prefix: int = 128, query: int = 512, block: int = 128,
               backend: str = "auto", path: str | Path = DATA) -> RealMask:
     """Mask (b) at `context` tokens -> RealMask(layout, indptr, indices, stats) on `device` (default: CUDA if
-    available, else CPU). backend: "auto" (Triton decode on CUDA, torch twin on CPU), "triton" (also on CPU
+    available, else CPU). backend: "auto" (Triton decode on CUDA, ref twin on CPU), "triton" (also on CPU
     under TRITON_INTERPRET=1) or "torch"."""
     dev = torch.empty(0, device=device or ("cuda" if torch.cuda.is_available() else "cpu")).device
     if backend == "auto":

@@ -1,12 +1,12 @@
 """The QA sets the answer benchmarks run (eval_reuse.py, eval_quality.py), and an index built in this process.
 
-    hotpotqa   runtime/data/hotpotqa_train_100.jsonl.gz: each question over its 10 paragraphs (~130 tokens each)
-    2wiki      runtime/data/2wikimultihopqa_dev_200.jsonl.gz: 2WikiMultihopQA dev questions (compositional,
+    hotpotqa   quality/data/hotpotqa_train_100.jsonl.gz: each question over its 10 paragraphs (~130 tokens each)
+    2wiki      quality/data/2wikimultihopqa_dev_200.jsonl.gz: 2WikiMultihopQA dev questions (compositional,
                comparison, bridge-comparison, inference) over their 10 paragraphs (~90 tokens each)
-    long       the long-document set of runtime/qa.py (`long_documents`): each question's two gold paragraphs
+    long       the long-document set of quality/qa.py (`long_documents`): each question's two gold paragraphs
                and first distractor, each embedded in ~1-1.5K tokens of Wikipedia leads on one topic
                (../shared/data/hotpotqa_train.json and wiki_vital_summaries_en.json.gz)
-    nq-long    runtime/qa.py's `nq_long_documents`: NaturalQuestions-open questions (single hop), each over its
+    nq-long    quality/qa.py's `nq_long_documents`: NaturalQuestions-open questions (single hop), each over its
                gold passage and two other questions' passages, each embedded like `long`'s paragraphs
                (../shared/data/nq-open-oracle.jsonl.gz): a second long-document set, of other questions
 
@@ -18,18 +18,16 @@ starting Ray per build would cost more than the profiling.
 from __future__ import annotations
 
 import dataclasses
-import gzip
 import json
 import shutil
 import time
 from pathlib import Path
 
-from sift.runtime.qa import QAItem, load_qa, long_documents, nq_long_documents
+from sift.quality.prompts import HOTPOTQA, TWOWIKI
+from sift.quality.qa import QAItem, load_qa, long_documents, nq_long_documents
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data"
-HOTPOTQA = ROOT / "runtime" / "data" / "hotpotqa_train_100.jsonl.gz"
-TWOWIKI = ROOT / "runtime" / "data" / "2wikimultihopqa_dev_200.jsonl.gz"
 SETS = ("hotpotqa", "2wiki", "long", "nq-long")
 
 
@@ -38,9 +36,9 @@ def load_set(name: str, limit: int, *, hotpotqa_json: Path = SHARED / "hotpotqa_
              nq_json: Path = SHARED / "nq-open-oracle.jsonl.gz") -> list[QAItem]:
     """The first `limit` questions of one of SETS."""
     if name == "hotpotqa":
-        return _read_gz(HOTPOTQA, "hotpotqa", limit)
+        return load_qa(HOTPOTQA, "hotpotqa", limit)[0]
     if name == "2wiki":
-        return _read_gz(TWOWIKI, "jsonl", limit)
+        return load_qa(TWOWIKI, "jsonl", limit)[0]
     if name == "long":
         return long_documents(hotpotqa_json, wiki, limit=limit, doc_chars=doc_chars)
     if name == "nq-long":
@@ -48,19 +46,8 @@ def load_set(name: str, limit: int, *, hotpotqa_json: Path = SHARED / "hotpotqa_
     raise ValueError(f"QA set {name!r} is not one of {', '.join(SETS)}")
 
 
-def _read_gz(path: Path, fmt: str, limit: int) -> list[QAItem]:
-    try:
-        import datasets  # noqa: F401 (load_qa reads through it)
-    except ImportError:  # a GPU machine without it: the file is plain gzipped JSONL
-        from sift.runtime.qa import _READERS
-        with gzip.open(path, "rt") as f:
-            rows = [json.loads(line) for _, line in zip(range(limit), f)]
-        return [_READERS[fmt](r, i) for i, r in enumerate(rows, 1)]
-    return load_qa(path, fmt, limit)[0]
-
-
 def corpus_docs(corpus: Path) -> dict[str, str]:
-    """doc_id -> text of a corpus folder written by `runtime.qa.write_corpus` (docs.jsonl of {"id", "text"})."""
+    """doc_id -> text of a corpus folder written by `quality.qa.write_corpus` (docs.jsonl of {"id", "text"})."""
     docs = {}
     with open(corpus / "docs.jsonl") as f:
         for line in f:
@@ -106,9 +93,8 @@ def build_in_process(docs: dict[str, str], root: Path, cfg, model, tokenizer, mo
     idx.commit_manifest(root, fmt.Manifest.from_dict({
         "format": fmt.FORMAT, "format_version": fmt.FORMAT_VERSION, "generation": 1, "created_at": idx.now_iso(),
         "model": {"name": str(model_dir), "fingerprint": fingerprint(model_dir), "model_type": c.model_type,
-                  "n_layers": c.num_hidden_layers, "n_heads": c.num_attention_heads,
-                  "n_kv_heads": c.num_key_value_heads, "head_dim": c.hidden_size // c.num_attention_heads,
-                  "rope": {}, "max_position_embeddings": c.max_position_embeddings},
+                  **dataclasses.asdict(fmt.ModelGeometry.from_config(c)), "rope": {},
+                  "max_position_embeddings": c.max_position_embeddings},
         "profile": {**profile, "prefix_token_ids": list(profiler.prefix_ids), "profile_key": profile_key},
         "shards": [info.to_dict()], "errors": None, "documents": len(rows)}))
     return root

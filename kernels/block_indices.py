@@ -26,7 +26,6 @@ causal); entries past `indptr[-1]` are unspecified.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -37,6 +36,7 @@ import triton.language as tl
 from sift.format import TILES, ca_nbytes, la_nbytes, n_pages
 
 from .bits import tril_to_square, unpack_msb
+from .device import triton_runs_on
 from .layout import PREFIX, BatchLayout
 
 
@@ -305,7 +305,7 @@ def _row_start(layout: BatchLayout, n_heads: int, row_start: torch.Tensor | None
 
 
 def _check_device(layout: BatchLayout) -> None:
-    if layout.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if not triton_runs_on(layout.device):
         raise ValueError(f"block_indices runs on CUDA tensors (got {layout.device}); use block_indices_ref on CPU")
 
 
@@ -401,7 +401,7 @@ def block_indices_ref(
     ca_ptr: torch.Tensor,
     tile: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch twin of `block_indices` (same arguments and outputs; indices here has exactly indptr[-1] entries).
+    """The ref twin of `block_indices` (same arguments and outputs; indices here has exactly indptr[-1] entries).
     Builds the block-level keep matrix [Hq, NB, NB] and reads it out row by row."""
     n_heads = _validate(layout, la_bytes, la_ptr, ca_bytes, ca_ptr, tile)
     nb, dev, r = layout.n_blocks, layout.device, layout.block // tile

@@ -31,7 +31,6 @@ Shapes:
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
@@ -39,6 +38,7 @@ import triton.language as tl
 
 from sift.format import TILES
 
+from .device import sm_count, triton_runs_on
 from .layout import BatchLayout
 from .numerics import LOG2E, check_heads_and_blocks, check_scale
 from .rope import _cos_sin, apply_rope_ref
@@ -226,20 +226,11 @@ def _validate(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block_valid,
         raise ValueError(f"all tensors must be on one device; got {sorted(map(str, devices))}")
 
 
-_SM_COUNT: dict[int, int] = {}
-
-
 def default_num_splits(batch: int, kv_heads: int, nnz_blocks: int, device: torch.device) -> int:
     """About four programs per SM (flash-decoding; on the H200, B=1, 8 KV heads, 16K-64K tokens, 66 splits
     measured 1.2-1.4x faster than 33 and 1.07-1.13x faster than 132: docs/design.md), never more
     splits than a request's average block count; from host-known sizes only, so no device sync."""
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        if index not in _SM_COUNT:
-            _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-        target = 4 * _SM_COUNT[index]
-    else:
-        target = 4
+    target = 4 * sm_count(device) if device.type == "cuda" else 4
     splits = triton.cdiv(target, batch * kv_heads)
     return max(1, min(splits, nnz_blocks // max(batch, 1), 256))
 
@@ -251,7 +242,7 @@ def decode_attention(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block
     `default_num_splits`). Returns out [B, Hq, D] in q's dtype. Block ids are not range-checked (no sync)."""
     _validate(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block_valid, kv_offset, inv_freq, scale,
               block, out)
-    if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if not triton_runs_on(q.device):
         raise ValueError(f"decode_attention runs on CUDA tensors (got {q.device}); use decode_attention_ref on CPU")
     bsz, hq, d = q.shape
     hkv = k_cache.shape[0]
@@ -290,7 +281,7 @@ def decode_attention(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block
 
 def decode_attention_ref(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block_valid, kv_offset, inv_freq,
                          *, scale, block, num_splits=None, out=None):
-    """Torch twin of `decode_attention` (same signature and result; num_splits is accepted and ignored).
+    """The ref twin of `decode_attention` (same signature and result; num_splits is accepted and ignored).
     fp32 softmax, fp64 RoPE angles; one rotation of q per distinct segment offset of the request."""
     _validate(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block_valid, kv_offset, inv_freq, scale,
               block, out)

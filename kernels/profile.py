@@ -423,10 +423,7 @@ class ProfileStats:
     lse: torch.Tensor
 
 
-def _check_kernel_inputs(q, k, *, scale, softcap, lse, dense_heads, v) -> None:
-    if v is not None:
-        raise ValueError("profile_layer does not compute the layer output (v must be None): run the model's own "
-                         "attention (SDPA) for it, or use profile_layer_ref(..., v=v)")
+def _check_kernel_inputs(q, k, *, scale, softcap, lse, dense_heads) -> None:
     for name, x in (("q", q), ("k", k)):
         if x.dtype not in DTYPES:
             raise ValueError(f"{name}.dtype={x.dtype} is unsupported; use one of {DTYPES}")
@@ -608,7 +605,7 @@ def profile_stats(
     """
     validate_profile_args(q, k, n_prefix=n_prefix, tile=tile, alpha=0.0, beta=beta, gamma=0.0,
                           ca_normalize="causal")
-    _check_kernel_inputs(q, k, scale=scale, softcap=softcap, lse=lse, dense_heads=(), v=None)
+    _check_kernel_inputs(q, k, scale=scale, softcap=softcap, lse=lse, dense_heads=())
     lse_cfg, stats_cfg = _configs(configs, tile, q, n_prefix)
     hq, lp, _ = q.shape
     lse_in = _lse_input(lse, q, k, n_prefix=n_prefix, scale=scale, softcap=softcap, cfg=lse_cfg)
@@ -633,7 +630,6 @@ def profile_layer(
     ca_normalize: str = "causal",
     force_sink_page: bool = True,
     dense_heads: Sequence[int] = (),
-    v: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     stats_bytes: int = 256 << 20,
     configs: tuple[ProfileKernelConfig, ProfileKernelConfig] | None = None,
@@ -642,7 +638,6 @@ def profile_layer(
 
     q: [Hq, Lp, D] rotated queries of (profiling prefix + document), Lp = n_prefix + L; k: [Hkv, Lp, D]
     rotated keys (Hq % Hkv == 0); any strides; fp32, fp16 or bf16.
-    v: must be None: the layer output comes from the model's own attention (ValueError otherwise).
     lse: optional [Hq, Lp] row log-sum-exp (natural log, fp32) of this layer's scores from the forward pass;
        skips the first pass. Only the document rows are read.
     stats_bytes: budget for the [heads, P, P] fp32 tile maxima; heads are processed in chunks that fit it.
@@ -651,7 +646,7 @@ def profile_layer(
     """
     validate_profile_args(q, k, n_prefix=n_prefix, tile=tile, alpha=alpha, beta=beta, gamma=gamma,
                           ca_normalize=ca_normalize)
-    _check_kernel_inputs(q, k, scale=scale, softcap=softcap, lse=lse, dense_heads=dense_heads, v=v)
+    _check_kernel_inputs(q, k, scale=scale, softcap=softcap, lse=lse, dense_heads=dense_heads)
     lse_cfg, stats_cfg = _configs(configs, tile, q, n_prefix)
     hq, lp, _ = q.shape
     n_doc = lp - n_prefix

@@ -1,5 +1,5 @@
 """RoPE for every kernel (SPEC section 5): the parameters from a transformers config, the angle arithmetic the
-Triton kernels share, the key pass and the cos / sin table, and their torch twins.
+Triton kernels share, the key pass and the cos / sin table, and their ref twins.
 
 The attention kernel applies a *relative* rotation by `delta = block_offset[kb] - block_offset[qb]` to each key
 tile; that is exact only when the rotation angle is linear in position, `angle = position * inv_freq`. The RoPE
@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
+
+from sift.format import ModelGeometry
 
 from .layout import gather_blocks
 
@@ -69,7 +71,7 @@ def rope_inv_freq(config) -> RopeSpec:
     partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
     if partial != 1.0:
         raise ValueError(f"partial_rotary_factor={partial} is unsupported: the kernel rotates the whole head_dim")
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head_dim = ModelGeometry.from_config(config).head_dim
     if rope_type == "default":
         base = params["rope_theta"]
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
@@ -226,7 +228,7 @@ def rotate_key_blocks(k: torch.Tensor, block_offset: torch.Tensor, inv_freq: tor
 def rotate_key_blocks_ref(k: torch.Tensor, block_offset: torch.Tensor, inv_freq: torch.Tensor, *, block: int,
                           out: torch.Tensor | None = None, cos_sin: torch.Tensor | None = None,
                           pages: torch.Tensor | None = None) -> torch.Tensor:
-    """Torch twin of `rotate_key_blocks` (same signature and result up to rounding; fp64 angles)."""
+    """The ref twin of `rotate_key_blocks` (same signature and result up to rounding; fp64 angles)."""
     if pages is not None:
         k = gather_blocks(k, pages, block)
     positions = block_offset.long().repeat_interleave(block)
@@ -251,7 +253,7 @@ def cos_sin_table(block_offset: torch.Tensor, inv_freq: torch.Tensor, out: torch
 
 
 def cos_sin_table_ref(block_offset: torch.Tensor, inv_freq: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Torch twin of `cos_sin_table` (fp64 angles, rounded to fp32)."""
+    """The ref twin of `cos_sin_table` (fp64 angles, rounded to fp32)."""
     cos, sin = rope_cos_sin(block_offset.long(), inv_freq)
     table = torch.cat([cos, sin], dim=1).float()
     if out is None:

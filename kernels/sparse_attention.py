@@ -1,5 +1,5 @@
 """Block-sparse prefill flash attention over the position-free KV cache, with RoPE (SPEC sections 4, 5): the
-public entry and its torch twins.
+public entry, its ref twin and the vectorised CPU attention.
 
 Layout (physical): the requests of a batch are packed into N = NB * block token slots; every segment (prefix,
 each document, query) is padded to whole blocks, real tokens first. q and k are stored rotated at
@@ -25,14 +25,14 @@ stay logical.
 `sparse_attention` validates the arguments and picks the backend (`attention_backend`), in one place:
   "gluon": the warp-specialised Hopper kernel (`sparse_attention_sm90`; sm_90, block 128, head_dim 128, 16-bit);
   "tl":    the kernel in Triton's tile language (`sparse_attention_tl`; any CUDA GPU, or the Triton interpreter);
-  "torch": `sparse_attention_ref`, the torch twin (same signature and result; loops over (head, query block):
-           tests, debugging, small CPU prefill).
-`sparse_attention_torch` computes the same with SDPA per request, fast enough for whole models on CPU.
+  "ref":   `sparse_attention_ref`, the ref twin (plain torch, same signature and result; loops over (head, query
+           block): tests, debugging, small CPU prefill).
+`sparse_attention_sdpa` computes the same with torch's SDPA per request, fast enough for whole models on CPU (the
+engine's backend "torch"; runtime/backends.py says how the names relate).
 `check_layout` validates the CSR / layout values (it reads them on the host, so the hot path does not call it).
 """
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -40,6 +40,7 @@ from sift.format import TILES
 
 from . import sparse_attention_sm90 as sm90
 from . import sparse_attention_tl as tl_kernel
+from .device import triton_runs_on
 from .layout import BatchLayout, gather_blocks
 from .numerics import check_heads_and_blocks, check_scale
 from .rope import apply_rope_ref
@@ -47,7 +48,7 @@ from .rope import apply_rope_ref
 BLOCKS = TILES
 HEAD_DIMS = (64, 128)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-BACKENDS = ("gluon", "tl", "torch")
+BACKENDS = ("gluon", "tl", "ref")
 
 
 def _describe(x) -> str:
@@ -157,12 +158,12 @@ def check_layout(indptr, indices, block_valid, block_offset, *, block: int, q_bl
 
 def attention_backend(q, k, v, block: int, out=None) -> str:
     """The backend `sparse_attention` runs for these tensors: "gluon" where the Hopper kernel takes the call
-    (`sparse_attention_sm90.supports`), else "tl" on CUDA or under TRITON_INTERPRET=1, else "torch"."""
+    (`sparse_attention_sm90.supports`), else "tl" on CUDA or under TRITON_INTERPRET=1, else "ref"."""
     if sm90.supports(q, k, v, block, out):
         return "gluon"
-    if q.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+    if triton_runs_on(q.device):
         return "tl"
-    return "torch"
+    return "ref"
 
 
 def sparse_attention(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, *, scale, block, out=None,
@@ -197,7 +198,7 @@ def sparse_attention(q, k, v, indptr, indices, block_valid, block_offset, inv_fr
     backend = attention_backend(q, k, v, block, out)
     args = (q, k, v, indptr, indices, block_valid, block_offset, inv_freq)
     rows = dict(q_block_start=q_block_start, row_end=row_end, q_blocks=q_blocks, kv_pages=kv_pages)
-    if backend == "torch":
+    if backend == "ref":
         return sparse_attention_ref(*args, scale=scale, block=block, out=out, **rows)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -208,7 +209,7 @@ def sparse_attention(q, k, v, indptr, indices, block_valid, block_offset, inv_fr
 
 def sparse_attention_ref(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, *, scale, block, out=None,
                          q_block_start=None, row_end=None, q_blocks=None, kv_pages=None):
-    """Torch twin of `sparse_attention` (same signature and result; out=None: rows not computed are 0); fp32
+    """The ref twin of `sparse_attention` (same signature and result; out=None: rows not computed are 0); fp32
     softmax, fp64 RoPE angles.
 
     Loops over (head, query block): meant for tests, debugging and small CPU prefill, not for speed.
@@ -311,10 +312,10 @@ def _block_mask(indptr, indices, row_end, q_blocks, hq: int, nb: int) -> torch.T
     return keep
 
 
-def sparse_attention_torch(q, k, v, indptr, indices, layout: BatchLayout, inv_freq, *, scale, causal=False,
+def sparse_attention_sdpa(q, k, v, indptr, indices, layout: BatchLayout, inv_freq, *, scale, causal=False,
                            row_end=None, q_blocks=None):
-    """Torch equivalent of `sparse_attention_ref` for one layer (same result), fast enough for whole models on
-    CPU. q: [Hq, N, D], k / v: [Hkv, N, D] in `layout` (segment-local RoPE); -> [Hq, N, D], padding rows 0.
+    """`sparse_attention_ref`'s result for one layer computed with torch's SDPA per request, fast enough for whole
+    models on CPU. q: [Hq, N, D], k / v: [Hkv, N, D] in `layout` (segment-local RoPE); -> [Hq, N, D], padding rows 0.
     row_end, q_blocks: as in `sparse_attention`; rows of blocks not in q_blocks are not computed and are 0.
 
     Per request, on its real tokens only: rotating q and k by their segment's offset puts both at logical

@@ -41,6 +41,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from .device import sm_count
 from .layout import gather_blocks
 from .numerics import LOG2E
 from .rope import rotate_key_blocks
@@ -415,7 +416,6 @@ def supports(q, k, v, block: int, out: torch.Tensor | None) -> bool:
     return all(_head_view(x) is not None for x in (q, k, v))
 
 
-_SM_COUNT: dict[int, int] = {}
 _NO_TABLE: dict[int, torch.Tensor] = {}
 
 
@@ -462,9 +462,7 @@ def launch(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, *, sca
             _NO_TABLE[dev] = torch.zeros(1, dtype=torch.float32, device=q.device)
         cos_sin = _NO_TABLE[dev]
     q_desc, k_desc, v_desc, q_rows, q_pitch, k_rows, k_pitch = _descriptors(q, k, v)
-    if dev not in _SM_COUNT:
-        _SM_COUNT[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
-    _sparse_attn_fwd_sm90[(min(_SM_COUNT[dev], hq * nq),)](
+    _sparse_attn_fwd_sm90[(min(sm_count(q.device), hq * nq),)](
         q_desc, k_desc, v_desc, out, indptr, indptr[1:] if row_end is None else row_end, indices, block_valid,
         block_offset, block_valid if q_blocks is None else q_blocks,   # QBlocks: not read without Q_BLOCKS
         block_valid if q_block_start is None else q_block_start,

@@ -23,6 +23,9 @@ from sift.format import TILES
 from sift.model import DEFAULT_MODEL, DTYPES
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
+# build.backend: "torch" profiles with the kernel's ref twin (`profile_layer_ref`), "triton" with the kernel;
+# "auto" is resolved per actor (`kernels.device.resolve_backend`).
+BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass(frozen=True)
@@ -106,7 +109,7 @@ class RunConfig:
     def __post_init__(self):
         if self.shard_rows < 1:
             raise SiftError(f"build.shard_rows = {self.shard_rows} must be >= 1")
-        if self.backend not in ("auto", "torch", "triton"):
+        if self.backend not in BACKENDS:
             raise SiftError(f"build.backend = {self.backend!r} must be auto, torch or triton")
         if self.actors < 0:
             raise SiftError(f"build.actors = {self.actors} must be >= 0")

@@ -72,17 +72,14 @@ class ProfileShardWriter:
 
         from sift.model import load_model
 
-        from .config import load_config_dict
+        from ..kernels.device import resolve_backend
+        from .config import BACKENDS, load_config_dict
         from .profiler import Profiler
 
         cfg = load_config_dict(cfg_dict)
         torch.set_num_threads(max(1, threads))
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        backend = cfg.build.backend
-        if backend == "auto":
-            backend = "triton" if device == "cuda" else "torch"
-        if backend == "triton" and device != "cuda":
-            raise SiftError("build.backend = 'triton' needs a GPU actor: use 'auto' or 'torch' on CPU")
+        backend = resolve_backend(cfg.build.backend, device, choices=BACKENDS, setting="build.backend")
         model_obj, tokenizer, _ = load_model(model, dtype=cfg.profile.dtype, device=device)
         self.profiler = Profiler(model_obj, tokenizer, cfg.profile, backend)
         self.backend = backend

@@ -1,27 +1,31 @@
 """The engine's attention backends, chosen once when the engine is made.
 
-    TritonBackend      CUDA (or TRITON_INTERPRET=1): the one-pass index decode over groups of layers, the sparse
-                       prefill kernel (Gluon on sm_90, tl elsewhere) reading q and writing the output in token
-                       order, the split-K decode kernel
-    TorchBackend       CPU: the kernels' torch twins for the index decode and the decode step, and a whole-request
-                       torch prefill attention equal to `sparse_attention_ref` but fast enough for whole models
-    ReferenceBackend   the kernels' torch twins everywhere (small models only)
+    TritonBackend      "triton", CUDA (or TRITON_INTERPRET=1): the one-pass index decode over groups of layers,
+                       the sparse prefill kernel (Gluon on sm_90, tl elsewhere) reading q and writing the output
+                       in token order, the split-K decode kernel
+    TorchBackend       "torch", CPU: the kernels' ref twins for the index decode and the decode step, and the
+                       prefill attention `sparse_attention_sdpa` (torch's SDPA per request: the ref twin's result,
+                       fast enough for whole models)
+    ReferenceBackend   "reference": the kernels' ref twins everywhere (small models only)
+
+Names. "triton", "torch" and "reference" are what users pass (`SiftEngine(backend=...)`, `sift-eval --backend`)
+and, with the builder's `build.backend` ("torch": the profiling kernel's ref twin `profile_layer_ref`), what an
+index's manifest records: they name a whole backend and do not change. Inside kernels/, "ref" names a kernel's
+reference twin (`*_ref`: plain torch, the kernel's signature and result, loops that mirror it; the oracle of the
+tests and the CPU fallback) and "sdpa" the vectorised CPU attention; "torch" is never a kernel's name there.
 
 Each backend turns a batch's bits into `LayerCsr`s (`decode_indices`), attends a prefill layer
 (`prefill`) and a decode step (`decode`); the engine never compares backend names.
 """
 from __future__ import annotations
 
-import os
-
 import torch
-
-from sift.errors import SiftError
 
 from ..kernels.block_indices import DocBits, block_indices_layers, block_indices_ref, dense_block_indices, dense_indptr
 from ..kernels.decode_attention import decode_attention, decode_attention_ref
+from ..kernels.device import resolve_backend
 from ..kernels.layout import BatchLayout
-from ..kernels.sparse_attention import sparse_attention, sparse_attention_ref, sparse_attention_torch
+from ..kernels.sparse_attention import sparse_attention, sparse_attention_ref, sparse_attention_sdpa
 from .kv_cache import BatchKVCache
 from .metadata import DecodeMetadata, LayerCsr, PrefillMetadata
 
@@ -58,7 +62,7 @@ class TorchBackend:
         return out[:, meta.token_phys].transpose(0, 1).unsqueeze(0)
 
     def _attend(self, q, k, v, csr: LayerCsr, meta: PrefillMetadata, inv_freq, scale: float):
-        return sparse_attention_torch(q, k, v, csr.indptr, csr.indices, meta.layout, inv_freq, scale=scale,
+        return sparse_attention_sdpa(q, k, v, csr.indptr, csr.indices, meta.layout, inv_freq, scale=scale,
                                       causal=not meta.sparse, row_end=csr.row_end, q_blocks=meta.q_blocks)
 
     def decode(self, meta: DecodeMetadata, cache: BatchKVCache, layer: int, q, inv_freq, scale: float):
@@ -114,12 +118,6 @@ class TritonBackend:
 
 
 def select_backend(name: str, device: torch.device):
-    """"auto" picks triton on CUDA and torch on CPU."""
-    if name not in NAMES:
-        raise SiftError(f"backend={name!r} must be one of {', '.join(NAMES)}")
-    if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
-    if name == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise SiftError("backend='triton' needs the model on a CUDA device (or TRITON_INTERPRET=1); use "
-                        "backend='torch' on CPU")
+    """The backend `name` resolves to on `device` (`resolve_backend`: "auto" is triton on CUDA, torch on CPU)."""
+    name = resolve_backend(name, device, choices=NAMES)
     return {"triton": TritonBackend, "torch": TorchBackend, "reference": ReferenceBackend}[name]()

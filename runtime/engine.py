@@ -27,7 +27,7 @@ KVStore (runtime/kv_store.py): a missing document is computed on its own after t
 query, last and recomputed blocks (`q_blocks`), the other blocks' KV read from the documents' pages through a
 `PagedKVCache`.
 
-Backends (runtime/backends.py): "triton" (CUDA kernels), "torch" (CPU), "reference" (the kernels' torch twins
+Backends (runtime/backends.py): "triton" (CUDA kernels), "torch" (CPU), "reference" (the kernels' ref twins
 everywhere; small models only); "auto" picks triton on CUDA and torch on CPU, once, when the engine is made;
 the result records which one ran.
 """
@@ -54,10 +54,9 @@ from .forward import ATTN_NAME, DecodeAttention, PrefillAttention, Timer, sift_a
 from .kv_cache import BatchKVCache
 from .kv_store import Geometry, KVStore
 from .metadata import DecodeMetadata, PrefillMetadata
-from .store import SiftIndex
+from .store import ON_UNKNOWN, SiftIndex
 
 MODES = ("sift", "dense", "reuse", "hybrid")
-ON_UNKNOWN = ("error", "dense")
 GPU_BLOCK = 128
 
 
@@ -67,7 +66,7 @@ GPU_BLOCK = 128
 @dataclass(frozen=True, eq=False)
 class BatchBits:
     """Bits of one call's documents given by the caller instead of fetched from the index (mode "sift"; the
-    in-context oracle of runtime/oracle.py). bits: every document of the batch, requests in order, each request's
+    in-context oracle of quality/oracle.py). bits: every document of the batch, requests in order, each request's
     documents in prompt order; tile: their tile (one of TILES, at most the engine's block)."""
 
     bits: DocBits

@@ -90,7 +90,7 @@ class PagedKVCache:
     (`token_slots`: their pool slots, in the forward's token order) are written; the others are read from the
     pages as the store holds them. The kernels read the pool in place: the decode through its block table,
     the prefill through `prompt_pages` (the page of each logical block); `prompt_kv` gathers a layer's blocks in
-    logical order for the torch twins."""
+    logical order for the ref twins."""
 
     def __init__(self, layout: BatchLayout, store, lease, block_pages: torch.Tensor, token_slots: torch.Tensor,
                  gen_pages: torch.Tensor):

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from sift.errors import SiftError
+from sift.format import ModelGeometry
 
 # Layers of a promotion queued ahead of the layer the forward waits for.
 PREFETCH_LAYERS = 2
@@ -59,6 +60,11 @@ class Geometry:
     block: int
     dtype: torch.dtype
     device: torch.device
+
+    @classmethod
+    def of(cls, model: ModelGeometry, block: int, dtype: torch.dtype, device: torch.device) -> "Geometry":
+        """The pool geometry of a model (its layers, KV heads and head_dim) at a kernel block and KV dtype."""
+        return cls(model.n_layers, model.n_kv_heads, model.head_dim, block, dtype, torch.device(device))
 
     @property
     def page_bytes(self) -> int:

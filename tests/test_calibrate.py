@@ -1,9 +1,12 @@
-"""sift-calibrate (runtime/calibrate.py): the Pareto front and the choice on hand-made fronts, settings parsed
+"""sift-calibrate (quality/calibrate.py): the Pareto front and the choice on hand-made fronts, settings parsed
 and written as TOML the builder takes, the mass LA criterion of the profiling reference against a brute force on
 full attention matrices, and the long-document QA construction on small hand-written sources."""
 import gzip
 import json
+import subprocess
+import sys
 from dataclasses import asdict
+from pathlib import Path
 
 import numpy as np
 
@@ -14,9 +17,36 @@ from sift.errors import SiftError
 from sift.kernels.bits import tril_to_square, unpack_msb
 from sift.kernels.profile_ref import profile_layer_ref
 from sift.pipeline.config import load_config
-from sift.runtime.calibrate import (DEFAULT, DEFAULT_GRID, Setting, choose, guard_heads, guard_layers, pareto,
+from sift.quality.calibrate import (DEFAULT, DEFAULT_GRID, Setting, choose, guard_heads, guard_layers, pareto,
                                     parse_setting)
-from sift.runtime.qa import load_qa, long_documents, nq_long_documents, write_jsonl
+from sift.quality.qa import load_qa, long_documents, nq_long_documents, write_jsonl
+
+
+SIFT_CALIBRATE = Path(sys.executable).with_name("sift-calibrate")
+SAMPLE = Path(__file__).resolve().parent / "data" / "long_docs_sample.jsonl"   # three questions
+
+
+def _refusal(*args, cwd) -> str:
+    """sift-calibrate refusing its arguments: exit 2 and one line on stderr, no traceback -> that line."""
+    proc = subprocess.run([str(SIFT_CALIBRATE), *map(str, args)], capture_output=True, text=True, timeout=300,
+                          cwd=cwd)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-2000:]
+    return lines[0]
+
+
+def test_cli_refuses_bad_out_settings_and_held_in_before_any_work(tmp_path):
+    """A file as --out, a tile the builder refuses, and more held-in questions than the file has are each one
+    line and exit 2 before anything is built or written (no folder is made)."""
+    taken = tmp_path / "taken"
+    taken.write_text("x\n")
+    assert f"--out {taken}" in _refusal(SAMPLE, "--out", taken, cwd=tmp_path)
+    line = _refusal(SAMPLE, "--out", tmp_path / "cal", "--setting", "tile=7", cwd=tmp_path)
+    assert "--setting 'tile=7': tile = 7 is not one of 16, 32, 64, 128" in line, line
+    assert not (tmp_path / "cal").exists()
+    line = _refusal(SAMPLE, "--out", tmp_path / "cal", "--held-in", "5", cwd=tmp_path)
+    assert f"{SAMPLE} has 3 questions: more than --held-in 5" in line and "None" not in line, line
+    assert not (tmp_path / "cal").exists()
 
 
 def _row(label, tiles, agreement):
@@ -42,7 +72,7 @@ def test_pareto_front():
 
 
 def test_held_out_settings_front_or_every_swept_one():
-    from sift.runtime.calibrate import held_out_settings
+    from sift.quality.calibrate import held_out_settings
 
     a, b, c = Setting(tile=16), Setting(tile=32), Setting(tile=16, alpha=0.01)
     rows = [dict(setting=asdict(s), label=s.label, tile_fraction=t, agreement=g)
@@ -59,7 +89,7 @@ def test_parse_setting_and_toml_taken_by_the_builder(tmp_path):
     m = parse_setting("tile=32,criterion=mass,coverage=0.99")
     assert (m.la_criterion, m.la_coverage, m.alpha) == ("mass", 0.99, DEFAULT.alpha)
     assert m.label == "t32-mass0.99-b0.01-g0.1" and s.label == "t16-a0.0003-b0.005-g0.05"
-    for bad in ("tile=16,delta=1", "tile=x", "criterion=median", "alpha"):
+    for bad in ("tile=16,delta=1", "tile=x", "criterion=median", "alpha", "tile=7", "beta=1.5", "coverage=0"):
         with pytest.raises(SiftError):
             parse_setting(bad)
     for setting in (s, m, *DEFAULT_GRID):
@@ -234,7 +264,7 @@ def test_long_documents_sample_in_repository():
 
 def test_greedy_equals_transformers_generate():
     """`greedy` (the floor's other dense) against transformers' own generate, eos included and stopping there."""
-    from sift.runtime.calibrate import greedy
+    from sift.quality.calibrate import greedy
 
     from .helpers import smollm2
 
@@ -262,8 +292,8 @@ def test_calibrate_items_flow_and_floor(tmp_path):
     on CPU over an all-ones index: SIFT computes every tile, so it agrees with dense everywhere, and fp32 dense
     through the engine agrees with transformers' fp32 greedy answers on every question."""
     from sift.model import DEFAULT_MODEL, fingerprint, resolve_model_dir
-    from sift.runtime.calibrate import calibrate_items
-    from sift.runtime.qa import QAItem
+    from sift.quality.calibrate import calibrate_items
+    from sift.quality.qa import QAItem
 
     from .helpers import smollm2
     from .test_engine import write_index
@@ -385,8 +415,8 @@ def test_guard_sweeps_twins_with_the_layers_losing_mass(tmp_path):
     rows lose the mass they put on earlier documents, so the guard keeps CA whole in every layer that has
     cross-document cells; the twin is built (here: all ones) and swept beside the base setting."""
     from sift.model import DEFAULT_MODEL, fingerprint, resolve_model_dir
-    from sift.runtime.calibrate import calibrate_items
-    from sift.runtime.qa import QAItem
+    from sift.quality.calibrate import calibrate_items
+    from sift.quality.qa import QAItem
 
     from .helpers import smollm2
     from .test_engine import ones_bits, write_index

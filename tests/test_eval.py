@@ -1,4 +1,4 @@
-"""sift-eval (runtime/eval.py, runtime/qa.py): the metrics against hand-computed values, the bootstrap interval on
+"""sift-eval (quality/eval.py, quality/qa.py): the metrics against hand-computed values, the bootstrap interval on
 known cases, the QA readers on tiny hand-written files of each format, and the CLI end to end on CPU with the real
 SmolLM2 over an all-ones index (where SIFT must equal dense), a missing and a stale document reported as skipped.
 """
@@ -15,13 +15,13 @@ from click.testing import CliRunner
 
 from sift.errors import SiftError
 from sift.model import DEFAULT_MODEL, fingerprint, resolve_model_dir
-from sift.runtime.demo import QUERY, SYSTEM
+from sift.quality.prompts import HOTPOTQA, QUERY, SYSTEM
 from sift.runtime import GenerateResult, PrefillResult
-from sift.runtime.eval import (bootstrap_ci, containment, evaluate, exact_match, f1_score, kl_first_token, main,
+from sift.quality.eval import (bootstrap_ci, containment, evaluate, exact_match, f1_score, kl_first_token, main,
                               normalize_answer)
-from sift.runtime.qa import QAItem, load_qa, sniff_format, write_corpus
+from sift.quality.qa import QAItem, load_qa, sniff_format, write_corpus
 
-from .helpers import smollm2
+from .helpers import rounding_tol, smollm2
 from .test_engine import write_index
 
 SIFT_EVAL = Path(sys.executable).with_name("sift-eval")
@@ -103,9 +103,8 @@ def test_reader_hotpotqa_official_json(tmp_path):
     assert items[0].docs == (("Oak", "Oak is a tree. It is old."), ("Elm", "Elm is a tree."))
 
 
-def test_reader_hotpotqa_runtime_data():
-    items, fmt = load_qa(Path(__file__).resolve().parent.parent / "runtime" / "data" / "hotpotqa_train_100.jsonl.gz",
-                         limit=2)
+def test_reader_hotpotqa_shipped_data():
+    items, fmt = load_qa(HOTPOTQA, limit=2)
     assert fmt == "hotpotqa" and len(items) == 2
     assert items[0].question == "If Gallu is a demon Lilu is what?" and items[0].answers == ("a spirit",)
     assert len(items[0].docs) == 10 and items[0].docs[0][0] == "Demon Dice"
@@ -226,7 +225,7 @@ def test_cli_end_to_end(eval_setup):
 
 
 def test_cli_oracle_modes(eval_setup):
-    """The oracle modes (runtime/oracle.py) through the CLI: at coverage 1 the in-context pattern is dense and
+    """The oracle modes (quality/oracle.py) through the CLI: at coverage 1 the in-context pattern is dense and
     answers like dense; at 0.9 it skips blocks on the questions with two documents."""
     index, qa, root = eval_setup
     out = root / "out-oracle"
@@ -285,6 +284,43 @@ class _Engine:
                               decode_s=0.0)
 
 
+def _one_line_error(proc: subprocess.CompletedProcess) -> str:
+    """The refusal a CLI prints: exit code 2 and one line on stderr, no traceback -> that line."""
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-2000:]
+    return lines[0]
+
+
+def test_cli_out_that_cannot_be_a_folder_is_refused_before_any_work(eval_setup, tmp_path):
+    """--out an existing file, or a path under one: refused at the start (exit 2, one line naming --out), not
+    after the whole evaluation with a traceback; sift-serve-demo's --json-out the same."""
+    index, qa, _ = eval_setup
+    taken = tmp_path / "taken"
+    taken.write_text("results of another run\n")
+    for out in (taken, taken / "report"):
+        line = _one_line_error(_run(index, qa, "--modes", "dense,sift", "--max-new-tokens", "1", "--out", out))
+        assert f"--out {out}" in line, line
+    assert taken.read_text() == "results of another run\n"
+    demo = subprocess.run([str(SIFT_EVAL.with_name("sift-serve-demo")), "--index", str(index), "--json-out",
+                           str(taken / "demo.json")], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert "--json-out" in _one_line_error(demo)
+
+
+def test_cli_malformed_qa_line_names_the_file_and_the_line(eval_setup, tmp_path):
+    index, _, _ = eval_setup
+    rows = [{"id": "q1", "question": "Capital of Kenya?", "answers": ["Nairobi"], "docs": [{"id": "kenya",
+                                                                                           "text": "Kenya."}]}] * 2
+    qa = tmp_path / "qa.jsonl"
+    qa.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"id": "q3", "question": \n')
+    line = _one_line_error(_run(index, qa, "--out", tmp_path / "out"))
+    assert f"QA file {qa} line 3: not valid JSON" in line, line
+    assert not (tmp_path / "out").exists()
+    array = tmp_path / "qa.json"
+    array.write_text("[\n" + json.dumps(rows[0]) + ",\n" + json.dumps(rows[1]) + "\n,]\n")
+    with pytest.raises(SiftError, match=rf"QA file {array} line 4: not valid JSON"):
+        load_qa(array)
+
+
 def test_refused_batch_is_rerun_one_by_one():
     items = [QAItem(id=q, question=q, answers=("Paris",), docs=()) for q in ("a", "refuse", "c")]
     engine = _Engine()
@@ -313,7 +349,8 @@ def test_cli_recall_all_ones(eval_setup):
     total = recall["total"]
     assert total["la_recall"] == 1.0 and total["ca_recall"] == 1.0
     assert total["la_sparsity"] == 0.0 and total["ca_sparsity"] == 0.0
-    assert total["mass_kept"] == pytest.approx(1.0, abs=1e-6)
+    # Each row's fp32 softmax sums to 1 within the rounding of a sum over its keys (these prompts are < 1024 tokens).
+    assert total["mass_kept"] == pytest.approx(1.0, abs=rounding_tol(torch.float32, reduction=1024))
     assert total["la_high_cells"] > 0 and total["ca_high_cells"] > 0  # q1 and q2 have two documents
     assert len(recall["layers"]) == 30 and recall["paper"]["la_recall"] == 0.939
     assert "counted at kernel block 32" in (out / "report.md").read_text()

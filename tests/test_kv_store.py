@@ -156,3 +156,27 @@ def test_random_trace_keeps_budgets_refcounts_and_bytes():
     assert s["pinned"] == 0 and all(e.refs == 0 for e in {**store._dram, **store._hbm}.values())
     assert s["hits_hbm"] > 50 and s["hits_dram"] > 10 and s["evictions"] > 20, s
     print(s)
+
+
+def test_geometry_of_a_model_config():
+    """The one model geometry (sift.format.ModelGeometry) from transformers configs of each kind, and the pool
+    geometry built on it: GQA, head_dim given explicitly or implied by hidden_size, no num_key_value_heads."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig, Qwen3Config
+
+    from sift.format import ModelGeometry, ModelIdentity
+
+    gqa = LlamaConfig(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3)
+    assert ModelGeometry.from_config(gqa) == ModelGeometry(n_layers=3, n_heads=4, n_kv_heads=2, head_dim=64)
+    explicit = Qwen3Config(hidden_size=256, num_attention_heads=4, num_key_value_heads=1, num_hidden_layers=2,
+                           head_dim=128)
+    assert ModelGeometry.from_config(explicit) == ModelGeometry(2, 4, 1, 128)
+    old = SimpleNamespace(num_hidden_layers=5, num_attention_heads=6, hidden_size=384, model_type="gpt")
+    assert ModelGeometry.from_config(old) == ModelGeometry(5, 6, 6, 64)
+    identity = ModelIdentity.from_config("m", "fp", gqa)
+    assert identity.geometry == ModelGeometry.from_config(gqa) and identity.head_dim == 64
+    pool = Geometry.of(identity.geometry, 16, torch.float16, "cpu")
+    assert pool == Geometry(n_layers=3, n_kv_heads=2, head_dim=64, block=16, dtype=torch.float16,
+                            device=torch.device("cpu"))
+    assert pool.page_bytes == 2 * 3 * 2 * 16 * 64 * 2

@@ -1,6 +1,7 @@
-"""The package's shape: serving code never loads the builder, and every import name leads to its file.
+"""The package's shape: serving code never loads the builder nor the research tools, and every import name leads
+to its file.
 
-The stages live in top-level folders (pipeline/, kernels/, runtime/) mapped to `sift.<stage>`; the root
+The stages live in top-level folders (pipeline/, kernels/, runtime/, quality/) mapped to `sift.<stage>`; the root
 package is the folder sift/. Inside the stages a sibling stage is imported relatively (`from ..kernels import
 x`, which resolves to the same file by module name and by path) and a root module absolutely
 (`from sift.format import x`, the folder sift/). An absolute `sift.kernels...` import inside the package would
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ("pipeline", "kernels", "runtime")
+STAGES = ("pipeline", "kernels", "runtime", "quality")
 ROOT_MODULES = {p.stem for p in (ROOT / "sift").glob("*.py")} - {"__init__"}
 
 
@@ -36,9 +37,10 @@ def _package_files():
         yield from sorted((ROOT / folder).glob("*.py"))
 
 
-def test_import_sift_runtime_loads_neither_ray_nor_the_builder():
+def test_import_sift_runtime_loads_neither_ray_nor_the_builder_nor_the_research_tools():
     code = ("import sys, sift.runtime\n"
-            "bad = sorted(m for m in sys.modules if m == 'ray' or m.startswith(('ray.', 'sift.pipeline')))\n"
+            "bad = sorted(m for m in sys.modules if m in ('ray', 'sift.pipeline', 'sift.quality')\n"
+            "             or m.startswith(('ray.', 'sift.pipeline.', 'sift.quality.')))\n"
             "print(bad)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
@@ -54,8 +56,9 @@ def test_import_names_lead_to_files(path):
             assert top in ROOT_MODULES, (f"{where}: absolute import of {module!r}; import a stage relatively "
                                          f"(from ..{top} import ...) so the name leads to {top}/")
         if folder == "runtime":
-            assert not (level == 2 and module.split(".")[0] == "pipeline"), f"{where}: runtime/ imports the builder"
-            assert not module.startswith("sift.pipeline"), f"{where}: runtime/ imports the builder"
+            for stage, what in (("pipeline", "the builder"), ("quality", "the research tools")):
+                assert not (level == 2 and module.split(".")[0] == stage), f"{where}: runtime/ imports {what}"
+                assert not module.startswith(f"sift.{stage}"), f"{where}: runtime/ imports {what}"
         if level == 2:
             target = module.split(".")[0]
             assert folder in STAGES and (ROOT / target).is_dir() and target in STAGES, (

@@ -239,8 +239,6 @@ def test_rejects_bad_input():
     c = Case(n_doc=20)
     q, k = _inputs(c)
     args = dict(scale=0.125, n_prefix=1, tile=16, alpha=0.001, beta=0.01, gamma=0.1)
-    with pytest.raises(ValueError, match="v must be None"):
-        profile_layer(q, k, v=k, **args)
     with pytest.raises(ValueError, match="dtype"):
         profile_layer(q.double(), k.double(), **args)
     with pytest.raises(ValueError, match="share dtype"):

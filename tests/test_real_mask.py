@@ -5,7 +5,7 @@ A prompt of `context` tokens is a prefix, the stored documents in order (cycling
 query. The expected block mask is built here with numpy from the Parquet bytes and the SPEC's definitions (LA bit
 n = i(i+1)/2 + j MSB-first, CA bit j, a kernel block kept iff any of its tiles is, the section 4 pattern); the
 decoded one comes from the product path (`build_layout`, `pack_doc_bits`, `block_indices_ref` / `block_indices`).
-The Triton decode (interpreter) is compared with its torch twin on the same bits.
+The Triton decode (interpreter) is compared with its ref twin on the same bits.
 """
 import hashlib
 import json

@@ -1,4 +1,4 @@
-"""The paper's recall (runtime/recall.py) against a brute-force construction: the real SmolLM2's full eager
+"""The paper's recall (quality/recall.py) against a brute-force construction: the real SmolLM2's full eager
 attention matrices (transformers, attn_implementation="eager", output_attentions) of a tiny multi-document prompt,
 every cell compared with the thresholds and looked up in bits expanded to one flag per cell, counted with numpy.
 """
@@ -10,9 +10,9 @@ from sift.format import n_pages
 from sift.kernels.bits import pack_msb, tril_to_square
 from sift.kernels.block_indices import block_indices_ref, pack_doc_bits
 from sift.kernels.layout import build_layout
-from sift.runtime.recall import DocMasks, coarsen, measure_prompt
+from sift.quality.recall import DocMasks, coarsen, measure_prompt
 
-from .helpers import smollm2, wiki_texts
+from .helpers import model_rounding, smollm2, wiki_texts
 
 TILE = 16
 ALPHA, BETA = 0.01, 0.02
@@ -77,8 +77,11 @@ def test_recall_equals_brute_force_eager_attention():
         a = attentions[layer][0].float().numpy()
         own, cross, kept = _cell_flags(segments, masks, layer)
         la_high, ca_high = own & (a >= ALPHA), cross & (a >= BETA)
-        # Cells within float rounding of a threshold may fall either side in two exact computations.
-        near = int((own & (np.abs(a - ALPHA) < 1e-6)).sum() + (cross & (np.abs(a - BETA) < 1e-6)).sum())
+        # recall.py's exact attention and transformers' eager one round differently from the first layer on:
+        # cells within that rounding of a threshold may fall either side, and sums agree to it.
+        rel = model_rounding(cfg, depth=layer + 1)
+        near = int((own & (np.abs(a - ALPHA) <= rel * ALPHA)).sum()
+                   + (cross & (np.abs(a - BETA) <= rel * BETA)).sum())
         expected = dict(la_high=la_high.sum(), la_high_kept=(la_high & kept).sum(), ca_high=ca_high.sum(),
                         ca_high_kept=(ca_high & kept).sum())
         for name, value in expected.items():
@@ -91,17 +94,17 @@ def test_recall_equals_brute_force_eager_attention():
         prefix[:, :, :n_prefix] = True
         mass = (a * ((kept | prefix) & rows[:, :, None])).sum()
         assert got.mass[layer] == rows.sum()
-        assert got.mass_kept[layer] == pytest.approx(mass, rel=1e-5)
+        assert got.mass_kept[layer] == pytest.approx(mass, rel=rel)
         cross_rows = cross & rows[:, :, None]
-        assert got.ca_mass[layer] == pytest.approx((a * cross_rows).sum(), rel=1e-5)
-        assert got.ca_mass_kept[layer] == pytest.approx((a * (cross_rows & kept)).sum(), rel=1e-5)
+        assert got.ca_mass[layer] == pytest.approx((a * cross_rows).sum(), rel=rel)
+        assert got.ca_mass_kept[layer] == pytest.approx((a * (cross_rows & kept)).sum(), rel=rel)
         lost = (a * (cross_rows & ~kept)).sum() / rows.sum()
-        assert got.summary()["layers"][layer]["ca_mass_lost"] == pytest.approx(lost, rel=1e-4)
+        assert got.summary()["layers"][layer]["ca_mass_lost"] == pytest.approx(lost, rel=rel)
         assert lost > 0.01  # random CA bits drop pages that later documents read
         # per head: each head's lost mass over its own document rows
         head_lost = (a * (cross_rows & ~kept)).sum(axis=(1, 2)) / rows[0].sum()
-        assert got.summary()["heads_ca_mass_lost"][layer] == pytest.approx(head_lost.tolist(), rel=1e-4)
-        assert np.mean(head_lost) == pytest.approx(lost, rel=1e-4) and np.ptp(head_lost) > 0
+        assert got.summary()["heads_ca_mass_lost"][layer] == pytest.approx(head_lost.tolist(), rel=rel)
+        assert np.mean(head_lost) == pytest.approx(lost, rel=rel) and np.ptp(head_lost) > 0
         la = [m.la[layer] for m in masks]
         assert got.la_tiles[layer] == sum(x.shape[0] * x.shape[1] * (x.shape[1] + 1) / 2 for x in la)
         assert got.la_tiles_kept[layer] == sum(int(x.sum()) for x in la)
@@ -118,7 +121,7 @@ def test_recall_equals_brute_force_eager_attention():
 @pytest.mark.parametrize("block", [16, 64, 128])
 def test_coarsened_bits_are_the_blocks_the_engine_computes(block):
     """`coarsen` (what `measure(..., block=B)` and the guard count as kept) against the engine's own decoding of
-    the same packed bits into kernel blocks (`block_indices_ref`, the torch twin of the Triton decoder): a tile
+    the same packed bits into kernel blocks (`block_indices_ref`, the ref twin of the Triton decoder): a tile
     or page is counted kept iff the engine computes its block pair."""
     r, n_heads = block // TILE, 3
     requests = [[("prefix", 5), ("doc", 37), ("doc", 150), ("doc", 200), ("query", 7)]]

@@ -3,7 +3,7 @@
 Gluon does not run in the Triton interpreter, so CI checks what can be checked here: the kernel compiles for
 sm_90 (Triton's bundled ptxas) within the SM's shared memory and with the Hopper machinery it is built on; the
 TMA views of q / k / v; that `sparse_attention` hands every call it cannot take to the tl kernel (whose results CI
-compares with the torch twin). Its numbers are checked on the H200 against `sparse_attention_ref` by
+compares with the ref twin). Its numbers are checked on the H200 against `sparse_attention_ref` by
 bench/check_sm90.py and bench/bench_attention.py (padded and token-order layouts, NaN in padding, offsets past
 65,535, empty rows, GQA 4, every output row of 32 heads x 16K-64K tokens).
 """
@@ -19,6 +19,8 @@ import torch
 
 from sift.kernels import sparse_attention as sa
 from sift.kernels import sparse_attention_sm90 as sm90
+
+from .helpers import assert_within, kernel_tol
 
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory one CTA may use on sm_90
 
@@ -112,4 +114,6 @@ def test_block_128_falls_back_to_tl_off_hopper(monkeypatch):
     assert sa.attention_backend(q, k, v, block) == "tl"
     out = sa.sparse_attention(*args, scale=d ** -0.5, block=block)
     ref = sa.sparse_attention_ref(*args, scale=d ** -0.5, block=block)
-    torch.testing.assert_close(out.float(), ref.float(), atol=2e-3, rtol=2e-3)
+    # Both round the output to fp16 (and the kernel its P): a few fp16 roundings of outputs of magnitude ~|v|.
+    tol = kernel_tol(torch.float16, roundings=4, reduction=2 * block, scale=v.abs().max().item())
+    assert_within(out, ref, tol, "tl kernel vs twin")

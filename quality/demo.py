@@ -12,8 +12,6 @@ Exit codes: 0 success, 2 error (one line on stderr, no traceback).
 """
 from __future__ import annotations
 
-import gzip
-import importlib.util
 import json
 import statistics
 import subprocess
@@ -25,35 +23,10 @@ import click
 
 from sift.errors import SiftError
 
-DATA = Path(__file__).resolve().parent / "data" / "hotpotqa_train_100.jsonl.gz"
-SYSTEM = ("<|im_start|>system\nYou are a helpful assistant. Answer the question using the passages. Reply with "
-          "a short answer only.<|im_end|>\n<|im_start|>user\nPassages:\n")
-QUERY = "\n\nQuestion: {question}<|im_end|>\n<|im_start|>assistant\n"
+from .eval import check_output_dir
+from .prompts import hotpot_request, load_questions, sample_corpus
+
 EXIT_OK, EXIT_ERROR = 0, 2
-
-
-def load_questions(n: int | None = None) -> list[dict]:
-    """HotpotQA questions (runtime/data, CC BY-SA 4.0): id, question, answer, paragraphs [[title, text]]."""
-    with gzip.open(DATA, "rt") as f:
-        rows = [json.loads(line) for line in f]
-    return rows if n is None else rows[:n]
-
-
-def hotpot_request(q: dict, *, chat: bool = True):
-    """A question as a RAG request: doc_id = paragraph title, text exactly as indexed. chat=True wraps prefix
-    and query in SmolLM2's chat template (its special tokens are plain text here; the tokenizer parses them)."""
-    from .engine import Request
-
-    docs = [(title, text) for title, text in q["paragraphs"]]
-    if chat:
-        return Request(SYSTEM, docs, QUERY.format(question=q["question"]))
-    return Request("Answer the question from the passages.\n", docs, f"\nQuestion: {q['question']}\nAnswer:")
-
-
-def sample_corpus() -> Path:
-    """The sample corpus shipped in the builder's package folder (found without importing the builder)."""
-    spec = importlib.util.find_spec("sift.pipeline")
-    return Path(spec.submodule_search_locations[0]) / "sample_corpus"
 
 
 def _ensure_index(path: Path, corpus: Path | str, tile: int | None, echo) -> None:
@@ -99,8 +72,8 @@ def _shorten(text: str, width: int) -> str:
 def run(index_path: Path, questions: list[dict], max_new_tokens: int, batch: int, verbose: bool, echo) -> dict:
     from sift.model import DEFAULT_MODEL, load_model
 
-    from .engine import SiftEngine
-    from .store import SiftIndex
+    from ..runtime.engine import SiftEngine
+    from ..runtime.store import SiftIndex
 
     import torch
 
@@ -172,6 +145,10 @@ def main(index_path, questions, max_new_tokens, batch, all_questions, all_index,
     echo = lambda msg: click.echo(msg, err=False)  # noqa: E731
     log = lambda msg: click.echo(msg, err=True)  # noqa: E731
     try:
+        if json_out is not None:  # checked before any work, so that the results have somewhere to go
+            if json_out.is_dir():
+                raise SiftError(f"--json-out {json_out} is a folder: give the path of a file")
+            check_output_dir(json_out.parent, "--json-out")
         if all_questions:
             qs = load_questions()
             if not (all_index / "manifest.json").exists():

@@ -1,10 +1,10 @@
-"""QA sets for `sift-eval`: questions with their gold answers and the documents to retrieve, read through
-`datasets` from one of four formats, and turned into engine requests.
+"""QA sets for `sift-eval`: questions with their gold answers and the documents to retrieve, read from a JSON
+array or JSONL file (optionally gzipped) in one of four formats, and turned into engine requests.
 
     jsonl      one object a line: {"id", "question", "answers": [str, ...], "docs": [{"id", "text"}, ...],
                "prefix"?}; doc ids are the index's doc_ids
     hotpotqa   HotpotQA: "answer" and either "context" = [[title, [sentences]]] (the official JSON, or the hub's
-               {"title": [...], "sentences": [[...]]}) or "paragraphs" = [[title, text]] (runtime/data);
+               {"title": [...], "sentences": [[...]]}) or "paragraphs" = [[title, text]] (quality/data);
                doc_id = title, text = "".join(sentences) (HotpotQA sentences carry their leading spaces)
     musique    MuSiQue: "paragraphs" = [{"title", "paragraph_text"}], "answer" and "answer_aliases";
                doc_id = title
@@ -14,7 +14,7 @@
 `--format auto` picks the format from the first row's fields. A title that occurs twice in one question with
 two texts gets "#2", "#3", ... appended, in order, so every document of a question has its own doc_id.
 
-Long documents (`long_documents`, `python -m sift.runtime.qa long-docs OUT.jsonl`): HotpotQA paragraphs are
+Long documents (`long_documents`, `python -m sift.quality.qa long-docs OUT.jsonl`): HotpotQA paragraphs are
 ~130 tokens, too short for SIFT to skip tiles, while RAG documents are often 1-2K. The long-document set
 embeds each of a question's paragraphs in a document of Wikipedia lead sections on one topic:
     - per question (official HotpotQA JSON, distractor setting): its two gold paragraphs (supporting facts) and
@@ -44,8 +44,8 @@ import click
 
 from sift.errors import SiftError
 
-from .demo import QUERY, SYSTEM
-from .engine import Request
+from ..runtime.engine import Request
+from .prompts import QUERY, SYSTEM
 
 FORMATS = ("auto", "jsonl", "hotpotqa", "musique", "2wiki")
 
@@ -173,14 +173,35 @@ def sniff_format(row: dict) -> str:
 
 
 def _rows(path: Path) -> list[dict]:
-    import datasets
-
+    """The questions of a QA file: a JSON array of objects, or one object a line (JSONL); .gz is unzipped. A
+    line that is not JSON is named by its number."""
+    fix = "a QA file is one JSON object a line (JSONL) or a JSON array of objects"
     try:
-        table = datasets.load_dataset("json", data_files=str(path), split="train")
-    except Exception as e:  # datasets raises many types for a malformed file
-        raise SiftError(f"{path} cannot be read as JSON / JSONL ({type(e).__name__}: {str(e)[:200]}): "
-                        f"give a JSONL file or a JSON array of questions") from None
-    return table.to_list()
+        with (gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8")) as f:
+            text = f.read()
+    except (OSError, EOFError, UnicodeDecodeError) as e:
+        raise SiftError(f"QA file {path} cannot be read ({e}): {fix}") from None
+    if text.lstrip().startswith("["):
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise SiftError(f"QA file {path} line {e.lineno}: not valid JSON ({e.msg}, column {e.colno}): fix it; "
+                            f"{fix}") from None
+    else:
+        rows = []
+        for number, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise SiftError(f"QA file {path} line {number}: not valid JSON ({e.msg}, column {e.colno}): fix the "
+                                f"line; {fix}") from None
+    bad = next((i for i, r in enumerate(rows, 1) if not isinstance(r, dict)), None)
+    if bad is not None:
+        raise SiftError(f"QA file {path}: question {bad} is a JSON {type(rows[bad - 1]).__name__}, not an object; "
+                        f"{fix}")
+    return rows
 
 
 def load_qa(path: str | Path, fmt: str = "auto", limit: int | None = None) -> tuple[list[QAItem], str]:

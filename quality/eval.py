@@ -7,7 +7,7 @@ compared with dense and with the gold answers, aggregated with bootstrap confide
 
 INDEX is a folder or an object-store URI. Modes: dense, sift, and the KV-reuse modes reuse, hybrid,
 hybrid:<policy>, hybrid:<policy>@<fraction> (runtime/reuse.py; they run with a KVStore of --kv-store-gib), and
-the reference oracle@<coverage> (runtime/oracle.py): sift with the bits of the index's format chosen from each
+the reference oracle@<coverage> (quality/oracle.py): sift with the bits of the index's format chosen from each
 prompt's own exact attention, keeping at least <coverage> of every (layer, head)'s document-row attention mass
 in the fewest blocks (at the engine's block; its TTFT leaves out the exact pass that chooses them), and
 reader@<coverage>, a candidate offline criterion measured the same way: each document's bits chosen from its own
@@ -19,7 +19,7 @@ writes
                       per question with each mode's answer and metrics; `skipped`: {"id", "question", "reason"}
                       for questions not run (a document missing from the index or stale, a prompt too long)
                       With --recall, `recall`: the SIFT paper's in-context recall of the index's bits on the
-                      evaluated prompts (runtime/recall.py): LA / CA recall, LA / CA sparsity and the attention
+                      evaluated prompts (quality/recall.py): LA / CA recall, LA / CA sparsity and the attention
                       mass the sparse pattern keeps, per layer and in total, beside the paper's figures; at the
                       index tile, or with --recall-at-block as the engine's kernel block computes the bits
     DIR/report.md     the summary table (and the recall table)
@@ -43,6 +43,7 @@ Exit codes: 0 the eval ran (skipped questions included), 2 bad usage or input (o
 from __future__ import annotations
 
 import json
+import os
 import re
 import string
 import sys
@@ -58,9 +59,9 @@ from sift.format import TILES, content_hash
 from sift.model import DTYPES, resolve_dtype
 from sift.plots import mode_summary, recall_by_layer
 
+from ..runtime.engine import MODES, GenerateResult, SiftEngine
+from ..runtime.reuse import POLICIES, parse_mode
 from . import oracle
-from .engine import MODES, GenerateResult, SiftEngine
-from .reuse import POLICIES, parse_mode
 from .qa import FORMATS, QAItem, load_qa
 from .recall import measure as measure_recall
 
@@ -321,13 +322,32 @@ def plot(report: dict, path: Path) -> None:
                  f"{report['evaluated']} questions, mean and 95% bootstrap interval")
 
 
+def check_output_dir(path: Path, option: str = "--out") -> None:
+    """Before any work, so that results are never lost at the end: `path` must be a folder, or one that can be
+    made (its nearest existing ancestor is a folder this process can write). Nothing is created here: a run that
+    fails on other input leaves no folder behind."""
+    if path.exists() and not path.is_dir():
+        raise SiftError(f"{option} {path} is a file, not a folder: give a folder for the results (created if missing)")
+    ancestor = path.absolute()
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise SiftError(f"{option} {path} cannot be created: {ancestor} is a file, not a folder; give another path")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise SiftError(f"{option} {path} cannot be written: {ancestor} is not writable; give a folder you can write")
+
+
 def write_report(report: dict, out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
-    (out / "report.md").write_text(markdown(report))
-    plot(report, out / "summary.png")
-    if report.get("recall"):
-        recall_by_layer(out / "recall.png", report["recall"])
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "report.json").write_text(json.dumps(report, indent=2, ensure_ascii=False) + "\n")
+        (out / "report.md").write_text(markdown(report))
+        plot(report, out / "summary.png")
+        if report.get("recall"):
+            recall_by_layer(out / "recall.png", report["recall"])
+    except OSError as e:  # the folder was checked at the start; it changed since (removed, full, read-only)
+        raise SiftError(f"cannot write the report into {out} ({e.strerror or e}): give a folder you can "
+                        f"write") from None
 
 
 # ------------------------------------------------------------------------------------------------------ CLI
@@ -360,8 +380,8 @@ def _engine(index_path: str, model: str | None, device: str, backend: str,
     kv_store_gib (modes reuse / hybrid); block: the kernel block (None: the engine's default)."""
     from sift.model import load_model
 
-    from .kv_store import KVStore
-    from .store import SiftIndex
+    from ..runtime.kv_store import KVStore
+    from ..runtime.store import SiftIndex
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -447,12 +467,11 @@ def main(index_path, qa_file, modes, model, fmt, limit, batch, max_new_tokens, d
     QA_FILE: JSONL of {"id", "question", "answers": [...], "docs": [{"id", "text"}], "prefix"?}, or the
     HotpotQA, MuSiQue or 2WikiMultihopQA format (.json / .jsonl, optionally .gz). Exit codes: 0 ran, 2 bad
     usage or input."""
-    import datasets
-
-    datasets.disable_progress_bars()
     log = lambda msg: click.echo(msg, err=True)  # noqa: E731
     try:
-        report = run(index_path, qa_file, modes=_parse_modes(modes), model=model, fmt=fmt, limit=limit, batch=batch,
+        modes = _parse_modes(modes)
+        check_output_dir(out)
+        report = run(index_path, qa_file, modes=modes, model=model, fmt=fmt, limit=limit, batch=batch,
                      max_new_tokens=max_new_tokens, device=device, backend=backend, resamples=resamples,
                      recall=recall, recall_limit=recall_limit, kv_store_gib=kv_store_gib, dtype=dtype, block=block,
                      recall_at_block=recall_at_block, echo=log)

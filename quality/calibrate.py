@@ -52,7 +52,7 @@ from sift.format import TILES
 from sift.model import DTYPES, resolve_dtype
 from sift.plots import pareto_front
 
-from .eval import REFERENCE, aggregate, evaluate, skip_reason, write_report
+from .eval import REFERENCE, aggregate, check_output_dir, evaluate, skip_reason, write_report
 from .qa import FORMATS, QAItem, load_qa, write_corpus, write_qa
 
 EXIT_OK, EXIT_ERROR = 0, 2
@@ -73,8 +73,21 @@ class Setting:
     ca_full_heads: tuple[tuple[int, int], ...] = ()  # (layer, head) pairs whose CA pages are all kept
 
     def __post_init__(self):
+        """Refuse a setting `sift-build` would refuse, before anything is built for it."""
+        if self.tile not in TILES:
+            raise SiftError(f"tile = {self.tile} is not one of {', '.join(map(str, TILES))}")
+        for name in ("alpha", "beta", "gamma"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise SiftError(f"{name} = {getattr(self, name)!r} must be in [0, 1]")
+        if self.la_criterion not in CRITERIA:
+            raise SiftError(f"criterion = {self.la_criterion!r} must be one of {', '.join(CRITERIA)}")
+        if not 0.0 < self.la_coverage <= 1.0:
+            raise SiftError(f"coverage = {self.la_coverage!r} must be in (0, 1]")
         object.__setattr__(self, "ca_full_layers", tuple(sorted({int(layer) for layer in self.ca_full_layers})))
         object.__setattr__(self, "ca_full_heads", tuple(sorted({(int(l), int(h)) for l, h in self.ca_full_heads})))
+        if any(layer < 0 for layer in self.ca_full_layers) or any(min(pair) < 0 for pair in self.ca_full_heads):
+            raise SiftError(f"ca_full / ca_heads name layers and heads by index >= 0, got {self.ca_full_layers} "
+                            f"{self.ca_full_heads}")
 
     @property
     def guarded(self) -> bool:
@@ -146,10 +159,10 @@ def parse_setting(text: str) -> Setting:
             kind = {"ca_full_layers": "layers separated by /",
                     "ca_full_heads": "layer.head pairs separated by /"}.get(key, "a number")
             raise SiftError(f"--setting {text!r}: {key} = {value!r} is not {kind}") from None
-    setting = Setting(**values)
-    if setting.la_criterion not in CRITERIA:
-        raise SiftError(f"--setting {text!r}: criterion must be one of {', '.join(CRITERIA)}")
-    return setting
+    try:
+        return Setting(**values)
+    except SiftError as e:
+        raise SiftError(f"--setting {text!r}: {e}") from None
 
 
 def _pair(text: str) -> tuple[int, int]:
@@ -204,8 +217,8 @@ class _Runner:
         self._twins: dict[str, object] = {}
 
     def engine(self, index_path: Path):
-        from .engine import SiftEngine
-        from .store import SiftIndex
+        from ..runtime.engine import SiftEngine
+        from ..runtime.store import SiftIndex
 
         return SiftEngine(self.hf, self.tokenizer, SiftIndex.open(index_path, device=self.device), block=self.block)
 
@@ -347,13 +360,13 @@ def held_out(runner: _Runner, settings, items: list[QAItem], out: Path, model: s
 
 def guard_layers(ca_mass_lost: list, eps: float) -> tuple[int, ...]:
     """The layers whose document rows put more than `eps` of their attention mass on CA pages the bits drop (the
-    per-layer `ca_mass_lost` of `runtime.recall`); a layer without cross-document cells (None) never does."""
+    per-layer `ca_mass_lost` of `quality.recall`); a layer without cross-document cells (None) never does."""
     return tuple(i for i, lost in enumerate(ca_mass_lost) if lost is not None and lost > eps)
 
 
 def guard_heads(heads_ca_mass_lost: list, eps: float) -> tuple[tuple[int, int], ...]:
     """The (layer, head) pairs whose document rows put more than `eps` of their attention mass on dropped CA
-    pages (`runtime.recall`'s `heads_ca_mass_lost`, [layer][head]; None: no cross-document cells)."""
+    pages (`quality.recall`'s `heads_ca_mass_lost`, [layer][head]; None: no cross-document cells)."""
     return tuple((layer, head) for layer, row in enumerate(heads_ca_mass_lost) for head, lost in enumerate(row)
                  if lost is not None and lost > eps)
 
@@ -366,7 +379,7 @@ def guard(runner: _Runner, rows: list[dict], items: list[QAItem], eps_list, prom
     """The guarded twins of swept settings. One set of thresholds does not suit every layer: the bits come from
     each document alone, and in some layers later documents read pages the document's own rows never
     concentrate on. For each swept setting (not itself guarded) the model runs the first `prompts` held-in
-    prompts with exact attention against the setting's bits (`runtime.recall`; at_block: as the engine's kernel
+    prompts with exact attention against the setting's bits (`quality.recall`; at_block: as the engine's kernel
     block computes them, where a page the bits drop inside a computed block is not lost), and for each eps the
     layers (by "layer": `ca_full_layers`) or the (layer, head) pairs (by "head": `ca_full_heads`, finer: a
     layer's other heads keep their bits) whose document rows lose more than eps of their attention mass on
@@ -430,8 +443,9 @@ def calibrate(qa_file: Path, out: Path, *, settings, held_in: int, limit: int | 
     """The whole calibration of QA_FILE's questions -> the front.json content (see `calibrate_items`)."""
     items, fmt = load_qa(qa_file, fmt, limit)
     if len(items) <= held_in and target is not None:
-        raise SiftError(f"{qa_file} has {len(items)} questions (--limit {limit}): more than --held-in {held_in} are "
-                        f"needed to hold some out; lower --held-in or use --sweep-only")
+        used = f" (--limit {limit})" if limit is not None else ""
+        raise SiftError(f"{qa_file} has {len(items)} questions{used}: more than --held-in {held_in} are needed to "
+                        f"hold some out; lower --held-in or use --sweep-only")
     return calibrate_items(items, out, name=str(qa_file), settings=settings, held_in=held_in, target=target,
                            model=model, device=device, dtype=dtype, max_new_tokens=max_new_tokens,
                            reuse_sweep=reuse_sweep, floor=floor, held_out_front=held_out_front,
@@ -459,11 +473,13 @@ def calibrate_items(items: list[QAItem], out: Path, *, name: str, settings, held
         device = "cuda" if torch.cuda.is_available() else "cpu"
     out.mkdir(parents=True, exist_ok=True)
     inside, outside = items[:held_in], items[held_in:]
+    # The earlier sweep is read before the model is loaded: a missing or mismatched front.json costs nothing.
+    previous = _previous_sweep(out, Path(name), len(inside), model, max_new_tokens) if reuse_sweep else None
     write_qa(inside, out / "held_in.jsonl")
     write_qa(outside, out / "held_out.jsonl")
     runner = _Runner(model, device, max_new_tokens, echo, dtype, block)
-    if reuse_sweep:
-        rows = _previous_sweep(out, Path(name), len(inside), model, max_new_tokens)
+    if previous is not None:
+        rows = previous
     else:
         rows = sweep(runner, settings, inside, out, model, echo, build)
     guards = {}
@@ -564,6 +580,7 @@ def main(qa_file, out, held_in, limit, target_agreement, sweep_only, reuse_sweep
     log = lambda msg: click.echo(msg, err=True)  # noqa: E731
     try:
         grid = [parse_setting(s) for s in settings] or list(DEFAULT_GRID)
+        check_output_dir(out)
         result = calibrate(qa_file, out, settings=grid, held_in=held_in, limit=limit,
                            target=None if sweep_only else target_agreement, model=model or DEFAULT_MODEL, fmt=fmt,
                            device=device, dtype=dtype, max_new_tokens=max_new_tokens, reuse_sweep=reuse_sweep,

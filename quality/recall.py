@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from ..kernels.bits import tril_to_square, unpack_msb
-from .engine import Request
+from ..runtime.engine import Request
 
 ATTN_NAME = "sift_recall"
 # The SIFT paper's figures (Llama-3-8B, LongBench), shown beside the measured ones.

@@ -4,7 +4,7 @@ needs an exact dense pass of the prompt first.
 
 An index profiles each document on its own and stores, per (layer, head), LA tiles of the document's own
 attention and CA pages that every later document may read (SPEC section 2). Its bits can only guess what a RAG
-prompt will attend to. The oracle sees it: one exact forward of the whole prompt (runtime/recall.py's attention,
+prompt will attend to. The oracle sees it: one exact forward of the whole prompt (quality/recall.py's attention,
 fp32 softmax, one block of rows at a time) sums, per (layer, head), each own-document tile's attention mass and
 each page's mass over the rows of all later documents, and keeps the pattern of the same format that loses at
 most `1 - coverage` of the document rows' attention mass per (layer, head) while computing the fewest blocks:
@@ -35,8 +35,8 @@ from sift.errors import SiftError
 
 from ..kernels.bits import pack_msb, square_to_tril
 from ..kernels.block_indices import pack_doc_bits
-from .demo import sample_corpus
-from .engine import BatchBits, Request
+from ..runtime.engine import BatchBits, Request
+from .prompts import sample_corpus
 from .recall import DocMasks, row_blocks, run_exact, spans_of, tile_sums
 
 MODES = ("oracle", "reader")
@@ -73,7 +73,7 @@ class PromptMass:
 
 
 class _MassObserver:
-    """runtime/recall.py's observer interface: sums the probabilities of each block of document rows."""
+    """quality/recall.py's observer interface: sums the probabilities of each block of document rows."""
 
     def __init__(self, spans, tile: int, n_layers: int, n_heads: int, device):
         self.spans, self.tile = spans, tile
