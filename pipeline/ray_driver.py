@@ -17,6 +17,7 @@ import logging
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 REAPER = Path(__file__).with_name("reaper.py")
@@ -38,7 +39,8 @@ def native_stderr_to_logs() -> Path:
     keep Python's `sys.stderr` (and the logging handlers writing to it) on the original stderr. Returns the file."""
     import ray
 
-    logs = Path(ray._private.worker._global_node.get_logs_dir_path())
+    node = getattr(ray._private.worker, "_global_node", None)  # Ray names its log folder nowhere public
+    logs = Path(node.get_logs_dir_path()) if node is not None else Path(tempfile.gettempdir())
     target = logs / f"sift-build-{os.getpid()}.err"
     old = sys.stderr
     old.flush()
