@@ -68,7 +68,8 @@ def build_main(corpus, out, config_path, model, tile, alpha, beta, gamma, ray_ad
     progress = _ProgressBar() if sys.stderr.isatty() and not quiet else ProgressLines(echo)
     try:
         cfg = load_config(config_path, model=model, tile=tile, alpha=alpha, beta=beta, gamma=gamma)
-        stats = run_build(corpus, out, cfg, ray_address=ray_address, echo=echo, progress=progress, verbose=verbose)
+        stats = run_build(corpus, out, cfg, ray_address=ray_address, echo=echo, progress=progress, verbose=verbose,
+                          quiet=quiet)
     except SiftError as e:
         _fail(str(e))
     except Exception as e:  # noqa: BLE001 - exit code 1 means "committed", which this is not

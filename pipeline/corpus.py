@@ -179,8 +179,7 @@ def _list_store(corpus: Location) -> list[Source]:
             return found
         files = corpus.files(recursive=True)
     except OSError as e:
-        raise SiftError(f"cannot list corpus {corpus.uri}: {str(e).splitlines()[0]}; check the URI and the "
-                        f"credentials in the environment") from None
+        raise SiftError(f"cannot list corpus {corpus.uri}: {corpus.explain(e, 'read')}") from None
     if not files:
         raise SiftError(f"corpus not found: {corpus.uri} holds no files; pass an existing folder or file "
                         f"({SUPPORTED})")

@@ -16,6 +16,7 @@ import errno
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import socket
 import threading
@@ -32,17 +33,14 @@ from sift.format import (BACKEND_META, FORMAT, HISTORY, MANIFEST, MARKER, PROFIL
 from sift.storage import Location
 
 LOCK = ".lock"
+log = logging.getLogger("sift.build")
 _UNCHANGED = "nothing was committed and the previous generation is unchanged"
 
 
-def _write_failed(what: "Path | str", e: OSError, *, remote: bool = False) -> SiftError:
-    """The one-line error for a write that failed (full disk, read-only folder, ...): the problem and the fix."""
-    if remote:
-        fix = "check that the bucket exists and that the credentials in the environment may write to it"
-    else:
-        fix = "free some space" if e.errno == errno.ENOSPC else "make the --out folder writable"
-    reason = e.strerror or str(e).splitlines()[0]
-    return SiftError(f"cannot write {what}: {reason}: {fix} and run sift-build again ({_UNCHANGED}; "
+def _write_failed(index: Location, what: "Path | str", e: OSError) -> SiftError:
+    """The one-line error for a write that failed (full disk, read-only folder, a store that refused or did not
+    answer): what failed, why, and the fix."""
+    return SiftError(f"cannot write {what}: {index.explain(e, 'write')}, and run sift-build again ({_UNCHANGED}; "
                      f"finished shards are reused)")
 
 
@@ -75,7 +73,7 @@ def write_table(index: Location, table: pa.Table, *, kind: str, profile_key: str
         _fsync_dir(shards)
     except OSError as e:  # pyarrow's write errors are OSErrors too
         tmp.unlink(missing_ok=True)
-        raise _write_failed(shards, e) from None
+        raise _write_failed(index, shards, e) from None
     return ShardInfo(path=f"{SHARDS}/{final.name}", rows=table.num_rows, bytes=final.stat().st_size,
                      sha256=digest, backend=backend)
 
@@ -91,7 +89,7 @@ def _put_table(index: Location, table: pa.Table, *, kind: str, backend: str) -> 
     try:
         index.put(rel, data)
     except OSError as e:
-        raise _write_failed(index.show(rel), e, remote=True) from None
+        raise _write_failed(index, index.show(rel), e) from None
     return ShardInfo(path=rel, rows=table.num_rows, bytes=len(data), sha256=digest, backend=backend)
 
 
@@ -137,8 +135,7 @@ def _prepare_prefix(index: Location) -> None:
                                 f"choose a new or empty prefix")
             index.put(MARKER, (json.dumps({"format": FORMAT}) + "\n").encode())
     except OSError as e:  # no such bucket, no credentials, no permission, store unreachable
-        raise SiftError(f"cannot create the index {index.uri}: {str(e).splitlines()[0]}: check that the bucket "
-                        f"exists and that the credentials in the environment may write to it") from None
+        raise SiftError(f"cannot create the index {index.uri}: {index.explain(e, 'write')}") from None
 
 
 class _Flock:
@@ -185,9 +182,11 @@ class Lease:
     `.lock` holds the owner's token, host, pid and an expiry LEASE_SECONDS ahead, rewritten every RENEW_SECONDS
     by a thread while the build runs. A build refuses to start while another owner's lease is live; it takes the
     lock over when the lease expired, or at once when the owner ran on this host and its process is gone (a
-    killed build). After writing the lock it reads it back SETTLE_SECONDS later and refuses if another build's
-    token is there. Two builds that both read "free" within that window can both proceed: this is advisory
-    locking, as good as the store's read-after-write consistency and the hosts' clocks, not a mutex."""
+    killed build), or when the lock is malformed (a record that cannot be parsed guards nothing). After writing
+    the lock it reads it back SETTLE_SECONDS later and refuses if another build's token is there, or if the
+    store returns something other than what it wrote. Two builds that both read "free" within that window can
+    both proceed: this is advisory locking, as good as the store's read-after-write consistency and the hosts'
+    clocks, not a mutex."""
 
     LEASE_SECONDS = 120.0
     RENEW_SECONDS = 30.0
@@ -195,6 +194,7 @@ class Lease:
 
     def __init__(self, index: Location):
         self.index = index
+        self.where = index.show(LOCK)
         self.token = uuid.uuid4().hex
         self.renewed = 0.0          # time.time() of the last successful write of the lock
         self.lost = ""              # why the lock is no longer ours ("" while it is)
@@ -206,46 +206,64 @@ class Lease:
         return json.dumps({"owner": self.token, "host": socket.gethostname(), "pid": os.getpid(),
                            "expires": expires, "expires_utc": _iso(expires)}).encode()
 
-    def _holder(self) -> dict | None:
-        """The lock object's content; None when there is none, {} when it is unreadable (stale)."""
+    def _holder(self) -> tuple[dict | None, str]:
+        """The lock's record (None when there is no lock object) and what is wrong with it ("" if nothing)."""
         try:
-            return json.loads(self.index.read_bytes(LOCK))
+            return _parse_lease(self.index.read_bytes(LOCK))
         except FileNotFoundError:
-            return None
-        except ValueError:
-            return {}
+            return None, ""
+
+    def _ours(self, holder: dict | None, problem: str) -> bool:
+        return not problem and holder is not None and holder["owner"] == self.token
 
     def _write(self) -> None:
         self.index.put(LOCK, self._record())
         self.renewed = time.time()
 
     def _busy(self, holder: dict) -> SiftError:
-        return SiftError(f"another sift-build is writing {self.index.uri} (its lock {self.index.show(LOCK)} is held "
-                         f"by {holder.get('host')} pid {holder.get('pid')} until {holder.get('expires_utc')} UTC "
-                         f"and renewed while it runs): wait for it to finish, or delete the lock object if that "
-                         f"build is dead")
+        until = holder.get("expires_utc") or _iso(float(holder["expires"]))
+        return SiftError(f"another sift-build is writing {self.index.uri} (its lock {self.where} is held by "
+                         f"{holder['host']} pid {holder['pid']} until {until} and renewed while it runs): wait "
+                         f"for it to finish, or delete the lock object if that build is dead")
 
     def acquire(self) -> None:
         try:
-            holder = self._holder()
-            if holder and holder.get("owner") != self.token and _live(holder):
+            holder, problem = self._holder()
+            if problem:
+                log.warning("the lock %s is malformed (%s): taking it over as an expired lease", self.where,
+                            problem)
+            elif holder is not None and holder["owner"] != self.token and _live(holder):
                 raise self._busy(holder)
             self._write()
             time.sleep(self.SETTLE_SECONDS)
-            holder = self._holder()
+            holder, problem = self._holder()
         except OSError as e:
-            raise _write_failed(self.index.show(LOCK), e, remote=True) from None
-        if not holder or holder.get("owner") != self.token:
-            raise self._busy(holder or {})
+            raise _write_failed(self.index, self.where, e) from None
+        if problem:  # this build's own record came back altered: nothing of this build's writes can be trusted
+            with contextlib.suppress(OSError):
+                self.index.delete(LOCK)
+            raise SiftError(f"the lock {self.where} does not read back as the lease this build wrote ({problem}): "
+                            f"the store altered the upload, as S3-compatible servers do with unsigned requests, "
+                            f"which are sent when no credentials are found: set AWS_ACCESS_KEY_ID and "
+                            f"AWS_SECRET_ACCESS_KEY (or a profile) and run sift-build again ({_UNCHANGED})")
+        if holder is None:
+            raise SiftError(f"another sift-build is writing {self.index.uri}: the lock {self.where} this build "
+                            f"wrote was removed at once: wait for the other build to finish")
+        if holder["owner"] != self.token:
+            raise self._busy(holder)
         self._thread = threading.Thread(target=self._renew, name="sift-lease", daemon=True)
         self._thread.start()
+
+    def _took(self, problem: str) -> str:
+        """Why the lock is not ours any more, as `lost` says it."""
+        return f"{self.where} was altered ({problem})" if problem else f"another build took {self.where}"
 
     def _renew(self) -> None:
         while not self._stop.wait(self.RENEW_SECONDS):
             try:
-                holder = self._holder()
-                if not holder or holder.get("owner") != self.token:
-                    self.lost = f"another build took {self.index.show(LOCK)}"
+                holder, problem = self._holder()
+                if not self._ours(holder, problem):
+                    self.lost = self._took(problem)
                     return
                 self._write()
             except OSError:  # the store is unreachable for now: retry; check() refuses once the lease ran out
@@ -254,14 +272,14 @@ class Lease:
     def check(self) -> None:
         """Raise SiftError unless the lock is still ours and its lease has not run out."""
         if not self.lost and time.time() - self.renewed > self.LEASE_SECONDS:
-            self.lost = f"{self.index.show(LOCK)} was not renewed within its lease"
+            self.lost = f"{self.where} was not renewed within its lease"
         if not self.lost:
             try:
-                holder = self._holder()
+                holder, problem = self._holder()
             except OSError as e:
-                raise _write_failed(self.index.show(LOCK), e, remote=True) from None
-            if not holder or holder.get("owner") != self.token:
-                self.lost = f"another build took {self.index.show(LOCK)}"
+                raise _write_failed(self.index, self.where, e) from None
+            if not self._ours(holder, problem):
+                self.lost = self._took(problem)
         if self.lost:
             raise SiftError(f"this build lost its lock on {self.index.uri} ({self.lost}): {_UNCHANGED} by this "
                             f"build; run sift-build again once the other build has finished")
@@ -271,27 +289,43 @@ class Lease:
         if self._thread is not None:
             self._thread.join()
         try:
-            holder = self._holder()
-            if holder and holder.get("owner") == self.token:
+            if self._ours(*self._holder()):
                 self.index.delete(LOCK)
         except OSError:
             pass  # the lease expires on its own
 
 
-def _live(holder: dict) -> bool:
-    """Whether a lock record still guards a running build: its lease has not expired, and its owner is not a
-    process of this host that is gone."""
+# What a lease record holds, with the JSON types each field must have.
+_LEASE_FIELDS = {"owner": (str,), "host": (str,), "pid": (int,), "expires": (int, float)}
+
+
+def _parse_lease(data: bytes) -> tuple[dict, str]:
+    """A lock object's bytes -> (its record, what is wrong with it: "" for a well-formed lease)."""
     try:
-        if float(holder.get("expires", 0)) <= time.time():
-            return False
-        if holder.get("host") == socket.gethostname():
-            os.kill(int(holder["pid"]), 0)
-    except ProcessLookupError:
+        record = json.loads(data)
+    except ValueError:  # UnicodeDecodeError included
+        return {}, f"not a JSON lease record: it begins {data[:32]!r}"
+    if not isinstance(record, dict):
+        return {}, f"a JSON {type(record).__name__}, not a lease record"
+    for key, kinds in _LEASE_FIELDS.items():
+        value = record.get(key)
+        if not isinstance(value, kinds) or isinstance(value, bool) or (key == "pid" and not 0 < value < 2**31):
+            return record, f"its {key} is {value!r}"
+    return record, ""
+
+
+def _live(holder: dict) -> bool:
+    """Whether a well-formed lock record still guards a running build: its lease has not expired, and its owner
+    is not a process of this host that is gone."""
+    if holder["expires"] <= time.time():
         return False
-    except (TypeError, ValueError, KeyError):
-        return False  # a record without a usable expiry or pid guards nothing
-    except PermissionError:
-        return True  # a process of another user has that pid
+    if holder["host"] == socket.gethostname():
+        try:
+            os.kill(holder["pid"], 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True  # a process of another user has that pid
     return True
 
 
@@ -326,13 +360,13 @@ def commit_manifest(index: Location, manifest: Manifest) -> None:
                         f"again") from None
     except OSError as e:
         gen_file.unlink(missing_ok=True)  # a torn copy must not pass for history
-        raise _write_failed(gen_file, e) from None
+        raise _write_failed(index, gen_file, e) from None
     try:
         _write_synced(tmp, data, "w")
     except OSError as e:
         tmp.unlink(missing_ok=True)
         gen_file.unlink(missing_ok=True)  # never committed: it is not history
-        raise _write_failed(index_dir / MANIFEST, e) from None
+        raise _write_failed(index, index_dir / MANIFEST, e) from None
     os.replace(tmp, index_dir / MANIFEST)
     _fsync_dir(index_dir)
 
@@ -350,13 +384,13 @@ def _publish(index: Location, manifest: Manifest) -> None:
                             f"sift-build again")
         index.put(gen_rel, data)
     except OSError as e:
-        raise _write_failed(index.show(gen_rel), e, remote=True) from None
+        raise _write_failed(index, index.show(gen_rel), e) from None
     try:
         index.put(MANIFEST, data)
     except OSError as e:
         with contextlib.suppress(OSError):
             index.delete(gen_rel)  # never committed: it is not history
-        raise _write_failed(index.show(MANIFEST), e, remote=True) from None
+        raise _write_failed(index, index.show(MANIFEST), e) from None
 
 
 def collect_garbage(index: Location, keep: set[str]) -> list[str]:

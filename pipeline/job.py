@@ -32,6 +32,7 @@ from sift.model import resolve_model_dir
 from sift.storage import Location, is_uri, redact
 
 from . import index as idx
+from . import ray_driver
 from .config import BuildConfig
 from .corpus import list_sources
 from .plan import BuildPlan, ErrorRow, Pair, plan, resolve_target
@@ -329,11 +330,13 @@ def commit(build: BuildPlan, profiled: Profiled, index: Location, cfg: BuildConf
 # The driver
 
 
-def _start_ray(address: str | None, verbose: bool) -> None:
-    """Join the Ray cluster at `address` (or $RAY_ADDRESS), else start a local one; keep corpus order.
+def _start_ray(address: str | None, verbose: bool, quiet: bool = False) -> None:
+    """Join the Ray cluster at `address` (or $RAY_ADDRESS), else start a local one (`ray_driver.start_local`:
+    nothing of it outlives the driver); keep corpus order; let a profiling actor's own error reach the driver.
 
     Unless `verbose`, Ray prints only its errors: its INFO logs, its progress blocks and the workers' output go
-    to Ray's log files alone, and the build reports its own progress (`ProgressLines`, or the CLI's bar)."""
+    to Ray's log files alone, and the build reports its own progress (`ProgressLines`, or the CLI's bar).
+    quiet: Ray's native error lines go to its log folder only (`ray_driver.native_stderr_to_logs`)."""
     import ray
     import ray.data
 
@@ -343,26 +346,32 @@ def _start_ray(address: str | None, verbose: bool) -> None:
         if address:
             ray.init(address=address, **chatter)
         else:
-            ray.init(include_dashboard=False, **chatter)
+            ray_driver.start_local(**chatter)
+        if quiet:
+            ray_driver.native_stderr_to_logs()
     if not verbose:
         # Ray Data logs to its file and to a handler named "console" (its default logging config): quiet the
-        # console only, so the file keeps everything.
+        # console, so the file keeps everything and a failure reaches the user as the build's one line.
         for handler in logging.getLogger("ray.data").handlers:
             if handler.name == "console":
-                handler.setLevel(logging.ERROR)
+                handler.setLevel(logging.CRITICAL)
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True
     ctx.enable_progress_bars = verbose
+    # A failing batch raises its own error (an OSError naming the path, a SiftError), not Ray Data's
+    # "UDF failed to process a data block", whose cause does not survive the trip to the driver.
+    ctx.raise_original_map_exception = True
 
 
 def run_build(corpus: str | Path, out: str | Path, cfg: BuildConfig, *, ray_address: str | None = None,
-              echo=print, progress=None, verbose: bool = False) -> BuildStats:
+              echo=print, progress=None, verbose: bool = False, quiet: bool = False) -> BuildStats:
     """Build or incrementally update the index at `out` from `corpus`. Returns what the build did.
 
     corpus, out: local paths, or URIs `sift.storage` opens (s3://, gs://, hdfs://, file://).
 
     echo: where the stage lines go; progress: what reports profiling (default `ProgressLines(echo)`);
-    verbose: Ray's own logs, progress blocks and worker output too."""
+    verbose: Ray's own logs, progress blocks and worker output too; quiet: Ray's native error lines only in its
+    log folder (`sift-build -q`)."""
     t_start = time.perf_counter()
     # A local --out is made absolute: actors write shards there from their own working directory.
     index = Location.of(out)
@@ -371,7 +380,7 @@ def run_build(corpus: str | Path, out: str | Path, cfg: BuildConfig, *, ray_addr
     idx.prepare_dir(index)
     with idx.build_lock(index) as lock:
         target = resolve_target(cfg, model_dir, index)
-        _start_ray(ray_address, verbose)
+        _start_ray(ray_address, verbose, quiet)
         shown = redact(corpus) if is_uri(corpus) else corpus
         echo(f"sift-build: {len(sources)} source(s) in {shown}, model {target.model.name}, tile {cfg.profile.tile}")
         build = plan(corpus, sources, model_dir, index, cfg, target, echo)

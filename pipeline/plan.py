@@ -6,7 +6,9 @@
 
 A live document is reusable when a row with the same (doc_id, content_hash) and the same profile key exists in
 the previous generation or in a whole shard a killed build left behind (an "orphan"); every other live document
-is profiled. Nothing here writes to the index.
+is profiled. A shard of the previous generation that cannot be read (missing, altered, not Parquet) is skipped
+with a warning, so the documents it held are profiled again; a store that does not answer stops the build.
+Nothing here writes to the index.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import pyarrow.parquet as pq
 
 from sift import format as fmt
 from sift.errors import SiftError
-from sift.format import Manifest, ModelIdentity, content_hash
+from sift.format import Manifest, ModelIdentity, ShardInfo, content_hash
 from sift.model import DEFAULT_MODEL, fingerprint
 from sift.storage import Location
 
@@ -219,22 +221,59 @@ def _pairs(index: Location, rel: str) -> list[Pair]:
     return list(zip(t["doc_id"].to_pylist(), t["content_hash"].to_pylist()))
 
 
-def _previous_rows(index: Location, previous: Manifest | None, profile_key: str) -> dict[Pair, str]:
-    """(doc_id, content_hash) -> shard path for every reusable row of the previous generation."""
-    if previous is None or previous.profile_key != profile_key:
-        return {}
-    rows = {}
-    for s in previous.shards:
-        try:
-            if index.sha256(s.path) != s.sha256:
-                raise OSError("sha256 mismatch")
-            pairs = _pairs(index, s.path)
-        except OSError as e:
-            log.warning("previous shard %s is unreadable (%s): its documents are re-profiled", index.show(s.path), e)
+@dataclass(frozen=True)
+class _Previous:
+    """The previous generation's shards, each read once."""
+
+    rows: dict[Pair, str]     # reusable row -> the shard that holds it (none when the profile key changed)
+    ids: frozenset[str]       # doc_ids of the readable shards
+    unreadable: tuple[tuple[ShardInfo, str], ...] = ()  # shards that cannot be read, with why
+
+
+def _shard_pairs(index: Location, shard: ShardInfo) -> tuple[list[Pair] | None, str]:
+    """The rows of one listed shard, or None and why it is unreadable: missing, bytes that are not the ones the
+    manifest lists, or not Parquet. A store that fails to answer is not an unreadable shard: SiftError."""
+    try:
+        if index.sha256(shard.path) != shard.sha256:
+            return None, "its bytes do not match the manifest's sha256"
+        return _pairs(index, shard.path), ""
+    except FileNotFoundError:
+        return None, "it is missing"
+    except OSError as e:
+        if not index.local:
+            raise SiftError(f"cannot read {index.show(shard.path)}: {index.explain(e, 'read')}") from None
+        return None, e.strerror or str(e).splitlines()[0]
+    except (pa.ArrowException, ValueError) as e:
+        return None, f"not Parquet: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+
+
+def _read_previous(index: Location, previous: Manifest | None, profile_key: str) -> _Previous:
+    """Every shard of the previous generation: its rows when readable. The documents of an unreadable shard are
+    found in no readable one, so the plan profiles them again from the corpus: nothing is lost, and since a
+    generation lists each doc_id once, nothing is duplicated."""
+    if previous is None:
+        return _Previous({}, frozenset())
+    rows, ids, unreadable = {}, set(), []
+    for shard in previous.shards:
+        pairs, why = _shard_pairs(index, shard)
+        if pairs is None:
+            log.warning("shard %s of generation %d is unreadable (%s): its %d documents are profiled again from "
+                        "the corpus", index.show(shard.path), previous.generation, why, shard.rows)
+            unreadable.append((shard, why))
             continue
-        for pair in pairs:
-            rows[pair] = s.path
-    return rows
+        ids.update(doc_id for doc_id, _ in pairs)
+        if previous.profile_key == profile_key:
+            rows.update((pair, shard.path) for pair in pairs)
+    return _Previous(rows, frozenset(ids), tuple(unreadable))
+
+
+def _unreadable_note(previous: Manifest, unreadable: tuple[tuple[ShardInfo, str], ...]) -> str:
+    """What the summary and the manifest's last_build say about skipped shards ("" when there were none)."""
+    if not unreadable:
+        return ""
+    shards = ", ".join(f"{s.path} ({s.rows} documents: {why})" for s, why in unreadable)
+    return (f"unreadable shard(s) of generation {previous.generation} skipped: {shards}; the corpus documents "
+            f"they held were profiled again, and those no longer in the corpus are not counted as deleted")
 
 
 def _whole(index: Location, rel: str) -> bool:
@@ -264,19 +303,6 @@ def _orphan_rows(index: Location, previous: Manifest | None, profile_key: str) -
     return rows
 
 
-def _deleted(index: Location, previous: Manifest | None, live_ids: set[str]) -> int:
-    """How many doc_ids of the previous generation are not live any more."""
-    if previous is None:
-        return 0
-    prev_ids = set()
-    for s in previous.shards:
-        try:
-            prev_ids |= {d for d, _ in _pairs(index, s.path)}
-        except OSError:
-            continue
-    return len(prev_ids - live_ids)
-
-
 # ------------------------------------------------------------------------------------------------------------
 # The stage
 
@@ -287,7 +313,8 @@ def plan(corpus: str | Path, sources: list[Source], model_dir: Path, index: Loca
     docs = _tokenise(sources, model_dir, cfg, target.max_tokens)
     listing = _listing(docs)
     live, errors = _live_and_errors(listing)
-    prev_rows = _previous_rows(index, target.previous, target.profile_key)
+    previous = _read_previous(index, target.previous, target.profile_key)
+    prev_rows = previous.rows
     orphan_rows = _orphan_rows(index, target.previous, target.profile_key)
     reuse: dict[Pair, str] = {}
     todo, reused, recovered = set(), 0, 0
@@ -302,10 +329,12 @@ def plan(corpus: str | Path, sources: list[Source], model_dir: Path, index: Loca
             todo.add(key)
     n_tokens = dict(zip(listing["key"].to_pylist(), listing["n_tokens"].to_pylist()))
     changed = target.previous is not None and target.previous.profile_key != target.profile_key
+    notes = ["profile or model changed: every document is re-profiled" if changed else "",
+             _unreadable_note(target.previous, previous.unreadable)]
     echo(f"sift-build: {len(live)} documents ({reused} unchanged, {recovered} recovered "
          f"from an interrupted build, {len(todo)} to profile), {len(errors)} error rows")
     return BuildPlan(target=target, corpus=corpus_name(corpus), docs=docs, todo=frozenset(todo),
                      todo_tokens=sum(n_tokens[key] for key in todo), reuse=reuse, errors=tuple(errors),
                      reused=reused, recovered=recovered,
-                     deleted=_deleted(index, target.previous, {d for d, _ in live.values()}),
-                     note="profile or model changed: every document is re-profiled" if changed else "")
+                     deleted=len(previous.ids - {doc_id for doc_id, _ in live.values()}),
+                     note="; ".join(n for n in notes if n))

@@ -30,9 +30,11 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -125,6 +127,25 @@ class Lease:
             self.store._release(self)
 
 
+def _host_memory() -> tuple[int, int]:
+    """(total, available) bytes of host memory for this process: the machine's, capped by its cgroup's limit."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    available = total
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        meminfo = Path("/proc/meminfo").read_text().splitlines()
+        available = int(next(line for line in meminfo if line.startswith("MemAvailable:")).split()[1]) * 1024
+    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        with contextlib.suppress(OSError, ValueError):
+            total = min(total, int(Path(limit_file).read_text().split()[0]))  # "max": no limit (ValueError)
+    return total, min(available, total)
+
+
+def _check_budget(what: str, need: int, have: int, where: str, knob: str) -> None:
+    if need > have:
+        raise SiftError(f"KVStore {what} bytes ({need / 2**30:.2f} GiB) is more than {where} ({have / 2**30:.2f} "
+                        f"GiB): lower {knob}")
+
+
 class KVStore:
     """Budgeted HBM + DRAM store of documents' position-free KV (module docstring).
 
@@ -136,6 +157,16 @@ class KVStore:
         for name, value in (("hbm_bytes", hbm_bytes), ("dram_bytes", dram_bytes)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise SiftError(f"{name}={value!r} must be an integer number of bytes >= 0")
+        # A budget no memory here can hold is refused now, not when an engine allocates it. Without a GPU both
+        # tiers are host memory.
+        host = _host_memory()[0]
+        if torch.cuda.is_available():
+            gpu = max(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
+            _check_budget(f"hbm_bytes={hbm_bytes}", hbm_bytes, gpu, "the largest GPU here holds", "hbm_bytes")
+            _check_budget(f"dram_bytes={dram_bytes}", dram_bytes, host, "this host's memory", "dram_bytes")
+        else:
+            _check_budget(f"hbm_bytes + dram_bytes = {hbm_bytes} + {dram_bytes}", hbm_bytes + dram_bytes, host,
+                          "this host's memory (without a GPU both tiers are host memory)", "hbm_bytes or dram_bytes")
         self.hbm_bytes, self.dram_bytes = hbm_bytes, dram_bytes
         self.geometry: Geometry | None = None
         self.fingerprint: str | None = None
@@ -166,20 +197,41 @@ class KVStore:
                 raise SiftError(f"KVStore hbm_bytes={self.hbm_bytes} holds no page of {geometry.page_bytes} bytes "
                                 f"(one {geometry.block}-token block of K and V, every layer): raise hbm_bytes")
             g = geometry
-            shape = (g.n_layers, pages * g.block, g.n_kv_heads, g.head_dim)
-            self.k_pool = torch.zeros(shape, dtype=g.dtype, device=g.device)
-            self.v_pool = torch.zeros(shape, dtype=g.dtype, device=g.device)
-            self.page_valid = torch.zeros(pages, dtype=torch.int32, device=g.device)
-            self._free = np.ones(pages, dtype=bool)
             host_pages = self.dram_bytes // g.page_bytes
+            self._check_free(g, pages * g.page_bytes, host_pages * g.page_bytes)
+            shape = (g.n_layers, pages * g.block, g.n_kv_heads, g.head_dim)
             host_shape = (g.n_layers, host_pages * g.block, g.n_kv_heads, g.head_dim)
             pin = g.device.type == "cuda"
-            self.k_host = torch.empty(host_shape, dtype=g.dtype, pin_memory=pin)
-            self.v_host = torch.empty(host_shape, dtype=g.dtype, pin_memory=pin)
+            try:
+                k_pool = torch.zeros(shape, dtype=g.dtype, device=g.device)
+                v_pool = torch.zeros(shape, dtype=g.dtype, device=g.device)
+                k_host = torch.empty(host_shape, dtype=g.dtype, pin_memory=pin)
+                v_host = torch.empty(host_shape, dtype=g.dtype, pin_memory=pin)
+            except RuntimeError as e:  # torch.OutOfMemoryError included
+                reason = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+                raise SiftError(f"cannot allocate the KVStore (hbm_bytes={self.hbm_bytes} on {g.device}, "
+                                f"dram_bytes={self.dram_bytes} on the host): {reason[:200]}: lower hbm_bytes or "
+                                f"dram_bytes") from None
+            self.k_pool, self.v_pool, self.k_host, self.v_host = k_pool, v_pool, k_host, v_host
+            self.page_valid = torch.zeros(pages, dtype=torch.int32, device=g.device)
+            self._free = np.ones(pages, dtype=bool)
             self._host_free = np.ones(host_pages, dtype=bool)
             self.geometry, self.fingerprint = g, fingerprint
             if g.device.type == "cuda":
                 self._stream = torch.cuda.Stream(device=g.device)
+
+    def _check_free(self, g: Geometry, pool_bytes: int, host_bytes: int) -> None:
+        """Refuse pools the memory free now cannot hold (host memory is checked rather than allocated: an
+        over-committed allocation would succeed, then get the process killed when the pool is first written)."""
+        available = _host_memory()[1]
+        if g.device.type == "cuda":
+            free = torch.cuda.mem_get_info(g.device)[0]
+            _check_budget(f"hbm_bytes={self.hbm_bytes}", pool_bytes, free, f"{g.device} has free", "hbm_bytes")
+            _check_budget(f"dram_bytes={self.dram_bytes}", host_bytes, available, "this host has available",
+                          "dram_bytes")
+        else:
+            _check_budget(f"hbm_bytes + dram_bytes = {self.hbm_bytes} + {self.dram_bytes}", pool_bytes + host_bytes,
+                          available, "this host has available", "hbm_bytes or dram_bytes")
 
     @property
     def n_pages(self) -> int:

@@ -328,8 +328,7 @@ def load_manifest(index: Location, rel: str) -> Manifest:
     try:
         raw = json.loads(_read_text(index, rel))
     except OSError as e:
-        raise SiftError(f"cannot read {where}: {e.strerror or e}: fix its permissions (or the credentials of "
-                        f"the store)") from None
+        raise SiftError(f"cannot read {where}: {index.explain(e, 'read')}") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise SiftError(f"{where} is corrupt ({e}): restore it from {index.show(HISTORY)}/gen-N.json "
                         f"(the last good copy) or rebuild the index") from None
@@ -367,7 +366,9 @@ def read_parquet(index: Location, rel: str, columns: list[str] | None = None) ->
     """A whole shard; SiftError when the file is not readable Parquet (whatever its checksum says)."""
     try:
         return pq.read_table(index.path(rel), filesystem=index.fs, columns=columns)
-    except (OSError, pa.ArrowException) as e:
+    except OSError as e:  # the folder or the store failed, whatever the file holds
+        raise SiftError(f"cannot read shard {index.show(rel)}: {index.explain(e, 'read')}") from None
+    except pa.ArrowException as e:
         reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise SiftError(f"shard {index.show(rel)} is not a readable Parquet file ({reason}): rebuild the "
                         f"index") from None
@@ -391,8 +392,16 @@ class IndexReader:
 
     @classmethod
     def open(cls, path: "str | Path | Location", *, verify: bool = True) -> "IndexReader":
-        """path: a folder, or a URI `sift.storage` opens (s3://, gs://, hdfs://, file://)."""
+        """path: a folder, or a URI `sift.storage` opens (s3://, gs://, hdfs://, file://). SiftError for
+        everything that keeps the index from being read, a store that refuses or does not answer included."""
         index = Location.of(path)
+        try:
+            return cls._open(index, verify)
+        except OSError as e:
+            raise SiftError(f"cannot read index {index.uri}: {index.explain(e, 'read')}") from None
+
+    @classmethod
+    def _open(cls, index: Location, verify: bool) -> "IndexReader":
         if not index.is_dir():
             raise SiftError(f"index {index.uri} does not exist: build it with `sift-build CORPUS --out "
                             f"{index.uri}`")

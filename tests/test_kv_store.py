@@ -5,6 +5,7 @@ A "document" here is a key and a length; "computing" it fills its pages with a p
 alone (every element of layer l equals key_id * 100 + l, K and V negated), so a hit whose pages held anything
 else - another document, a stale copy, a half promotion - is caught by comparing with that pattern.
 """
+import os
 import random
 
 import numpy as np
@@ -180,3 +181,39 @@ def test_geometry_of_a_model_config():
     assert pool == Geometry(n_layers=3, n_kv_heads=2, head_dim=64, block=16, dtype=torch.float16,
                             device=torch.device("cpu"))
     assert pool.page_bytes == 2 * 3 * 2 * 16 * 64 * 2
+
+
+# ------------------------------------------------------------------------------------ budgets the memory cannot hold
+
+
+def test_budget_beyond_the_memory_here_is_refused_at_creation():
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert 1 << 50 > host  # a petabyte: more than any host or GPU of this decade
+    for kwargs, knob in ((dict(hbm_bytes=1 << 50), "hbm_bytes"), (dict(hbm_bytes=0, dram_bytes=1 << 50), "dram_bytes")):
+        with pytest.raises(SiftError, match=f"{knob}.*1125899906842624.* is more than .*: lower .*{knob}") as refused:
+            KVStore(**kwargs)
+        assert "\n" not in str(refused.value)
+    KVStore(hbm_bytes=host // 8, dram_bytes=host // 8)  # a budget that fits is accepted (and not allocated yet)
+
+
+def test_budget_beyond_the_memory_free_now_is_refused_at_attach(monkeypatch):
+    from sift.runtime import kv_store
+
+    store = KVStore(hbm_bytes=8 * PAGE)
+    monkeypatch.setattr(kv_store, "_host_memory", lambda: (1 << 40, 4 * PAGE))  # only 4 pages available now
+    with pytest.raises(SiftError, match="more than this host has available .*: lower hbm_bytes"):
+        store.attach(GEOM, "fp")
+    assert store.geometry is None and store.k_pool is None
+
+
+def test_failed_allocation_is_a_sift_error(monkeypatch):
+    def no_memory(*args, **kwargs):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] can't allocate memory: you tried to allocate 8 bytes")
+
+    store = KVStore(hbm_bytes=8 * PAGE)
+    monkeypatch.setattr(torch, "zeros", no_memory)
+    with pytest.raises(SiftError, match="cannot allocate the KVStore .*can't allocate memory.*lower hbm_bytes"):
+        store.attach(GEOM, "fp")
+    monkeypatch.undo()
+    store.attach(GEOM, "fp")  # nothing half-made stays behind: the store attaches once memory is there
+    assert store.n_pages == 8

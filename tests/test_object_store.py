@@ -6,6 +6,7 @@ Credentials come from the environment (the fake ones moto accepts); the corpus U
 (`s3://KEY:SECRET@bucket/...`), which must not reach the manifest."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -16,6 +17,7 @@ import time
 import urllib.request
 
 import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 import pytest
 import torch
 from click.testing import CliRunner
@@ -31,13 +33,16 @@ from sift.runtime import SiftIndex
 from sift.storage import Location, redact
 
 from .test_build import make_corpus, write_config
-from .test_reliability import BIN
+from .test_reliability import BIN, assert_one_line_failure
 from .test_store import LENGTHS, make_index
 
 BUCKET = "sift"
 SECRET = "uri-secret-never-recorded"
 ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
        "AWS_EC2_METADATA_DISABLED": "true"}
+
+
+SERVERS: dict[str, subprocess.Popen] = {}  # endpoint -> the moto server process (a test freezes it)
 
 
 def _free_port() -> int:
@@ -55,6 +60,7 @@ def s3():
     server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     endpoint = f"127.0.0.1:{port}"
+    SERVERS[endpoint] = server
     try:
         deadline = time.time() + 60
         while True:
@@ -68,6 +74,7 @@ def s3():
         pafs.S3FileSystem(endpoint_override=endpoint, scheme="http", allow_bucket_creation=True).create_dir(BUCKET)
         yield endpoint
     finally:
+        SERVERS.pop(endpoint)
         server.terminate()
         server.wait()
         for k, v in saved.items():
@@ -350,3 +357,158 @@ def test_corpus_files_on_s3(s3, tmp_path):
     assert [d.doc_id for d in read_source(single[0])] == ["1", "two"]
     with pytest.raises(SiftError, match="corpus not found: s3://sift/nothing-here"):
         list_sources(uri(s3, "nothing-here"))
+
+
+# -------------------------------------------------------------------- a damaged index, a failing store (issue 32)
+
+
+def test_unreadable_shard_is_profiled_again_on_s3(s3, built):
+    """A listed shard whose bytes match the manifest but are not Parquet: the rebuild skips it, profiles exactly
+    its documents again and says so; nothing is lost or duplicated (rows_by_id checks duplicates)."""
+    corpus, index = copy_built(built, s3, "unreadable")
+    store = Location.of(index)
+    before = rows_by_id(index)
+    manifest = json.loads(store.read_bytes(fmt.MANIFEST))
+    bad = manifest["shards"][0]
+    lost = set(pq.read_table(store.path(bad["path"]), filesystem=store.fs, columns=["doc_id"])["doc_id"].to_pylist())
+    assert len(lost) == bad["rows"] == 2
+    damaged = b"these bytes are listed with their checksum but are not Parquet\n"
+    store.put(bad["path"], damaged)
+    bad.update(bytes=len(damaged), sha256=hashlib.sha256(damaged).hexdigest())
+    store.put(fmt.MANIFEST, json.dumps(manifest).encode())
+
+    stats = run_build(corpus, index, load_config(built[3]), echo=quiet)
+    assert (stats.generation, stats.profiled, stats.reused, stats.deleted) == (2, 2, 2, 0)
+    assert bad["path"] in stats.note and "not Parquet" in stats.note
+    after = rows_by_id(index)
+    assert set(after) == set(before)
+    for doc_id, row in after.items():
+        assert row["content_hash"] == before[doc_id]["content_hash"]
+        if doc_id not in lost:  # reused byte for byte
+            assert (row["la_bits"], row["ca_bits"]) == (before[doc_id]["la_bits"], before[doc_id]["ca_bits"])
+    assert bad["path"] in fmt.load_manifest(store, fmt.MANIFEST).last_build["note"]
+
+
+def _moto_auth(endpoint: str, count: str) -> None:
+    """Make the moto server check credentials ("0": from now on) or accept anything ("inf")."""
+    request = urllib.request.Request(f"http://{endpoint}/moto-api/reset-auth", data=count.encode(), method="POST",
+                                     headers={"Content-Type": "text/plain"})
+    urllib.request.urlopen(request, timeout=10).close()
+
+
+def test_denied_credentials_and_unreachable_endpoint_are_one_line(s3, built):
+    _, index, _, _ = built
+    _moto_auth(s3, "0")  # the fake credentials in the environment are now refused
+    try:
+        with pytest.raises(SiftError, match="ACCESS_DENIED.*refused the credentials.*AWS_ACCESS_KEY_ID") as denied:
+            SiftIndex.open(index, device="cpu")
+        result = CliRunner().invoke(inspect_main, [index])
+    finally:
+        _moto_auth(s3, "inf")
+    assert redact(index) in str(denied.value)
+    assert result.exit_code == 2 and "refused the credentials" in result.stderr
+
+    nobody = f"127.0.0.1:{_free_port()}"
+    t0 = time.monotonic()
+    with pytest.raises(SiftError, match=f"NETWORK_CONNECTION.*the store at {nobody} could not be reached") as down:
+        SiftIndex.open(uri(nobody, "built/index"), device="cpu")
+    assert "\n" not in str(down.value) and time.monotonic() - t0 < 60
+
+
+def test_s3_timeouts_come_from_the_uri_with_defaults(s3):
+    def options(location: Location) -> dict:
+        return location.fs.__reduce__()[1][0]
+
+    default = options(Location.of(uri(s3, "x")))
+    assert (default["connect_timeout"], default["request_timeout"]) == (5.0, 5.0)
+    given = Location.of(uri(s3, "x") + "&connect_timeout=2&request_timeout=30&max_attempts=5")
+    assert (options(given)["connect_timeout"], options(given)["request_timeout"]) == (2.0, 30.0)
+    assert options(given)["endpoint_override"] == s3 and given.uri.endswith("&max_attempts=5")
+    for bad in ("request_timeout=0", "connect_timeout=soon", "max_attempts=2.5", "request_timeout=inf"):
+        with pytest.raises(SiftError, match=f"{bad.split('=')[0]}=.* must be a .*number > 0"):
+            Location.of(uri(s3, "x") + "&" + bad)
+    with pytest.raises(SiftError, match="request_timeout in file:///tmp/x.* applies to s3:// URIs only"):
+        Location.of("file:///tmp/x?request_timeout=3")
+
+
+def test_frozen_store_mid_build_exits_2_in_bounded_time_naming_it(s3, ray_session, built, tmp_path):
+    """The S3 server stops answering (SIGSTOP) while a build profiles: the build gives up after its request
+    timeouts (the defaults: 5 s, 3 attempts per request) and names the store, instead of waiting minutes."""
+    _, index = copy_built(built, s3, "frozen")
+    make_corpus(tmp_path / "corpus", 4)
+    for name in make_corpus(tmp_path / "more", 3, chars=300):
+        (tmp_path / "corpus" / f"more-{name}").write_text((tmp_path / "more" / name).read_text())
+    store = Location.of(index)
+    before = set(store.files(fmt.SHARDS))
+    server = SERVERS[s3].pid
+    proc = subprocess.Popen([str(BIN / "sift-build"), str(tmp_path / "corpus"), "--out", index, "--config",
+                             str(write_config(tmp_path / "c.toml", shard_rows=1)), "-q",
+                             "--ray-address", ray_session.get_runtime_context().gcs_address],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    frozen = None
+    try:
+        deadline = time.time() + 300
+        while frozen is None and proc.poll() is None and time.time() < deadline:
+            if set(store.files(fmt.SHARDS)) - before:  # the actor is profiling: stop the store under it
+                os.kill(server, signal.SIGSTOP)
+                frozen = time.monotonic()
+            time.sleep(0.2)
+        assert frozen is not None, "the build wrote no shard in time"
+        out, err = proc.communicate(timeout=300)
+        waited = time.monotonic() - frozen
+    finally:
+        os.kill(server, signal.SIGCONT)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 2, err[-3000:]
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: cannot write "), err[-3000:]
+    assert f"the store at {s3} could not be reached or did not answer" in lines[0]
+    # One request of the actor and one of the driver (its lock), each at most 3 attempts of 5 s plus backoff,
+    # then Ray's shutdown: a minute and a half is a generous bound (a build used to wait 213 s).
+    assert waited < 90, waited
+    assert IndexReader.open(index).generation == 1
+
+
+def test_malformed_lease_is_taken_over_and_an_altered_write_named(s3, caplog):
+    store = Location.of(uri(s3, "index-malformed-lease"))
+    idx.prepare_dir(store)
+    for record in (b'8E\r\n{"owner": "x"}\r\n0\r\n', b"[1, 2]", b'{"owner": "x", "host": "h", "pid": 7}',
+                   json.dumps({"owner": "x", "host": "h", "pid": 0, "expires": time.time() + 600}).encode()):
+        store.put(idx.LOCK, record)
+        with idx.build_lock(store) as lease:  # a record that cannot be parsed guards nothing
+            lease.check()
+        assert not store.is_file(idx.LOCK)
+    assert "malformed" in caplog.text
+
+    _lock(store, expires=time.time() + 600, expires_utc="2026-12-02T17:56:17Z")
+    with pytest.raises(SiftError, match=r"until 2026-12-02T17:56:17Z and renewed") as busy:
+        with idx.build_lock(store):
+            pass
+    assert "UTC" not in str(busy.value)
+    store.delete(idx.LOCK)
+
+    # No credentials: pyarrow sends unsigned requests, whose bodies this server stores in their aws-chunked
+    # framing, so the lock reads back as something else. The build says so, and leaves no lock behind.
+    unsigned = pafs.S3FileSystem(anonymous=True, endpoint_override=s3, scheme="http")
+    anonymous = Location(unsigned, f"{BUCKET}/index-malformed-lease", False, store.uri, store.spec)
+    with pytest.raises(SiftError, match="does not read back as the lease this build wrote .*credentials"):
+        with idx.build_lock(anonymous):
+            pass
+    assert not store.is_file(idx.LOCK)
+
+
+def test_build_without_credentials_exits_2_naming_them(s3, tmp_path):
+    make_corpus(tmp_path / "corpus", 1)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_") and k != "RAY_ADDRESS"}
+    env.update(AWS_EC2_METADATA_DISABLED="true", AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "none"),
+               AWS_CONFIG_FILE=str(tmp_path / "none"))
+    index = uri(s3, "no-credentials")
+    proc = subprocess.run([str(BIN / "sift-build"), str(tmp_path / "corpus"), "--out", index, "-q",
+                           "--config", str(write_config(tmp_path / "c.toml"))],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert_one_line_failure(proc.stderr, "does not read back as the lease", "AWS_ACCESS_KEY_ID")
+    assert "another sift-build" not in proc.stderr
+    assert not Location.of(index).is_file(idx.LOCK)

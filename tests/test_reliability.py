@@ -5,11 +5,13 @@ One small index is built once (with a relative --out, while the Ray workers run 
 and copied for each test that damages it; CLI exit codes are checked on the installed console scripts."""
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -397,3 +399,141 @@ def test_profiling_actor_killed_mid_build(workspace, tmp_path):
         outcome["stats"] = run_build(corpus, index, load_config(config), echo=lambda *_: None)
     ids = IndexReader.open(index).table(["doc_id"])["doc_id"].to_pylist()
     assert sorted(ids) == [f"d{i}.txt" for i in range(len(texts))]
+
+
+# ------------------------------------------------------------------ repair, a folder that refuses, leftovers
+
+
+def _ray_address() -> str:
+    import ray
+
+    return ray.get_runtime_context().gcs_address
+
+
+def _ray_logs() -> Path:
+    import ray
+
+    return Path(ray._private.worker._global_node.get_logs_dir_path())
+
+
+def test_corrupt_shard_is_rebuilt_and_quiet_keeps_ray_lines_in_its_logs(workspace, built, tmp_path):
+    """The repair `sift-inspect` advises works: with a shard's bytes replaced by random ones, `sift-build -q`
+    commits, profiling again exactly the documents of that shard, and says so; Ray's native error lines (the
+    core worker's about actor restarts) stay in Ray's log files, off a quiet terminal."""
+    _, corpus, config = workspace
+    index = copy_index(built, tmp_path)
+    before = {r["doc_id"]: r for r in IndexReader.open(index).table().to_pylist()}
+    bad = json.loads((index / fmt.MANIFEST).read_text())["shards"][0]
+    lost = pq.read_table(index / bad["path"], columns=["doc_id"])["doc_id"].to_pylist()
+    (index / bad["path"]).write_bytes(os.urandom(5000))  # head -c 5000 /dev/urandom > shard
+    refused = run_cli("sift-inspect", index)
+    assert refused.returncode == 2 and "rebuild the index" in refused.stderr
+
+    proc = subprocess.Popen([str(BIN / "sift-build"), str(corpus), "--out", str(index), "--config", str(config),
+                             "-q", "--ray-address", _ray_address()],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 1, err[-3000:]  # committed; empty.md is still an error row
+    assert out.startswith("committed generation 2: 2 documents (profiled 1, reused 1, deleted 0), 1 errors")
+    assert f"unreadable shard(s) of generation 1 skipped: {bad['path']} (1 documents: its bytes do not match" in out
+    warnings = err.splitlines()
+    assert len(warnings) == 1 and warnings[0].startswith("WARNING sift.build: shard "), err[-3000:]
+    assert bad["path"] in warnings[0] and "profiled again" in warnings[0]
+
+    reader = IndexReader.open(index)
+    after = {r["doc_id"]: r for r in reader.table().to_pylist()}
+    assert reader.generation == 2 and sorted(after) == sorted(before) == ["doc0.txt", "doc1.txt"]
+    for doc_id in before:
+        assert after[doc_id]["content_hash"] == before[doc_id]["content_hash"]
+        if doc_id not in lost:
+            assert after[doc_id]["la_bits"] == before[doc_id]["la_bits"]
+    assert reader.errors()["doc_id"].to_pylist() == ["empty.md"]
+    assert bad["path"] in reader.manifest.last_build["note"]
+
+    driver_log = next(_ray_logs().glob(f"python-core-driver-*_{proc.pid}.log")).read_text()
+    assert "core_worker.cc" in driver_log and "max_restarts" in driver_log  # the line -q keeps off the terminal
+
+
+@contextlib.contextmanager
+def _read_only(folder: Path):
+    """`folder` made unwritable: chmod for a user, the immutable attribute for root (whom chmod does not stop)."""
+    if os.geteuid() != 0:
+        mode = folder.stat().st_mode
+        folder.chmod(0o555)
+        undo = lambda: folder.chmod(mode)  # noqa: E731
+    elif shutil.which("chattr") and subprocess.run(["chattr", "+i", str(folder)]).returncode == 0:
+        undo = lambda: subprocess.run(["chattr", "-i", str(folder)], check=True)  # noqa: E731
+    else:
+        pytest.skip("root without `chattr +i` cannot make a folder read-only")
+    try:
+        try:
+            (folder / "probe").touch()
+            pytest.skip(f"{folder} stayed writable")
+        except OSError:
+            pass
+        yield
+    finally:
+        undo()
+
+
+def test_unwritable_out_names_the_folder_and_the_error(workspace, built, tmp_path):
+    _, corpus, config = workspace
+    index = copy_index(built, tmp_path)
+    more = tmp_path / "corpus"
+    shutil.copytree(corpus, more)
+    (more / "new.txt").write_text(wiki_texts(3, step=13)[2][:150])  # one document to profile
+    with _read_only(index / fmt.SHARDS):
+        proc = run_cli("sift-build", more, "--out", index, "--config", config, "-q", "--ray-address",
+                       _ray_address())
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert_one_line_failure(proc.stderr, f"cannot write {index / fmt.SHARDS}", "and run sift-build again")
+    assert "Operation not permitted" in proc.stderr or "Permission denied" in proc.stderr
+    assert IndexReader.open(index).generation == 1
+
+
+def _session(sid: int) -> list[str]:
+    """'pid command' of every live (not zombie) process of the session `sid`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            stat = (entry / "stat").read_text()
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (OSError, ValueError):
+            continue
+        state, _, _, session = stat[stat.rindex(")") + 2:].split()[:4]
+        if int(session) == sid and state != "Z":
+            found.append(f"{entry.name} {command[:120]}")
+    return found
+
+
+def test_killed_build_leaves_no_ray_process(workspace, tmp_path):
+    """kill -9 of a sift-build that started its own Ray while it profiles: within seconds no process of its
+    session is left (Ray's dashboard and runtime-env agents used to stay, ignoring SIGTERM)."""
+    _, _, config = workspace
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i, text in enumerate(wiki_texts(6, step=5)):
+        (corpus / f"d{i}.txt").write_text(text[:300])
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.Popen([str(BIN / "sift-build"), str(corpus), "--out", str(tmp_path / "index"), "--config",
+                             str(config), "-q"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+                            start_new_session=True)  # its session id is its pid, and every Ray process's
+    try:
+        deadline = time.time() + 300
+        while not list((tmp_path / "index" / fmt.SHARDS).glob("part-*.parquet")):
+            assert proc.poll() is None and time.time() < deadline, "the build wrote no shard in time"
+            time.sleep(0.2)
+        assert any("ray::" in p for p in _session(proc.pid))  # Ray runs, actors included
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        deadline = time.time() + 30
+        while _session(proc.pid) and time.time() < deadline:
+            time.sleep(0.5)
+        assert not _session(proc.pid)
+    finally:
+        for line in _session(proc.pid):
+            with contextlib.suppress(OSError):
+                os.kill(int(line.split()[0]), signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
