@@ -22,7 +22,7 @@ from ..kernels.block_indices import DocBits, block_indices_layers, block_indices
 from ..kernels.decode_attention import decode_attention, decode_attention_ref
 from ..kernels.layout import BatchLayout
 from ..kernels.sparse_attention import sparse_attention, sparse_attention_ref, sparse_attention_torch
-from .kv_cache import BatchKVCache
+from .kv_cache import PagedKVCache, PoolKV
 from .metadata import DecodeMetadata, LayerCsr, PrefillMetadata
 
 NAMES = ("auto", "triton", "torch", "reference")
@@ -46,7 +46,7 @@ class TorchBackend:
                                             tile), None)
                 for layer in range(bits.n_layers)]
 
-    def prefill(self, meta: PrefillMetadata, cache: BatchKVCache, layer: int, query, inv_freq,
+    def prefill(self, meta: PrefillMetadata, cache: PagedKVCache, layer: int, query, inv_freq,
                 scale: float) -> torch.Tensor:
         """query [1, Hq, n, D], the forward's tokens in token order, over the layer's prompt KV in the cache (its
         blocks gathered in logical order) -> [1, n, Hq, D]."""
@@ -61,8 +61,8 @@ class TorchBackend:
         return sparse_attention_torch(q, k, v, csr.indptr, csr.indices, meta.layout, inv_freq, scale=scale,
                                       causal=not meta.sparse, row_end=csr.row_end, q_blocks=meta.q_blocks)
 
-    def decode(self, meta: DecodeMetadata, cache: BatchKVCache, layer: int, q, inv_freq, scale: float):
-        """q [B, Hq, D], one token per request -> [B, Hq, D]."""
+    def decode(self, meta: DecodeMetadata, cache: PoolKV, layer: int, q, inv_freq, scale: float):
+        """q [B, Hq, D], one token per row -> [B, Hq, D]."""
         kc, vc = cache.layer_kv(layer)
         return decode_attention_ref(q, kc, vc, meta.q_offset, meta.kv_indptr, meta.kv_indices, cache.block_valid,
                                     meta.kv_offset, inv_freq, scale=scale, block=meta.block)
@@ -95,7 +95,7 @@ class TritonBackend:
             layers += [LayerCsr(row_start, idx[g], ends[g]) for g in range(last - first)]
         return layers
 
-    def prefill(self, meta: PrefillMetadata, cache: BatchKVCache, layer: int, query, inv_freq,
+    def prefill(self, meta: PrefillMetadata, cache: PagedKVCache, layer: int, query, inv_freq,
                 scale: float) -> torch.Tensor:
         """The kernel reads the cache's pages in place (`prompt_pages`)."""
         lay, csr = meta.layout, meta.layers[layer]
@@ -107,10 +107,11 @@ class TritonBackend:
                          row_end=csr.row_end, q_blocks=meta.q_blocks, kv_pages=pages)
         return buf.unsqueeze(0)
 
-    def decode(self, meta: DecodeMetadata, cache: BatchKVCache, layer: int, q, inv_freq, scale: float):
+    def decode(self, meta: DecodeMetadata, cache: PoolKV, layer: int, q, inv_freq, scale: float):
+        """The split count is the metadata's (fixed by capacity): a captured step replays with any tables."""
         kc, vc = cache.layer_kv(layer)
         return decode_attention(q, kc, vc, meta.q_offset, meta.kv_indptr, meta.kv_indices, cache.block_valid,
-                                meta.kv_offset, inv_freq, scale=scale, block=meta.block)
+                                meta.kv_offset, inv_freq, scale=scale, block=meta.block, num_splits=meta.num_splits)
 
 
 def select_backend(name: str, device: torch.device):
