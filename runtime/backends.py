@@ -8,7 +8,8 @@
     ReferenceBackend   the kernels' torch twins everywhere (small models only)
 
 Each backend turns a batch's bits into `LayerCsr`s (`decode_indices`), attends a prefill layer
-(`prefill`) and a decode step (`decode`); the engine never compares backend names.
+(`prefill`) and a decode step (`decode`), and says whether a CUDA graph can capture its decode (`capturable`);
+the engine never compares backend names.
 """
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ def dense_layers(layout: BatchLayout, n_heads: int, n_layers: int) -> list[Layer
 
 class TorchBackend:
     name = "torch"
+    capturable = False      # its decode reads the block table on the host: no CUDA graph
 
     def decode_indices(self, layout: BatchLayout, bits: DocBits, tile: int, n_heads: int) -> list[LayerCsr]:
         la_ptr, ca_ptr = bits.all_layer_ptrs()
@@ -79,6 +81,7 @@ class ReferenceBackend(TorchBackend):
 
 class TritonBackend:
     name = "triton"
+    capturable = True       # its decode step launches kernels only: a CUDA graph captures it
 
     def decode_indices(self, layout: BatchLayout, bits: DocBits, tile: int, n_heads: int) -> list[LayerCsr]:
         """Rows at their dense starts (one pass, no count pass); as many consecutive layers per launch as

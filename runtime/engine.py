@@ -121,7 +121,7 @@ class SiftEngine:
     request's own pages); without one the engine makes one of `kv_cache_bytes` (default: KV_CACHE_FRACTION of
     the device memory free now on CUDA, CPU_KV_CACHE_BYTES on a CPU), with no DRAM tier. hybrid_fraction: share
     of each reused document's blocks that mode "hybrid" recomputes. cuda_graphs: capture the decode step in CUDA
-    graphs (default: on CUDA), at `warmup()` or else at the first `step()`. max_running: requests decoding at
+    graphs (default: on CUDA with backend "triton"), at `warmup()` or else at the first `step()`. max_running: requests decoding at
     once (at most 64); max_prefill_tokens: prompt tokens prefilled per step beyond the first waiting group.
     """
 
@@ -195,7 +195,7 @@ class SiftEngine:
                                prefix_ids=tuple(self.prefix_ids), store=self.kv_store,
                                backend=self.attention_backend, hybrid_fraction=hybrid_fraction)
         if cuda_graphs is None:
-            cuda_graphs = self.device.type == "cuda"
+            cuda_graphs = self.device.type == "cuda" and self.attention_backend.capturable
         context = self.max_positions or self.kv_store.n_pages * block
         self.runner = ModelRunner(model, self.attention_backend, self.inv_freq, self.kv_store, block=block,
                                   max_positions=context, cuda_graphs=cuda_graphs)

@@ -136,12 +136,14 @@ class ModelRunner:
                                   kv_indices=buf.kv_indices, kv_offset=buf.kv_offset, slots=buf.slots[:b],
                                   num_splits=default_num_splits(b, hkv, b * self.max_row_entries, self.device))
             self._steps[b] = DecodeAttention(backend, meta, self.pool, inv_freq)
-        if cuda_graphs and self.device.type != "cuda":
-            raise SiftError("cuda_graphs=True needs the model on a CUDA device; leave cuda_graphs unset on CPU")
+        if cuda_graphs and (self.device.type != "cuda" or not backend.capturable):
+            raise SiftError(f"cuda_graphs=True needs the model on a CUDA device and backend 'triton' (here "
+                            f"{self.device.type}, {backend.name!r}); leave cuda_graphs unset")
         self.cuda_graphs = cuda_graphs
         self.graphs: dict[tuple[int, bool], tuple] = {}
         self.n_rows = 0
-        self.last_logits: torch.Tensor | None = None
+        self.launches = 0
+        self.last_logits: torch.Tensor | None = None   # the last step's fp32 logits [bucket, V]
 
     # ------------------------------------------------------------------------------------------- prefill
 
@@ -240,6 +242,7 @@ class ModelRunner:
     def launch(self, greedy_only: bool) -> HostCopy:
         """One decode step of every row (module docstring) -> the rows' tokens on their way to the host."""
         b = self.bucket()
+        self.launches += 1
         if self.cuda_graphs:
             self.capture()
             graph, self.last_logits = self.graphs[b, greedy_only]
