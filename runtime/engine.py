@@ -579,22 +579,26 @@ class SiftEngine:
 
     def _generate(self, group: Group) -> GenerateResult:
         if len(group.states) > self.scheduler.max_running:
-            raise SiftError(f"{len(group.states)} requests in one generate call, more than the {self.scheduler.max_running} "
-                            f"the engine decodes at once: split the batch")
+            raise SiftError(f"{len(group.states)} requests in one generate call, more than the "
+                            f"{self.scheduler.max_running} the engine decodes at once: split the batch")
+        states = list(group.states)
         self._submit(group)
         try:
-            while not all(s.finished for s in group.states) or group.result is None:
+            while not all(s.finished for s in states):
                 self.step()
+            if group.result is None or any(s.first_token_s is None for s in states):
+                raise SiftError("a request of the batch was aborted before it was prefilled (abort() from another "
+                                "thread)")
         finally:
             with self._lock:        # an interrupted call: its requests end now
-                for s in group.states:
+                for s in states:
                     self.scheduler.abort(s)
             with self._inbox_lock:
-                for s in group.states:
+                for s in states:
                     self._states.pop(s.request_id, None)
-        end = max(s.finish_s for s in group.states)
-        prefill_end = min(s.first_token_s for s in group.states)
-        outs = [s.latest for s in group.states]
+        end = max(s.finish_s for s in states)
+        prefill_end = min(s.first_token_s for s in states)
+        outs = [s.latest for s in states]
         return GenerateResult(texts=[o.text for o in outs], token_ids=[o.token_ids for o in outs],
                               prefill=group.result, decode_s=max(0.0, end - prefill_end))
 

@@ -21,7 +21,7 @@ import torch
 
 from sift.format import content_hash
 
-from ..kernels.layout import DOC, build_layout
+from ..kernels.layout import build_layout
 from . import reuse
 from .backends import dense_layers
 from .forward import Timer
@@ -168,8 +168,3 @@ def sift_plan(ctx: PlanContext, mode: Mode, states, timer: Timer, supplied=None)
     return PrefillPlan(ids=ids, positions=layout.token_local_pos, meta=meta, cache=cache,
                        logit_rows=(layout.req_first_token + layout.req_n_tokens - 1).long(), tables=tables,
                        computed=meta.nnz() if meta.sparse else float(dense), dense=dense)
-
-
-def doc_blocks_of(layout) -> torch.Tensor:
-    """bool [NB]: the layout's document blocks."""
-    return layout.block_kind == DOC

@@ -13,7 +13,6 @@ The builder decides; the forwards it needs before deciding (the `deviation` poli
 """
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass
 

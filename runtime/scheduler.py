@@ -68,6 +68,10 @@ class Scheduler:
         admitted, tokens = [], 0
         while self.waiting:
             group = self.waiting[0]
+            group.states = [s for s in group.states if not s.finished]      # aborted while waiting
+            if not group.states:
+                self.waiting.popleft()
+                continue
             if len(self.running) + sum(len(g.states) for g in admitted) + len(group.states) > self.max_running:
                 break
             if admitted and tokens + group.n_tokens > self.max_prefill_tokens:
@@ -126,12 +130,7 @@ class Scheduler:
         """-> False when it had already finished."""
         if state.finished:
             return False
-        if state.status == "waiting" and state.group is not None:
-            group = state.group
-            group.states.remove(state)
-            if not group.states and group in self.waiting:
-                self.waiting.remove(group)
-        self.finish(state, "abort")
+        self.finish(state, "abort")      # a waiting one leaves its group when the group comes up
         return True
 
     def prune(self) -> bool:
@@ -145,4 +144,4 @@ class Scheduler:
         return changed
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting) or any(not s.finished for s in self.running)

@@ -8,13 +8,12 @@ SamplingParams says. With a tiny random Llama, where only the mechanics matter: 
 waiting for pages, the one-step lag of outputs, and one-line refusals.
 """
 import pytest
-import torch
 
 from sift.errors import SiftError
 from sift.runtime import KVStore, Request, RequestOutput, SamplingParams, SiftEngine
 from sift.runtime.demo import QUERY, SYSTEM
 
-from .test_engine import _tiny, _tiny_requests, doc_ids, fingerprint, hotpot, real, tokenizer, write_index  # noqa: F401
+from .test_engine import _tiny, _tiny_requests, doc_ids, hotpot, real, tokenizer, write_index  # noqa: F401 (fixtures)
 
 CHARS = 200
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
@@ -80,7 +79,7 @@ def test_join_mid_decode_and_abort_midway(smol):
     last = {}
     for _ in range(3):
         last.update({o.request_id: o for o in engine.step()})
-    assert not last[a].finished and len(last[a].token_ids) == 2   # the prefill's token, then one step behind
+    assert not last[a].finished and len(last[a].token_ids) == 3   # the prefill's token, then one per step (behind)
     b = engine.add_request(reqs[1], params, "sift")
     c = engine.add_request(reqs[2], params, "dense")
     rows = []
