@@ -254,10 +254,6 @@ class SiftEngine:
         """The unsegmented prompt: the concatenation of the segments' token ids."""
         return [t for _, ids in self.tokenize(request) for t in ids]
 
-    def _decode_text(self, ids) -> str:
-        with self._tok_lock:
-            return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-
     def _check_docs(self, request: Request, segments) -> None:
         """Stale or unknown documents are refused (unknown ones pass with on_unknown="dense")."""
         index = self.index
@@ -328,7 +324,7 @@ class SiftEngine:
         elif not isinstance(request_id, str) or not request_id:
             raise SiftError(f"request_id={request_id!r} must be a non-empty string")
         return RequestState(request_id, request, params, mode, segments, stop_ids, seed_key(params.seed),
-                            OutputText(_LockedTokenizer(self), params.stop), n_prompt=n, need=need)
+                            OutputText(_LockedTokenizer(self.tokenizer, self._tok_lock), params.stop), n_prompt=n, need=need)
 
     def _group(self, requests: Sequence[Request], params, mode, *, timed: bool, supplied=None,
                request_ids=None) -> Group:
@@ -604,10 +600,12 @@ class SiftEngine:
 
 
 class _LockedTokenizer:
-    """The engine's tokenizer for the output texts, decoding under the engine's tokenizer lock."""
+    """The engine's tokenizer for the output texts, decoding under the engine's tokenizer lock (no reference to
+    the engine itself: a dropped engine frees its KV pool at once)."""
 
-    def __init__(self, engine: SiftEngine):
-        self.engine = engine
+    def __init__(self, tokenizer, lock: threading.Lock):
+        self.tokenizer, self.lock = tokenizer, lock
 
     def decode(self, ids, **kwargs) -> str:
-        return self.engine._decode_text(ids)
+        with self.lock:
+            return self.tokenizer.decode(ids, **kwargs)

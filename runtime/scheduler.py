@@ -106,6 +106,7 @@ class Scheduler:
         for s in group.states:
             if s.lease is not None:
                 s.lease.release()
+                s.lease = None
 
     def start(self, group: Group) -> None:
         """The group is prefilled: its requests take the next rows."""
@@ -125,6 +126,7 @@ class Scheduler:
         state.finish_s = time.perf_counter()
         if state.lease is not None:
             state.lease.release()
+            state.lease = None
 
     def abort(self, state: RequestState) -> bool:
         """-> False when it had already finished."""
