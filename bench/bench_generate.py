@@ -168,6 +168,12 @@ def continuous(engine: SiftEngine, running: list[Request], arrivals: list[Reques
                 running_gap_max_ms=1e3 * gaps[-1])
 
 
+def median_run(run, reps: int) -> dict:
+    """Each figure's median over `reps` runs of `run()`."""
+    runs = [run() for _ in range(reps)]
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+
+
 def floor_ms(weights_bytes: int, kv_per_token: int, tokens: list[float], bandwidth: float) -> float:
     return 1e3 * (weights_bytes + kv_per_token * sum(tokens)) / bandwidth
 
@@ -184,6 +190,7 @@ def main() -> None:
                     help="CONTEXTxBATCH list run with transformers' static cache compiled by torch.compile "
                          "(each compiles anew: about a minute or two); '' for none")
     ap.add_argument("--kv-gib", type=float, default=80.0, help="the engine's KV pool")
+    ap.add_argument("--reps", type=int, default=1, help="timed runs per configuration after the warm-up (median)")
     ap.add_argument("--quick", action="store_true", help="16K, batches 1 and 8, no compiled cache")
     args = ap.parse_args()
     if args.quick:
@@ -265,7 +272,7 @@ def main() -> None:
                 t = time.perf_counter()
                 hf_run(model, prompts, marks, is_static)     # warm-up (a static cache compiles here)
                 warm = time.perf_counter() - t
-                res = hf_run(model, prompts, marks, is_static)
+                res = median_run(lambda: hf_run(model, prompts, marks, is_static), args.reps)
                 res["warmup_s"] = warm
                 add(ctx, batch, system, res)
                 gc.collect()
@@ -288,9 +295,9 @@ def main() -> None:
         engine.warmup()
         capture_s = time.perf_counter() - t
         pool_pages = engine.kv_store.n_pages
-        warm = (1, 2, 4)
-        for mode in ("sift", "reuse"):   # compiles the kernels; stores every document (reuse is warm after)
-            engine_run(engine, requests(max(contexts), 1), mode, warm)
+        for ctx in sorted(contexts, reverse=True):   # compiles the kernels for each prompt shape (a batch's
+            for mode in ("sift", "reuse"):           # requests prefill one by one) and stores every document
+                engine_run(engine, requests(ctx, 1), mode, (1, 2, 4))
         for ctx in contexts:
             for batch in batches:
                 for mode in ("sift", "reuse"):
@@ -300,7 +307,7 @@ def main() -> None:
                     if pages > pool_pages:
                         skipped.append(dict(context=ctx, batch=batch, system=mode, reason="KV pool"))
                         continue
-                    add(ctx, batch, mode, engine_run(engine, reqs, mode, marks))
+                    add(ctx, batch, mode, median_run(lambda: engine_run(engine, reqs, mode, marks), args.reps))
         cont = []
         n_run = 2 if args.smoke else 8
         for mode in ("reuse", "sift"):
@@ -311,7 +318,7 @@ def main() -> None:
     setup = dict(contexts=contexts, batches=batches, doc_tokens=args.doc_tokens, query_tokens=args.query_tokens,
                  marks=marks, tile=TILE, kv_gib=args.kv_gib, bandwidth_bytes_per_s=bandwidth,
                  weights_bytes_read=weights_bytes, kv_bytes_per_token=kv_per_token, capture_s=capture_s,
-                 quick=args.quick, smoke=args.smoke)
+                 reps=args.reps, quick=args.quick, smoke=args.smoke)
     common.write_result("generate", dict(setup=setup, seconds=time.perf_counter() - t_start, rows=rows,
                                          continuous=cont, skipped=skipped), common.out_dir(args))
     first, mid, last = marks

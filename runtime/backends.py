@@ -66,8 +66,9 @@ class TorchBackend:
     def decode(self, meta: DecodeMetadata, cache: PoolKV, layer: int, q, inv_freq, scale: float):
         """q [B, Hq, D], one token per row -> [B, Hq, D]."""
         kc, vc = cache.layer_kv(layer)
-        return decode_attention_ref(q, kc, vc, meta.q_offset, meta.kv_indptr, meta.kv_indices, cache.block_valid,
-                                    meta.kv_offset, inv_freq, scale=scale, block=meta.block)
+        n = int(meta.kv_indptr[-1])          # the entries in use (the buffers are sized for the largest batch)
+        return decode_attention_ref(q, kc, vc, meta.q_offset, meta.kv_indptr, meta.kv_indices[:n],
+                                    cache.block_valid, meta.kv_offset[:n], inv_freq, scale=scale, block=meta.block)
 
 
 class ReferenceBackend(TorchBackend):

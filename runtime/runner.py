@@ -15,6 +15,10 @@ position-free paged cache, the lm_head, the sampler and the stop rules (eos / st
 stops), all on the device: it reads nothing back to the host, so it is the same code eager on CPU (what the tests
 run) and captured on CUDA. Rows past the live ones (padding up to the bucket, and rows whose request stopped) run
 too, harmlessly: their token goes to the engine's one reserved page, and nothing reads it.
+
+The transformers forward needs nothing changed to be captured: with the engine's attention implementation (which
+registers no mask function) it builds no attention mask, with `use_cache=False` no cache object, and with
+`position_ids` given its rotary embedding is a few tensor ops on them; nothing in it reads the device.
 """
 from __future__ import annotations
 

@@ -212,3 +212,47 @@ def test_bad_values_are_refused_in_one_line(tiny):
         engine.add_request(a, GREEDY, "dense", request_id="mine")
     assert rid == "mine"
     run_all(engine)
+
+
+def test_requests_from_other_threads_while_a_loop_steps(tiny):
+    """A serving loop steps on one thread while others add and abort requests: every request ends, the added
+    ones answer as alone, the aborted one says so, and the pool gets its pages back. Closing a stream early
+    aborts its request."""
+    import threading
+    import time
+
+    model, tokenizer = tiny
+    engine = SiftEngine(model, tokenizer, None, kv_cache_bytes=8 << 20)
+    (a,), (b,) = _tiny_requests()
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    alone = {r.prefix: engine.generate([r], mode="dense", params=params).token_ids[0] for r in (a, b)}
+    ids, done = [], threading.Event()
+    last = {}
+
+    def loop():
+        while not done.is_set() or engine.has_unfinished():
+            last.update({o.request_id: o for o in engine.step()})
+
+    stepper = threading.Thread(target=loop)
+    stepper.start()
+    try:
+        for r in (a, b, a):
+            ids.append(engine.add_request(r, params, "dense"))
+        long = engine.add_request(b, SamplingParams(max_tokens=400, temperature=0.0), "dense")
+        deadline = time.monotonic() + 120
+        while long not in last and time.monotonic() < deadline:      # it has begun generating
+            time.sleep(0.001)
+        engine.abort(long)
+    finally:
+        done.set()
+        stepper.join(timeout=120)
+    assert not stepper.is_alive()
+    assert [last[i].token_ids for i in ids] == [alone[a.prefix], alone[b.prefix], alone[a.prefix]]
+    assert last[long].finish_reason == "abort" and len(last[long].token_ids) < 400
+    stream = engine.stream(a, params, mode="dense")
+    first = next(stream)
+    stream.close()
+    engine.step()                       # the abort is taken at the next step
+    assert not first.finished and not engine.has_unfinished()
+    s = engine.kv_store.stats()
+    assert s["pinned"] == 0 and s["pages_scratch"] == 1
