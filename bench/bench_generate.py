@@ -23,7 +23,7 @@ prefill an arrival are the slow ones).
 
 Writes bench/results/generate.json and prints a table last.
 
-    python bench/bench_generate.py                 # H200: ~7 minutes (the compiled static cache at 16K batch 1 included)
+    python bench/bench_generate.py                 # H200: ~7 minutes (with the compiled cache at 16K, batch 1)
     python bench/bench_generate.py --quick         # 16K, batches 1 and 8, no compiled cache: ~2 minutes
     python bench/bench_generate.py --smoke         # tiny random Llama on CPU: checks the script runs
 """
@@ -164,7 +164,8 @@ def continuous(engine: SiftEngine, running: list[Request], arrivals: list[Reques
     ttfts = sorted(first.values())
     return dict(mode=mode, running=len(running), arrivals=len(arrivals), every_steps=every,
                 arrival_ttft_median_s=statistics.median(ttfts), arrival_ttft_max_s=ttfts[-1],
-                running_gap_median_ms=1e3 * statistics.median(gaps), running_gap_p99_ms=1e3 * gaps[int(0.99 * (len(gaps) - 1))],
+                running_gap_median_ms=1e3 * statistics.median(gaps),
+                running_gap_p99_ms=1e3 * gaps[int(0.99 * (len(gaps) - 1))],
                 running_gap_max_ms=1e3 * gaps[-1])
 
 

@@ -121,8 +121,9 @@ class SiftEngine:
     request's own pages); without one the engine makes one of `kv_cache_bytes` (default: KV_CACHE_FRACTION of
     the device memory free now on CUDA, CPU_KV_CACHE_BYTES on a CPU), with no DRAM tier. hybrid_fraction: share
     of each reused document's blocks that mode "hybrid" recomputes. cuda_graphs: capture the decode step in CUDA
-    graphs (default: on CUDA with backend "triton"), at `warmup()` or else at the first `step()`. max_running: requests decoding at
-    once (at most 64); max_prefill_tokens: prompt tokens prefilled per step beyond the first waiting group.
+    graphs (default: on CUDA with backend "triton"), at `warmup()` or else at the first `step()`. max_running:
+    requests decoding at once (at most 64); max_prefill_tokens: prompt tokens prefilled per step beyond the
+    first waiting group.
     """
 
     def __init__(self, model, tokenizer, index: SiftIndex | None, *, block: int | None = None,
@@ -323,8 +324,9 @@ class SiftEngine:
             request_id = f"req-{next(self._ids)}"
         elif not isinstance(request_id, str) or not request_id:
             raise SiftError(f"request_id={request_id!r} must be a non-empty string")
-        return RequestState(request_id, request, params, mode, segments, stop_ids, seed_key(params.seed),
-                            OutputText(_LockedTokenizer(self.tokenizer, self._tok_lock), params.stop), n_prompt=n, need=need)
+        text = OutputText(_LockedTokenizer(self.tokenizer, self._tok_lock), params.stop)
+        return RequestState(request_id, request, params, mode, segments, stop_ids, seed_key(params.seed), text,
+                            n_prompt=n, need=need)
 
     def _group(self, requests: Sequence[Request], params, mode, *, timed: bool, supplied=None,
                request_ids=None) -> Group:
