@@ -88,27 +88,25 @@ def one_copy_check() -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         model, engine, store, docs, _ = build(True, [8 * 64], 64, pathlib.Path(tmp), 0.05, 0.0)
-        from sift.runtime import Request
+        from sift.runtime import Request, SamplingParams
         names = list(docs)[:8]
         text = {d: " ".join(map(str, docs[d])) for d in names}
         reqs = [Request("", [(d, text[d]) for d in names[i:] + names[:i]], "1 2 3") for i in range(8)]
-        res, layout, cache = engine._run_prefill(reqs, "reuse", 0)
-        try:
-            doc0_pages = set()
-            for r in range(8):
-                d = (8 - r) % 8            # the ordinal of names[0] inside request r
-                ordinal = r * 8 + d
-                f, n = int(layout.doc_first_block[ordinal]), int(layout.doc_n_blocks[ordinal])
-                doc0_pages.add(tuple(cache.block_pages[f:f + n].tolist()))
-            s = store.stats()
-            entry_bytes = -(-len(docs[names[0]]) // engine.block) * store.geometry.page_bytes
-            return dict(requests=8, distinct_page_lists_of_the_document=len(doc0_pages),
-                        offsets=sorted({int(layout.block_offset[int(layout.doc_first_block[r * 8 + (8 - r) % 8])])
-                                        for r in range(8)}),
-                        store_entries=s["entries_hbm"], store_hbm_bytes=s["hbm_bytes"],
-                        one_document_bytes=entry_bytes, copies_per_document=s["hbm_bytes"] / (8 * entry_bytes))
-        finally:
-            cache.lease.release()
+        group = engine._group(reqs, SamplingParams(max_tokens=1, temperature=0.0), "reuse", timed=True)
+        engine._prefill_only(group)
+        doc0_pages, offsets = set(), set()
+        blk = engine.block
+        for r, state in enumerate(group.states):
+            d = (8 - r) % 8                # the ordinal of names[0] inside request r
+            seg_blocks = [-(-len(ids) // blk) for _, ids in state.segments]   # prefix, documents, query
+            f, n = sum(seg_blocks[:1 + d]), seg_blocks[1 + d]
+            doc0_pages.add(tuple(state.table[0][f:f + n].tolist()))
+            offsets.add(int(state.table[1][f]))
+        s = store.stats()
+        entry_bytes = -(-len(docs[names[0]]) // blk) * store.geometry.page_bytes
+        return dict(requests=8, distinct_page_lists_of_the_document=len(doc0_pages), offsets=sorted(offsets),
+                    store_entries=s["entries_hbm"], store_hbm_bytes=s["hbm_bytes"],
+                    one_document_bytes=entry_bytes, copies_per_document=s["hbm_bytes"] / (8 * entry_bytes))
 
 
 def plot(result: dict, path: pathlib.Path) -> None:

@@ -4,8 +4,8 @@ logits are as close to an fp32 reference as the bf16 ref twins' -> bench/results
 A random Llama-shaped model with head_dim 128 (so the prefill takes the Gluon kernel on sm_90; 4 layers, hidden
 1024, 8 query / 2 KV heads, built from a config, no download), three requests of ~1.2K tokens each (three
 documents of random token ids and a query), dense mode (every causal block listed, no index needed). `prefill`
-and `generate` (whose prefill cache keeps room for the generated tokens: K / V are the first slots of longer
-buffers) run four times over the same weights:
+and `generate` (the prompt's K / V in pages of the engine's pool, read through the page of each block) run four
+times over the same weights:
 
     gluon   bf16, backend "triton" as shipped: the Gluon kernel (its launches are counted, so a silent fallback
             to the tl kernel fails the check)

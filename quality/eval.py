@@ -59,8 +59,10 @@ from sift.format import TILES, content_hash
 from sift.model import DTYPES, resolve_dtype
 from sift.plots import mode_summary, recall_by_layer
 
-from ..runtime.engine import MODES, GenerateResult, SiftEngine
+from ..runtime.engine import GenerateResult, SiftEngine
+from ..runtime.modes import KINDS as MODES
 from ..runtime.reuse import POLICIES, parse_mode
+from ..runtime.supplied_bits import generate_with_bits, prefill_with_bits
 from . import oracle
 from .qa import FORMATS, QAItem, load_qa
 from .recall import measure as measure_recall
@@ -165,14 +167,15 @@ def _generate(engine: SiftEngine, items: list[QAItem], modes, max_new_tokens: in
     readers = oracle.ReaderCache()
     out = {}
     for mode in modes:
-        kwargs = dict(mode=mode)
-        if parsed[mode] is not None:
-            name, coverage = parsed[mode]
-            bits = (oracle.batch_bits(engine, requests, coverage, masses) if name == "oracle"
-                    else oracle.reader_bits(engine, requests, coverage, readers))
-            kwargs = dict(mode="sift", bits=bits)
-        out[mode] = (engine.generate(requests, max_new_tokens, **kwargs) if max_new_tokens
-                     else engine.prefill(requests, **kwargs))
+        if parsed[mode] is None:
+            out[mode] = (engine.generate(requests, max_new_tokens, mode=mode) if max_new_tokens
+                         else engine.prefill(requests, mode=mode))
+            continue
+        name, coverage = parsed[mode]
+        bits = (oracle.batch_bits(engine, requests, coverage, masses) if name == "oracle"
+                else oracle.reader_bits(engine, requests, coverage, readers))
+        out[mode] = (generate_with_bits(engine, requests, max_new_tokens, bits) if max_new_tokens
+                     else prefill_with_bits(engine, requests, bits))
     return out
 
 

@@ -35,7 +35,8 @@ from sift.errors import SiftError
 
 from ..kernels.bits import pack_msb, square_to_tril
 from ..kernels.block_indices import pack_doc_bits
-from ..runtime.engine import BatchBits, Request
+from ..runtime.request import Request
+from ..runtime.supplied_bits import SuppliedBits
 from .prompts import sample_corpus
 from .recall import DocMasks, row_blocks, run_exact, spans_of, tile_sums
 
@@ -149,13 +150,13 @@ def select(mass: PromptMass, coverage: float) -> list[DocMasks]:
     return [DocMasks(la=la.cpu(), ca=ca.cpu()) for la, ca in zip(keep_la, keep_ca)]
 
 
-def pack(masks: list[DocMasks], n_tokens: list[int], tile: int, device) -> BatchBits:
-    """Masks of the batch's documents, in order -> BatchBits in SPEC section 3's per-document blob layout."""
+def pack(masks: list[DocMasks], n_tokens: list[int], tile: int, device) -> SuppliedBits:
+    """Masks of the batch's documents, in order -> SuppliedBits in SPEC section 3's per-document blob layout."""
     n_layers, n_heads = masks[0].ca.shape[:2]
     la = [pack_msb(square_to_tril(m.la)).numpy().tobytes() for m in masks]
     ca = [pack_msb(m.ca).numpy().tobytes() for m in masks]
     bits = pack_doc_bits(la, ca, n_tokens, tile=tile, n_layers=n_layers, n_heads=n_heads, device=device)
-    return BatchBits(bits=bits, tile=tile)
+    return SuppliedBits(bits=bits, tile=tile)
 
 
 def reader_ids(tokenizer, n_tokens: int = READER_TOKENS) -> list[int]:
@@ -188,7 +189,7 @@ class ReaderCache:
 
 
 def reader_bits(engine, requests: list[Request], coverage: float,
-                cache: ReaderCache | None = None) -> BatchBits | None:
+                cache: ReaderCache | None = None) -> SuppliedBits | None:
     """The reader criterion's bits for a batch: each document's masks chosen from `reader_mass` at `coverage`,
     the same for the document wherever it appears (what a builder could store)."""
     cache = cache if cache is not None else ReaderCache()
@@ -214,9 +215,9 @@ def batch_masses(engine, requests: list[Request]) -> list[PromptMass]:
 
 
 def batch_bits(engine, requests: list[Request], coverage: float,
-               masses: list[PromptMass] | None = None) -> BatchBits | None:
-    """The oracle's bits for a batch at `coverage` (masses: `batch_masses`, computed here when None), to pass
-    as `engine.generate(requests, mode="sift", bits=...)`. None when the batch has no documents."""
+               masses: list[PromptMass] | None = None) -> SuppliedBits | None:
+    """The oracle's bits for a batch at `coverage` (masses: `batch_masses`, computed here when None), for
+    `supplied_bits.generate_with_bits(engine, requests, n, bits)`. None when the batch has no documents."""
     masses = masses if masses is not None else batch_masses(engine, requests)
     masks, n_tokens = [], []
     for request, mass in zip(requests, masses):

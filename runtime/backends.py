@@ -15,7 +15,8 @@ reference twin (`*_ref`: plain torch, the kernel's signature and result, loops t
 tests and the CPU fallback) and "sdpa" the vectorised CPU attention; "torch" is never a kernel's name there.
 
 Each backend turns a batch's bits into `LayerCsr`s (`decode_indices`), attends a prefill layer
-(`prefill`) and a decode step (`decode`); the engine never compares backend names.
+(`prefill`) and a decode step (`decode`), and says whether a CUDA graph can capture its decode (`capturable`);
+the engine never compares backend names.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from ..kernels.decode_attention import decode_attention, decode_attention_ref
 from ..kernels.device import resolve_backend
 from ..kernels.layout import BatchLayout
 from ..kernels.sparse_attention import sparse_attention, sparse_attention_ref, sparse_attention_sdpa
-from .kv_cache import BatchKVCache
+from .kv_cache import PagedKVCache, PoolKV
 from .metadata import DecodeMetadata, LayerCsr, PrefillMetadata
 
 NAMES = ("auto", "triton", "torch", "reference")
@@ -43,6 +44,7 @@ def dense_layers(layout: BatchLayout, n_heads: int, n_layers: int) -> list[Layer
 
 class TorchBackend:
     name = "torch"
+    capturable = False      # its decode reads the block table on the host: no CUDA graph
 
     def decode_indices(self, layout: BatchLayout, bits: DocBits, tile: int, n_heads: int) -> list[LayerCsr]:
         la_ptr, ca_ptr = bits.all_layer_ptrs()
@@ -50,7 +52,7 @@ class TorchBackend:
                                             tile), None)
                 for layer in range(bits.n_layers)]
 
-    def prefill(self, meta: PrefillMetadata, cache: BatchKVCache, layer: int, query, inv_freq,
+    def prefill(self, meta: PrefillMetadata, cache: PagedKVCache, layer: int, query, inv_freq,
                 scale: float) -> torch.Tensor:
         """query [1, Hq, n, D], the forward's tokens in token order, over the layer's prompt KV in the cache (its
         blocks gathered in logical order) -> [1, n, Hq, D]."""
@@ -65,11 +67,12 @@ class TorchBackend:
         return sparse_attention_sdpa(q, k, v, csr.indptr, csr.indices, meta.layout, inv_freq, scale=scale,
                                       causal=not meta.sparse, row_end=csr.row_end, q_blocks=meta.q_blocks)
 
-    def decode(self, meta: DecodeMetadata, cache: BatchKVCache, layer: int, q, inv_freq, scale: float):
-        """q [B, Hq, D], one token per request -> [B, Hq, D]."""
+    def decode(self, meta: DecodeMetadata, cache: PoolKV, layer: int, q, inv_freq, scale: float):
+        """q [B, Hq, D], one token per row -> [B, Hq, D]."""
         kc, vc = cache.layer_kv(layer)
-        return decode_attention_ref(q, kc, vc, meta.q_offset, meta.kv_indptr, meta.kv_indices, cache.block_valid,
-                                    meta.kv_offset, inv_freq, scale=scale, block=meta.block)
+        n = int(meta.kv_indptr[-1])          # the entries in use (the buffers are sized for the largest batch)
+        return decode_attention_ref(q, kc, vc, meta.q_offset, meta.kv_indptr, meta.kv_indices[:n],
+                                    cache.block_valid, meta.kv_offset[:n], inv_freq, scale=scale, block=meta.block)
 
 
 class ReferenceBackend(TorchBackend):
@@ -83,6 +86,7 @@ class ReferenceBackend(TorchBackend):
 
 class TritonBackend:
     name = "triton"
+    capturable = True       # its decode step launches kernels only: a CUDA graph captures it
 
     def decode_indices(self, layout: BatchLayout, bits: DocBits, tile: int, n_heads: int) -> list[LayerCsr]:
         """Rows at their dense starts (one pass, no count pass); as many consecutive layers per launch as
@@ -99,7 +103,7 @@ class TritonBackend:
             layers += [LayerCsr(row_start, idx[g], ends[g]) for g in range(last - first)]
         return layers
 
-    def prefill(self, meta: PrefillMetadata, cache: BatchKVCache, layer: int, query, inv_freq,
+    def prefill(self, meta: PrefillMetadata, cache: PagedKVCache, layer: int, query, inv_freq,
                 scale: float) -> torch.Tensor:
         """The kernel reads the cache's pages in place (`prompt_pages`)."""
         lay, csr = meta.layout, meta.layers[layer]
@@ -111,10 +115,11 @@ class TritonBackend:
                          row_end=csr.row_end, q_blocks=meta.q_blocks, kv_pages=pages)
         return buf.unsqueeze(0)
 
-    def decode(self, meta: DecodeMetadata, cache: BatchKVCache, layer: int, q, inv_freq, scale: float):
+    def decode(self, meta: DecodeMetadata, cache: PoolKV, layer: int, q, inv_freq, scale: float):
+        """The split count is the metadata's (fixed by capacity): a captured step replays with any tables."""
         kc, vc = cache.layer_kv(layer)
         return decode_attention(q, kc, vc, meta.q_offset, meta.kv_indptr, meta.kv_indices, cache.block_valid,
-                                meta.kv_offset, inv_freq, scale=scale, block=meta.block)
+                                meta.kv_offset, inv_freq, scale=scale, block=meta.block, num_splits=meta.num_splits)
 
 
 def select_backend(name: str, device: torch.device):

@@ -1,85 +1,72 @@
-"""The SIFT serving engine: RAG requests in, last-position logits and greedy generations out (SPEC sections 4, 5).
+"""The SIFT serving engine: RAG requests in, tokens out, with SIFT's sparse, position-free prefill over an
+unchanged transformers model and continuous batching of the decode (SPEC sections 4-7).
 
 One request walks forward through these steps:
 
-    Request(prefix, docs, query)      text; docs as (doc_id, text), the way retrieval returns them
-      -> segments of token ids        prefix with the tokenizer's special tokens, docs and query without
-      -> stale / unknown checks       each document's ids must hash to the index's content_hash
-      -> BatchLayout                  segments padded to kernel blocks, logical and segment-local positions
-      -> index.fetch                  all layers' bits of the batch's documents, once per batch, on the device
-                                      (or the caller's `BatchBits`: the eval's in-context oracle)
-      -> PrefillMetadata              every layer's block CSR decoded from the bits (or the dense CSR), once,
-                                      before the forward (runtime/metadata.py)
-      -> model forward                the unchanged transformers model on the packed real tokens [1, n_real],
-                                      position_ids = segment-LOCAL positions, attention routed through
-                                      AttentionInterface to `sift_attention`, which writes the layer's
-                                      position-free K/V into the batch's `BatchKVCache` and attends with the
-                                      backend's sparse kernel (RoPE by each block's segment offset)
-      -> lm_head on each request's last position only
+    add_request(Request, SamplingParams, mode)     validated and tokenised at once (SPEC section 4: prefix with
+                                                   the tokenizer's special tokens, docs and query without; stale
+                                                   or unknown documents refused), its KV pages counted
+      -> Scheduler (runtime/scheduler.py)          waits until the KV pool has its pages, then leases them: its
+                                                   documents (reuse modes), its own blocks, its generation pages
+      -> PrefillPlan (runtime/plan.py,             the group's layout, every layer's block CSR (from the index's
+         runtime/reuse_prefill.py)                 bits, or dense), the pages each block lives in, frozen before
+                                                   the forward
+      -> ModelRunner.forward (runtime/runner.py)   the unchanged model over the packed tokens at segment-LOCAL
+                                                   positions, attention routed through AttentionInterface to the
+                                                   engine's kernels, K / V written into the request's pages
+      -> the first token                           drawn on the device from the last position's logits
+      -> decode steps                              one token per running request per step, every request of the
+                                                   batch in one step whatever its mode or prefill, over the pages
+                                                   of the paged pool; captured in CUDA graphs on CUDA
+      -> RequestOutput                             ids, text (stop strings cut), finish reason, per step
 
-Generation appends a "generated" segment per request, starting at the request's next logical position: each
-step runs the model on one token per request at its local position in that segment, writes its K/V into the
-position-free cache and attends with the decode kernel, which rotates q once per segment (LazyAttention).
+`step()` runs one iteration of that loop for every request; `generate`, `stream` and `prefill` are loops over
+it. Backends (runtime/backends.py): "triton" (CUDA kernels), "torch" (CPU), "reference" (the kernels' ref twins
+everywhere; small models only); "auto" picks triton on CUDA and torch on CPU, once, when the engine is made.
 
-Modes "reuse" and "hybrid" (runtime/reuse_prefill.py, docs/SPEC.md section 6) take the documents' KV from a
-KVStore (runtime/kv_store.py): a missing document is computed on its own after the index's profiling prefix
-(inside the request's forward, straight into its pages), then the request's forward runs only its prefix,
-query, last and recomputed blocks (`q_blocks`), the other blocks' KV read from the documents' pages through a
-`PagedKVCache`.
-
-Backends (runtime/backends.py): "triton" (CUDA kernels), "torch" (CPU), "reference" (the kernels' ref twins
-everywhere; small models only); "auto" picks triton on CUDA and torch on CPU, once, when the engine is made;
-the result records which one ran.
+Threads: `add_request` and `abort` may be called from any thread at any time (they validate on the caller's
+thread and leave the request in a lock-protected inbox that `step` drains first); `step`, `generate`, `stream`,
+`prefill` and `warmup` run one at a time (an engine lock). One thread should drive `step` in a serving loop;
+`generate` and `stream` drive it themselves, so call them when no loop does (they may run concurrently with
+each other: each reads its own requests' outputs).
 """
 from __future__ import annotations
 
-import contextlib
+import itertools
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
 from sift.errors import SiftError
-from sift.format import TILES, content_hash
+from sift.format import TILES, ModelGeometry, content_hash
 
-from ..kernels.block_indices import DocBits
-from ..kernels.layout import build_layout
 from ..kernels.rope import rope_inv_freq
 from ..kernels.sparse_attention import HEAD_DIMS
-from . import reuse, reuse_prefill
-from .backends import dense_layers, select_backend
-from .forward import ATTN_NAME, DecodeAttention, PrefillAttention, Timer, sift_attention
-from .kv_cache import BatchKVCache
+from . import reuse
+from .backends import select_backend
+from .forward import ATTN_NAME, Timer, sift_attention
 from .kv_store import Geometry, KVStore
-from .metadata import DecodeMetadata, PrefillMetadata
+from .modes import Mode
+from .plan import PlanContext, build_plan, n_blocks, page_need
+from .request import OutputText, Request, RequestOutput, RequestState
+from .runner import BUCKETS, HostCopy, ModelRunner
+from .sampling import MAX_STOP_TOKEN_IDS, SamplingParams, seed_key
+from .scheduler import Group, Scheduler
 from .store import ON_UNKNOWN, SiftIndex
-
-MODES = ("sift", "dense", "reuse", "hybrid")
 GPU_BLOCK = 128
+# The KV pool when the caller gives no KVStore: this share of the device memory free when the engine is made,
+# or this many bytes on a CPU.
+KV_CACHE_FRACTION = 0.5
+CPU_KV_CACHE_BYTES = 256 << 20
+MAX_PREFILL_TOKENS = 1 << 16
+FINISHED_IDS_KEPT = 4096
 
 
 # ---------------------------------------------------------------------------------------------- public types
-
-
-@dataclass(frozen=True, eq=False)
-class BatchBits:
-    """Bits of one call's documents given by the caller instead of fetched from the index (mode "sift"; the
-    in-context oracle of quality/oracle.py). bits: every document of the batch, requests in order, each request's
-    documents in prompt order; tile: their tile (one of TILES, at most the engine's block)."""
-
-    bits: DocBits
-    tile: int
-
-
-@dataclass(frozen=True)
-class Request:
-    """One RAG prompt: prefix (system prompt), retrieved documents as (doc_id, text), query."""
-
-    prefix: str
-    docs: Sequence[tuple[str, str]]
-    query: str
 
 
 @dataclass(frozen=True)
@@ -107,8 +94,9 @@ class PrefillResult:
 
 @dataclass(frozen=True)
 class GenerateResult:
-    """texts: decoded generations (special tokens skipped); token_ids: generated ids per request, the eos
-    included when one stopped it; prefill: the prefill of the batch; decode_s: seconds of the decode steps."""
+    """texts: the generations (special tokens skipped, cut at a stop string); token_ids: generated ids per
+    request, the eos or stop token included when one stopped it; prefill: the prefill of the batch; decode_s:
+    seconds from the end of the prefill to the last request's end."""
 
     texts: list[str]
     token_ids: list[list[int]]
@@ -120,19 +108,27 @@ class GenerateResult:
 
 
 class SiftEngine:
-    """Serve RAG prompts with SIFT's sparse, position-free prefill over an unchanged transformers model.
+    """Serve RAG prompts with SIFT's sparse, position-free prefill and continuously batched decoding over an
+    unchanged transformers model (module docstring).
 
     model: a Llama / Qwen2 / Qwen3 / Mistral causal LM (any device, fp32 / bf16 / fp16); tokenizer: its
-    tokenizer; index: the SiftIndex built for this model (None: dense mode only). block: kernel block (default
-    128 on CUDA, the index tile on CPU; never below the index tile). on_unknown: "error" refuses documents the
-    index lacks, "dense" attends to them densely. backend: "auto" | "triton" | "torch" | "reference".
-    kv_store: a KVStore for modes "reuse" / "hybrid" (attached here: its pool takes the model's device, dtype
-    and KV shape). hybrid_fraction: share of each reused document's blocks that mode "hybrid" recomputes.
+    tokenizer; index: the SiftIndex built for this model (None: modes other than "sift" only). block: kernel
+    block (default 128 on CUDA, the index tile on CPU; never below the index tile). on_unknown: "error" refuses
+    documents the index lacks, "dense" attends to them densely. backend: "auto" | "triton" | "torch" |
+    "reference". kv_store: the KVStore holding every request's KV (documents kept across requests, and each
+    request's own pages); without one the engine makes one of `kv_cache_bytes` (default: KV_CACHE_FRACTION of
+    the device memory free now on CUDA, CPU_KV_CACHE_BYTES on a CPU), with no DRAM tier. hybrid_fraction: share
+    of each reused document's blocks that mode "hybrid" recomputes. cuda_graphs: capture the decode step in CUDA
+    graphs (default: on CUDA with backend "triton"), at `warmup()` or else at the first `step()`. max_running:
+    requests decoding at once (at most 64); max_prefill_tokens: prompt tokens prefilled per step beyond the
+    first waiting group.
     """
 
     def __init__(self, model, tokenizer, index: SiftIndex | None, *, block: int | None = None,
                  on_unknown: str = "error", backend: str = "auto", kv_store: KVStore | None = None,
-                 hybrid_fraction: float = reuse.DEFAULT_FRACTION):
+                 kv_cache_bytes: int | None = None, hybrid_fraction: float = reuse.DEFAULT_FRACTION,
+                 cuda_graphs: bool | None = None, max_running: int = BUCKETS[-1],
+                 max_prefill_tokens: int = MAX_PREFILL_TOKENS):
         from transformers import AttentionInterface
 
         if on_unknown not in ON_UNKNOWN:
@@ -143,7 +139,8 @@ class SiftEngine:
         self.attention_backend = select_backend(backend, self.device)
         self.backend: str = self.attention_backend.name
 
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.geometry = ModelGeometry.from_config(cfg)
+        self.head_dim = self.geometry.head_dim
         if self.head_dim not in HEAD_DIMS:
             raise SiftError(f"head_dim={self.head_dim} is not supported by the attention kernels ({HEAD_DIMS})")
         try:
@@ -154,10 +151,8 @@ class SiftEngine:
         self.window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
         # The context the model declares (its RoPE scaling, where it has one, is already reflected here).
         self.max_positions: int | None = getattr(cfg, "max_position_embeddings", None)
-        # One call at a time: a call swaps the model's attention implementation for its duration, and the GPU
-        # runs one batch's layers in order anyway (batch concurrent requests into one call for throughput).
-        self._lock = threading.Lock()
         self.eos_ids = self._eos_ids()
+        self.vocab = model.get_output_embeddings().weight.shape[0]
 
         self.tile = index.tile if index is not None else None
         if index is not None:
@@ -176,20 +171,62 @@ class SiftEngine:
         if not 0.0 <= hybrid_fraction <= 1.0:
             raise SiftError(f"hybrid_fraction={hybrid_fraction!r} must lie in [0, 1]")
         self.hybrid_fraction = hybrid_fraction
-        self.kv_store = kv_store
+        for name, value, top in (("max_running", max_running, BUCKETS[-1]), ("max_prefill_tokens",
+                                                                             max_prefill_tokens, None)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1 or (top and value > top):
+                raise SiftError(f"{name}={value!r} must be an integer >= 1{f' and <= {top}' if top else ''}")
         if index is not None:
             self.prefix_ids = list(index.prefix_token_ids)
         else:   # the builder's default profiling prefix: BOS where the tokenizer has one
             self.prefix_ids = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-        if kv_store is not None:
-            n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-            dtype = next(model.parameters()).dtype
-            kv_store.attach(Geometry(cfg.num_hidden_layers, n_kv, self.head_dim, block, dtype, self.device),
-                            index.fingerprint if index is not None else f"{cfg.model_type}:{id(model)}")
+
+        self.kv_store = self._store(kv_store, kv_cache_bytes)
+        dtype = next(model.parameters()).dtype
+        self.kv_store.attach(Geometry.of(self.geometry, block, dtype, self.device),
+                             index.fingerprint if index is not None else f"{cfg.model_type}:{id(model)}")
         AttentionInterface.register(ATTN_NAME, sift_attention)
         previous = model.config._attn_implementation
         model.set_attn_implementation(ATTN_NAME)  # refuses models that do not dispatch through the interface
         model.set_attn_implementation(previous)
+
+        self.ctx = PlanContext(block=block, device=self.device, n_layers=cfg.num_hidden_layers,
+                               n_heads=cfg.num_attention_heads, index=index, on_unknown=on_unknown,
+                               prefix_ids=tuple(self.prefix_ids), store=self.kv_store,
+                               backend=self.attention_backend, hybrid_fraction=hybrid_fraction)
+        if cuda_graphs is None:
+            cuda_graphs = self.device.type == "cuda" and self.attention_backend.capturable
+        context = self.max_positions or self.kv_store.n_pages * block
+        self.runner = ModelRunner(model, self.attention_backend, self.inv_freq, self.kv_store, block=block,
+                                  max_positions=context, cuda_graphs=cuda_graphs)
+        self.scheduler = Scheduler(self.kv_store, max_running=max_running, max_prefill_tokens=max_prefill_tokens)
+        # One step at a time: a step swaps the model's attention implementation for its forwards, and the GPU
+        # runs one step's work in order anyway.
+        self._lock = threading.RLock()
+        # add_request / abort from any thread: the inbox the next step drains, and every request not yet dropped.
+        self._inbox_lock = threading.Lock()
+        self._inbox: list[tuple[str, object]] = []
+        self._states: dict[str, RequestState] = {}
+        self._finished_ids: deque[str] = deque(maxlen=FINISHED_IDS_KEPT)
+        self._ids = itertools.count()
+        # The tokenizer is used from the callers' threads (encoding) and the stepping thread (decoding): a fast
+        # tokenizer refuses concurrent use ("Already borrowed").
+        self._tok_lock = threading.Lock()
+        self._pending: tuple[HostCopy, list[RequestState]] | None = None
+        self._carry: list[RequestOutput] = []
+
+    def _store(self, kv_store: KVStore | None, kv_cache_bytes: int | None) -> KVStore:
+        if kv_store is not None:
+            if kv_cache_bytes is not None:
+                raise SiftError("give either kv_store= or kv_cache_bytes=, not both (a KVStore has its own budget)")
+            return kv_store
+        if kv_cache_bytes is None:
+            if self.device.type == "cuda":
+                kv_cache_bytes = int(KV_CACHE_FRACTION * torch.cuda.mem_get_info(self.device)[0])
+            else:
+                kv_cache_bytes = CPU_KV_CACHE_BYTES
+        elif isinstance(kv_cache_bytes, bool) or not isinstance(kv_cache_bytes, int) or kv_cache_bytes < 1:
+            raise SiftError(f"kv_cache_bytes={kv_cache_bytes!r} must be an integer number of bytes >= 1")
+        return KVStore(hbm_bytes=kv_cache_bytes)
 
     def _eos_ids(self) -> set[int]:
         eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
@@ -197,239 +234,378 @@ class SiftEngine:
             eos = self.tokenizer.eos_token_id
         return set(eos if isinstance(eos, (list, tuple)) else [eos] if eos is not None else [])
 
-    # ------------------------------------------------------------------------------------------- steps
-    # The steps of a call (tokenise and check, metadata, one forward, the routed attention) are public: the
-    # reuse / hybrid prefill (runtime/reuse_prefill.py) composes its own calls from them.
-
-    @contextlib.contextmanager
-    def routed_attention(self):
-        """Route the model's attention to the engine for the duration of a call, then restore it. The config
-        attribute is swapped directly (microseconds; `set_attn_implementation` walks every module, ~5 ms),
-        after `__init__` validated the switch once through `set_attn_implementation`."""
-        config = self.model.config
-        previous = config._attn_implementation
-        config._attn_implementation = ATTN_NAME
-        try:
-            yield
-        finally:
-            config._attn_implementation = previous
+    # ------------------------------------------------------------------------------------ tokenisation
 
     def tokenize(self, request: Request) -> list[tuple[str, list[int]]]:
         """-> segments (kind, token ids) in prompt order, as SPEC section 4 tokenises them."""
         tok = self.tokenizer
-        segments = [("prefix", list(tok(request.prefix, add_special_tokens=True).input_ids))]
-        for doc_id, text in request.docs:
-            ids = list(tok(text, add_special_tokens=False).input_ids)
-            if not ids:
-                raise SiftError(f"document {doc_id!r} has no tokens: drop it from the request")
-            segments.append(("doc", ids))
-        segments.append(("query", list(tok(request.query, add_special_tokens=False).input_ids)))
+        with self._tok_lock:
+            segments = [("prefix", list(tok(request.prefix, add_special_tokens=True).input_ids))]
+            for doc_id, text in request.docs:
+                ids = list(tok(text, add_special_tokens=False).input_ids)
+                if not ids:
+                    raise SiftError(f"document {doc_id!r} has no tokens: drop it from the request")
+                segments.append(("doc", ids))
+            segments.append(("query", list(tok(request.query, add_special_tokens=False).input_ids)))
         return segments
 
     def prompt_ids(self, request: Request) -> list[int]:
         """The unsegmented prompt: the concatenation of the segments' token ids."""
         return [t for _, ids in self.tokenize(request) for t in ids]
 
-    def check_docs(self, requests: Sequence[Request], segs: list[list[tuple[str, list[int]]]]) -> None:
+    def _check_docs(self, request: Request, segments) -> None:
         """Stale or unknown documents are refused (unknown ones pass with on_unknown="dense")."""
         index = self.index
-        for request, segments in zip(requests, segs):
-            doc_ids = [ids for kind, ids in segments if kind == "doc"]
-            for (doc_id, _), ids in zip(request.docs, doc_ids):
-                if doc_id not in index:
-                    if self.on_unknown == "error":
-                        raise SiftError(
-                            f"document {doc_id!r} is not in index {index.path} (generation {index.generation}): "
-                            f"add it to the corpus and rebuild with `sift-build`, or create the engine with "
-                            f"on_unknown='dense' to attend to it densely")
-                    continue
-                entry = index.entry(doc_id)
-                h = content_hash(ids)
-                if h != entry.content_hash or len(ids) != entry.n_tokens:
+        for (doc_id, _), ids in zip(request.docs, [ids for kind, ids in segments if kind == "doc"]):
+            if doc_id not in index:
+                if self.on_unknown == "error":
                     raise SiftError(
-                        f"stale index: document {doc_id!r} tokenises to {len(ids)} tokens (content_hash "
-                        f"{h[:16]}...) but index {index.path} (generation {index.generation}) holds {entry.n_tokens} "
-                        f"tokens (content_hash {entry.content_hash[:16]}...): its text changed since it was indexed; "
-                        f"rebuild the index (`sift-build CORPUS --out {index.path}` re-profiles changed documents)")
+                        f"document {doc_id!r} is not in index {index.path} (generation {index.generation}): "
+                        f"add it to the corpus and rebuild with `sift-build`, or create the engine with "
+                        f"on_unknown='dense' to attend to it densely")
+                continue
+            entry = index.entry(doc_id)
+            h = content_hash(ids)
+            if h != entry.content_hash or len(ids) != entry.n_tokens:
+                raise SiftError(
+                    f"stale index: document {doc_id!r} tokenises to {len(ids)} tokens (content_hash "
+                    f"{h[:16]}...) but index {index.path} (generation {index.generation}) holds {entry.n_tokens} "
+                    f"tokens (content_hash {entry.content_hash[:16]}...): its text changed since it was indexed; "
+                    f"rebuild the index (`sift-build CORPUS --out {index.path}` re-profiles changed documents)")
 
-    def validate_requests(self, requests, mode: str, indexed: bool = True) -> None:
-        """Refuse an unknown mode, a mode the engine cannot serve (no index, no KV store) and bad requests.
-        indexed=False: mode "sift" runs on bits the caller gives, without the index."""
-        if mode.partition(":")[0] not in MODES:
-            raise SiftError(f"mode={mode!r} must be one of {', '.join(MODES)} (or 'hybrid:<policy>[@<fraction>]')")
-        if mode == "sift" and indexed and self.index is None:
+    # ------------------------------------------------------------------------------------ admission
+
+    def _mode(self, mode) -> Mode:
+        mode = Mode.parse(mode)
+        if mode.kind == "sift" and self.index is None:
             raise SiftError("mode='sift' needs an index: create the engine with SiftIndex.open(path)")
-        if mode not in ("sift", "dense"):
-            reuse.parse_mode(mode)
-            if self.kv_store is None:
-                raise SiftError(f"mode={mode!r} needs a KV store: create the engine with "
-                                f"SiftEngine(..., kv_store=KVStore(hbm_bytes=..., dram_bytes=...))")
-            if self.index is None and self.on_unknown == "error":
-                raise SiftError(f"mode={mode!r} without an index treats every document as unknown: open the index "
-                                f"or create the engine with on_unknown='dense'")
-        if not requests:
-            raise SiftError("no requests: pass at least one Request")
-        for r in requests:
-            if not isinstance(r, Request):
-                raise SiftError(f"expected Request objects, got {type(r).__name__}")
+        if mode.reuses and self.index is None and self.on_unknown == "error":
+            raise SiftError(f"mode={mode.text!r} without an index treats every document as unknown: open the index "
+                            f"or create the engine with on_unknown='dense'")
+        return mode
 
-    # ----------------------------------------------------------------------------------------- prefill
+    def _state(self, r: int, request: Request, params: SamplingParams, mode: Mode, request_id: str | None,
+               check_docs: bool) -> RequestState:
+        """Validate and tokenise one request -> its state (waiting)."""
+        if not isinstance(request, Request):
+            raise SiftError(f"expected Request objects, got {type(request).__name__}")
+        if not isinstance(params, SamplingParams):
+            raise SiftError(f"params must be a SamplingParams, got {type(params).__name__}")
+        bad = [i for i in params.stop_token_ids if i >= self.vocab]
+        if bad:
+            raise SiftError(f"stop_token_ids {bad} are outside the model's vocabulary of {self.vocab}")
+        segments = self.tokenize(request)
+        n = sum(len(ids) for _, ids in segments)
+        new = params.max_tokens
+        if n == 0:
+            raise SiftError(f"request {r} has no tokens (empty prefix, no documents, empty query): give it a prefix, "
+                            f"a document or a query")
+        if self.max_positions and n + new > self.max_positions:
+            raise SiftError(f"request {r} has {n} prompt tokens + {new} to generate, more than the model's context "
+                            f"of {self.max_positions} (max_position_embeddings): shorten the prompt or lower "
+                            f"max_new_tokens / max_tokens")
+        if self.window and n > self.window:
+            raise SiftError(f"a prompt of {n} tokens exceeds the model's sliding window ({self.window}): the "
+                            f"sparse pattern assumes full causal attention; shorten the prompt")
+        if check_docs and self.index is not None and mode.kind != "dense":
+            self._check_docs(request, segments)
+        need = page_need(self.ctx, mode, segments, new)
+        entries = sum(n_blocks(len(ids), self.block) for _, ids in segments) + need.gen
+        if entries > self.runner.max_row_entries:
+            raise SiftError(f"request {r} spans {entries} blocks in {len(segments)} segments, more than a decode "
+                            f"row's {self.runner.max_row_entries}: give it fewer documents")
+        stop_ids = tuple(sorted(self.eos_ids)) + tuple(i for i in params.stop_token_ids if i not in self.eos_ids)
+        if len(stop_ids) > MAX_STOP_TOKEN_IDS:
+            raise SiftError(f"{len(stop_ids)} stop token ids (the model's eos ids and stop_token_ids): give at most "
+                            f"{MAX_STOP_TOKEN_IDS - len(self.eos_ids)} stop_token_ids")
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+        elif not isinstance(request_id, str) or not request_id:
+            raise SiftError(f"request_id={request_id!r} must be a non-empty string")
+        text = OutputText(_LockedTokenizer(self.tokenizer, self._tok_lock), params.stop)
+        return RequestState(request_id, request, params, mode, segments, stop_ids, seed_key(params.seed), text,
+                            n_prompt=n, need=need)
+
+    def _group(self, requests: Sequence[Request], params, mode, *, timed: bool, supplied=None,
+               request_ids=None) -> Group:
+        """Validate a batch -> its Group (nothing leased yet). Refuses what could never run. supplied: bits
+        given instead of the index's (runtime/supplied_bits.py; mode "sift", no index needed)."""
+        mode = self._mode(mode) if supplied is None else mode
+        if isinstance(requests, Request) or not requests:
+            raise SiftError("no requests: pass a list of at least one Request")
+        params = list(params) if isinstance(params, (list, tuple)) else [params] * len(requests)
+        if len(params) != len(requests):
+            raise SiftError(f"{len(params)} SamplingParams for {len(requests)} requests: give one, or one per request")
+        ids = request_ids or [None] * len(requests)
+        states = [self._state(r, q, p, mode, i, check_docs=supplied is None)
+                  for r, (q, p, i) in enumerate(zip(requests, params, ids))]
+        group = Group(states, mode, supplied=supplied, timed=timed)
+        for s in states:
+            s.group = group
+        usable = self.kv_store.n_pages - 1   # the engine holds one page for the decode batch's idle rows
+        need = group.worst_pages(self.block)
+        if need > usable:
+            page = self.kv_store.geometry.page_bytes
+            raise SiftError(
+                f"this batch needs {need} KV pages ({need * page / 2**30:.2f} GiB: its documents plus its prefix, "
+                f"query and generated tokens) but the KV pool holds {usable} ({usable * page / 2**30:.2f} GiB): "
+                f"raise KVStore(hbm_bytes=...) or SiftEngine(kv_cache_bytes=...), or send fewer or shorter "
+                f"requests per call")
+        return group
+
+    def _submit(self, group: Group) -> None:
+        with self._inbox_lock:
+            for s in group.states:
+                if s.request_id in self._states:
+                    raise SiftError(f"request_id {s.request_id!r} is already in use: give each request its own id")
+            for s in group.states:
+                self._states[s.request_id] = s
+            self._inbox.append(("add", group))
+
+    # ---------------------------------------------------------------------------------------- step API
+
+    def add_request(self, request: Request, params: SamplingParams | None = None, mode: str = "sift", *,
+                    request_id: str | None = None) -> str:
+        """Queue one request -> its id (`request_id`, or one made here). Validated now (a bad value raises
+        SiftError here); it starts at a later `step()`, when the KV pool has its pages. params: default
+        SamplingParams() (temperature 1, 16 tokens). Thread-safe."""
+        group = self._group([request], params if params is not None else SamplingParams(), mode, timed=False,
+                            request_ids=[request_id])
+        self._submit(group)
+        return group.states[0].request_id
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request: it ends with finish_reason "abort" at the next step, which returns its pages to the
+        pool. Aborting a finished request does nothing; an id never added raises SiftError. Thread-safe."""
+        with self._inbox_lock:
+            if request_id not in self._states and request_id not in self._finished_ids:
+                raise SiftError(f"unknown request id {request_id!r}: abort takes an id add_request returned")
+            self._inbox.append(("abort", request_id))
+
+    def has_unfinished(self) -> bool:
+        """Whether a request is queued or running, or a step's outputs are still to be returned."""
+        with self._inbox_lock:
+            if self._inbox:
+                return True
+        return self.scheduler.has_work() or self._pending is not None or bool(self._carry)
 
     @torch.inference_mode()
-    def prefill(self, requests: Sequence[Request], mode: str = "sift", *,
-                bits: BatchBits | None = None) -> PrefillResult:
-        """Prefill a batch -> PrefillResult (logits at each request's last position). bits: mode "sift" with
-        these bits rather than the index's."""
+    def warmup(self) -> None:
+        """Capture the decode step's CUDA graphs now (they are otherwise captured at the first step): one per
+        batch-size bucket, greedy and sampling. Call it before adding requests."""
         with self._lock:
-            result, _, cache = self._run_prefill(requests, mode, new_tokens=0, bits=bits)
-            reuse_prefill.release(cache)
-            return result
+            self.runner.capture()
 
-    def _run_prefill(self, requests: Sequence[Request], mode: str, new_tokens: int, bits: BatchBits | None = None):
-        if bits is not None:
-            self._check_supplied(mode, bits)
-        if mode in ("sift", "dense") or mode.partition(":")[0] not in MODES:
-            return self._prefill(requests, mode, new_tokens, bits)
-        fields, layout, cache = reuse_prefill.prefill(self, requests, mode, new_tokens)
-        return PrefillResult(mode=mode, backend=self.backend, block=self.block, **fields), layout, cache
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """One iteration: admit and prefill the requests whose pages are free, launch one decode step of every
+        running request, and return the outputs that changed: the first token of the requests prefilled now,
+        and the tokens of the previous step's decode (the host reads a step's tokens while the device runs the
+        next one, so a request's new token appears one step after the step that drew it). A request found
+        finished on the host after its row was launched again discards that extra token."""
+        with self._lock:
+            outputs, self._carry = self._carry, []
+            outputs += self._drain()
+            self.runner.capture()
+            sched = self.scheduler
+            changed = sched.prune()
+            error, new = None, []
+            for group in sched.admit():
+                try:
+                    new.append((group, *self._prefill(group)))
+                except BaseException as e:      # the group ends (its pages return); the others go on
+                    for s in group.states:
+                        sched.finish(s, "abort")
+                        outputs.append(self._finished(s))
+                    error = error or e
+            tokens = live = firsts = None
+            if new:
+                tokens = torch.cat([t for _, t, _ in new])
+                live = torch.cat([lv for _, _, lv in new])
+                firsts = HostCopy(tokens)       # queued before the decode step: it waits for the prefill only
+                for group, _, _ in new:
+                    sched.start(group)
+                changed = True
+            if changed:
+                self.runner.set_rows(sched.running, tokens, live)
+            record = self._launch()
+            if new:
+                outputs += self._accept(firsts, [s for g, _, _ in new for s in g.states])
+            if self._pending is not None:
+                outputs += self._accept(*self._pending)
+            self._pending = record
+            if error is not None:
+                self._carry = outputs
+                raise error
+            return outputs
 
-    def _check_supplied(self, mode: str, bits: BatchBits) -> None:
-        if mode != "sift":
-            raise SiftError(f"bits were given with mode={mode!r}: supplied bits serve mode 'sift' only")
-        if bits.tile not in TILES or bits.tile > self.block:
-            raise SiftError(f"supplied bits of tile {bits.tile}: the tile must be one of {TILES} and at most the "
-                            f"engine's block {self.block}")
+    def _drain(self) -> list[RequestOutput]:
+        """Take the inbox: new groups join the waiting queue, aborts end their requests now."""
+        with self._inbox_lock:
+            inbox, self._inbox = self._inbox, []
+        outputs = []
+        for kind, item in inbox:
+            if kind == "add":
+                item.states = [s for s in item.states if not s.finished]   # aborted before it was drained
+                if item.states:
+                    self.scheduler.add(item)
+            else:
+                state = self._states.get(item)
+                if state is not None and self.scheduler.abort(state):
+                    outputs.append(self._finished(state))
+        return outputs
 
-    def _check_lengths(self, lengths: list[int], new_tokens: int) -> None:
-        for r, n in enumerate(lengths):
-            if n == 0:
-                raise SiftError(f"request {r} has no tokens (empty prefix, no documents, empty query): give it "
-                                f"a prefix, a document or a query")
-            if self.max_positions and n + new_tokens > self.max_positions:
-                more = f" + {new_tokens} to generate" if new_tokens else ""
-                raise SiftError(f"request {r} has {n} prompt tokens{more}, more than the model's context of "
-                                f"{self.max_positions} (max_position_embeddings): shorten the prompt"
-                                f"{' or lower max_new_tokens' if new_tokens else ''}")
+    def _launch(self):
+        """One decode step of the rows, unless every running request has all its tokens on the way already."""
+        running = self.scheduler.running
+        busy = [s for s in running if s.launched < s.params.max_tokens and not s.finished]
+        if not busy:
+            return None
+        copy = self.runner.launch(greedy_only=all(s.params.greedy for s in running))
+        for s in busy:
+            s.launched += 1
+        return copy, list(running)
 
-    def segments(self, requests: Sequence[Request], new_tokens: int):
-        """Requests -> (segments per request, prompt lengths), lengths checked."""
-        segs = [self.tokenize(r) for r in requests]
-        lengths = [sum(len(ids) for _, ids in s) for s in segs]
-        self._check_lengths(lengths, new_tokens)
-        if self.window and max(lengths) > self.window:
-            raise SiftError(f"a prompt of {max(lengths)} tokens exceeds the model's sliding window ({self.window}): "
-                            f"the sparse pattern assumes full causal attention; shorten the prompt")
-        return segs, lengths
+    def _accept(self, copy, states) -> list[RequestOutput]:
+        """Tokens of `states` (one per state, in order) from the device -> their outputs."""
+        outputs = []
+        for token, s in zip(copy.values(), states):
+            if s.finished:
+                continue
+            if s.accept(int(token)):
+                self.scheduler.finish(s, s.finish_reason)
+                outputs.append(self._finished(s))
+            else:
+                outputs.append(s.output())
+        return outputs
 
-    def _plan(self, requests: Sequence[Request], mode: str, timer: Timer, new_tokens: int,
-              supplied: BatchBits | None = None):
-        """Requests -> (token ids of the batch [1, n_real], layout, prompt lengths, the documents' bits or None)."""
-        segs, lengths = self.segments(requests, new_tokens)
-        if mode == "sift" and supplied is None:
-            self.check_docs(requests, segs)
-        layout = build_layout([[(k, len(ids)) for k, ids in s] for s in segs], self.block, self.device)
-        bits = None
-        if supplied is not None:
-            if supplied.bits.la_base.numel() != layout.n_docs:
-                raise SiftError(f"supplied bits hold {supplied.bits.la_base.numel()} documents, the batch has "
-                                f"{layout.n_docs}: give one entry per document of every request, in order")
-            bits = supplied.bits if layout.n_docs else None
-        elif mode == "sift" and layout.n_docs:
-            docs = [(doc_id, len(ids)) for r, s in zip(requests, segs)
-                    for (doc_id, _), ids in zip(r.docs, [ids for k, ids in s if k == "doc"])]
-            with timer("fetch"):
-                bits = self.index.fetch(docs, on_unknown=self.on_unknown)
-        ids = torch.tensor([[t for s in segs for _, seg in s for t in seg]], device=self.device)
-        return ids, layout, lengths, bits
+    def _finished(self, state: RequestState) -> RequestOutput:
+        out = state.output()
+        with self._inbox_lock:
+            if state.group is None or not state.group.timed:   # a generate call reads its own states
+                self._states.pop(state.request_id, None)
+            self._finished_ids.append(state.request_id)
+        return out
 
-    def metadata(self, layout, bits, timer: Timer, q_blocks: torch.Tensor | None = None,
-                 tile: int | None = None) -> PrefillMetadata:
-        """Every layer's block CSR, before the forward: from the bits (of `tile`, default the index's), or dense
-        when there are none; only the rows of `q_blocks` when given."""
-        n_layers, n_heads = self.model.config.num_hidden_layers, self.model.config.num_attention_heads
-        with timer("decode"):
-            if bits is None:
-                return PrefillMetadata.build(layout, dense_layers(layout, n_heads, n_layers), sparse=False,
-                                             q_blocks=q_blocks)
-            indices = self.attention_backend.decode_indices(layout, bits, tile or self.tile, n_heads)
-            return PrefillMetadata.build(layout, indices, sparse=True, q_blocks=q_blocks)
-
-    def _prefill(self, requests: Sequence[Request], mode: str, new_tokens: int, supplied: BatchBits | None = None):
-        """-> (PrefillResult, layout, the batch's KV cache with room for new_tokens more per request)."""
+    def _prefill(self, group: Group) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prefill one admitted group -> each request's first token and whether it goes on (device tensors)."""
         t0 = time.perf_counter()
-        if self.device.type == "cuda":
+        if group.timed and self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
-        self.validate_requests(requests, mode, indexed=supplied is None)
         timer = Timer(self.device)
-        ids, layout, lengths, bits = self._plan(requests, mode, timer, new_tokens, supplied)
-        meta = self.metadata(layout, bits, timer, tile=supplied.tile if supplied is not None else None)
-        n_layers = self.model.config.num_hidden_layers
-        cache = BatchKVCache(layout, n_layers, gen_blocks=-(-new_tokens // self.block))
-        hidden = self.forward_tokens(ids, layout.token_local_pos, meta, cache, timer)
-        last = (layout.req_first_token + layout.req_n_tokens - 1).long()
-        logits = self.model.get_output_embeddings()(hidden[0, last]).float()
+        timer.add("store", group.lease_s)
+        plan = build_plan(self.ctx, self.runner, group.mode, group.states, timer, group.supplied)
+        hidden = self.runner.forward(plan.ids, plan.positions, plan.meta, plan.cache, timer)
+        logits = self.runner.logits(hidden[plan.logit_rows])
+        t = time.perf_counter()
+        for lease in plan.leases:
+            lease.commit()
+        timer.add("store", time.perf_counter() - t)
+        width = self.runner.batch.max_gen_pages
+        for s, (pages, offsets) in zip(group.states, plan.tables):
+            gen = s.lease.scratch[s.need.own:s.need.own + s.need.gen]
+            s.table = (torch.cat([pages, gen.to(torch.int32)]),
+                       torch.cat([offsets, torch.full_like(gen, s.n_prompt, dtype=torch.int32)]))
+            s.gen_pages_row = torch.zeros(width, dtype=torch.int64, device=self.device)
+            s.gen_pages_row[:gen.numel()] = gen
+            s.launched = 1
+        tokens, live = self.runner.first_tokens(logits, group.states)
+        if group.timed:
+            group.result = self._result(group, plan, logits, timer, t0)
+        return tokens, live
+
+    def _result(self, group: Group, plan, logits: torch.Tensor, timer: Timer, t0: float) -> PrefillResult:
         stages = timer.totals()  # synchronises on CUDA
         total = time.perf_counter() - t0
-        dense_pairs = n_layers * self.model.config.num_attention_heads * layout.causal_block_pairs
-        frac = float(meta.nnz()) / dense_pairs if mode == "sift" else 1.0
         stages["rest"] = max(0.0, total - sum(stages.values()))
         stages["total"] = total
-        result = PrefillResult(logits=logits, ttft_s=(total,) * len(requests), stages=stages, tile_fraction=frac,
-                               mode=mode, backend=self.backend, block=self.block, n_tokens=tuple(lengths))
-        return result, layout, cache
+        extra = {}
+        if group.mode.reuses:
+            extra = dict(store=plan.store,
+                         recomputed_fraction=plan.recomputed_tokens / plan.doc_tokens if plan.doc_tokens else 0.0)
+        frac = float(plan.computed) / plan.dense if group.mode.kind != "dense" else 1.0
+        return PrefillResult(logits=logits, ttft_s=(total,) * len(group.states), stages=stages, tile_fraction=frac,
+                             mode=group.mode.text, backend=self.backend, block=self.block,
+                             n_tokens=tuple(s.n_prompt for s in group.states), **extra)
 
-    def forward_tokens(self, ids: torch.Tensor, positions: torch.Tensor, meta: PrefillMetadata, cache, timer: Timer):
-        """One prefill forward of the model over `ids` [1, n] at segment-local `positions` [n] -> last hidden
-        states [1, n, hidden]; each layer's K / V go into `cache` and attention follows `meta`."""
-        attention = PrefillAttention(self.attention_backend, meta, cache, self.inv_freq, timer)
-        with self.routed_attention():
-            hidden = self.model.base_model(input_ids=ids, position_ids=positions[None], use_cache=False,
-                                           sift_state=attention).last_hidden_state
-        n_layers = self.model.config.num_hidden_layers
-        if cache.layers_written != n_layers:  # never serve a silently dense (or unrotated) forward
-            raise SiftError(f"only {cache.layers_written} of {n_layers} layers ran the engine's attention: the model "
-                            f"does not dispatch attention through transformers' AttentionInterface")
-        return hidden
+    # ------------------------------------------------------------------------------------- calls
+
+    def stream(self, request: Request, params: SamplingParams | None = None,
+               mode: str = "sift") -> Iterator[RequestOutput]:
+        """One request's outputs as it generates, driving `step()` (closing the iterator early aborts it)."""
+        request_id = self.add_request(request, params, mode)
+        state = self._states[request_id]
+        last = None
+        try:
+            while True:
+                self.step()
+                if state.latest is not last:
+                    last = state.latest
+                    yield last
+                    if last.finished:
+                        return
+        finally:
+            if not state.finished:
+                self.abort(request_id)
 
     @torch.inference_mode()
+    def prefill(self, requests: Sequence[Request], mode: str = "sift") -> PrefillResult:
+        """Prefill a batch -> PrefillResult (logits at each request's last position); nothing is generated."""
+        return self._prefill_only(self._group(requests, SamplingParams.greedy_params(1), mode, timed=True))
+
+    def _prefill_only(self, group: Group) -> PrefillResult:
+        with self._lock:
+            self.scheduler.lease_now(group)
+            try:
+                self._prefill(group)
+            finally:
+                self.scheduler.release(group)
+        return group.result
+
     def generate(self, requests: Sequence[Request], max_new_tokens: int = 32, mode: str = "sift", *,
-                 bits: BatchBits | None = None) -> GenerateResult:
-        """Greedy generation: prefill, then one token per request per step over the position-free cache,
-        until eos or max_new_tokens. bits: mode "sift" with these bits rather than the index's."""
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> GenerateResult:
+        """Generate for a batch through the step API (its requests prefilled together, then decoded with every
+        other running request): greedy, up to max_new_tokens tokens each, stopping at eos; or as `params` say
+        (one SamplingParams, or one per request; their max_tokens replace max_new_tokens)."""
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise SiftError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 1")
-        with self._lock:
-            return self._generate(requests, max_new_tokens, mode, bits)
+        if params is None:
+            params = SamplingParams.greedy_params(max_new_tokens)
+        return self._generate(self._group(requests, params, mode, timed=True))
 
-    def _generate(self, requests: Sequence[Request], max_new_tokens: int, mode: str,
-                  bits: BatchBits | None = None) -> GenerateResult:
-        prefill, layout, cache = self._run_prefill(requests, mode, new_tokens=max_new_tokens, bits=bits)
+    def _generate(self, group: Group) -> GenerateResult:
+        if len(group.states) > self.scheduler.max_running:
+            raise SiftError(f"{len(group.states)} requests in one generate call, more than the "
+                            f"{self.scheduler.max_running} the engine decodes at once: split the batch")
+        states = list(group.states)
+        self._submit(group)
         try:
-            return self._decode_loop(requests, max_new_tokens, prefill, layout, cache)
+            while not all(s.finished for s in states):
+                self.step()
+            if group.result is None or any(s.first_token_s is None for s in states):
+                raise SiftError("a request of the batch was aborted before it was prefilled (abort() from another "
+                                "thread)")
         finally:
-            reuse_prefill.release(cache)
+            with self._lock:        # an interrupted call: its requests end now
+                for s in states:
+                    self.scheduler.abort(s)
+            with self._inbox_lock:
+                for s in states:
+                    self._states.pop(s.request_id, None)
+        end = max(s.finish_s for s in states)
+        prefill_end = min(s.first_token_s for s in states)
+        outs = [s.latest for s in states]
+        return GenerateResult(texts=[o.text for o in outs], token_ids=[o.token_ids for o in outs],
+                              prefill=group.result, decode_s=max(0.0, end - prefill_end))
 
-    def _decode_loop(self, requests, max_new_tokens: int, prefill: PrefillResult, layout, cache) -> GenerateResult:
-        t0 = time.perf_counter()
-        b = len(requests)
-        out: list[list[int]] = [[] for _ in range(b)]
-        done = [False] * b
-        token = prefill.logits.argmax(dim=-1)  # [B]
-        meta = DecodeMetadata.build(layout, cache.block_pages, cache.gen_pages)
-        dec = DecodeAttention(self.attention_backend, meta, cache, self.inv_freq)
-        with self.routed_attention():
-            for step in range(max_new_tokens):
-                host = token.tolist()
-                for r in range(b):
-                    if not done[r]:
-                        out[r].append(host[r])
-                        done[r] = host[r] in self.eos_ids
-                if all(done) or step == max_new_tokens - 1:
-                    break
-                dec.start_step(step)
-                positions = torch.full((1, b), step, dtype=torch.long, device=self.device)
-                hidden = self.model.base_model(input_ids=token[None], position_ids=positions, use_cache=False,
-                                               sift_state=dec).last_hidden_state
-                token = self.model.get_output_embeddings()(hidden[0]).float().argmax(dim=-1)
-        texts = [self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False) for ids in out]
-        return GenerateResult(texts=texts, token_ids=out, prefill=prefill, decode_s=time.perf_counter() - t0)
+
+class _LockedTokenizer:
+    """The engine's tokenizer for the output texts, decoding under the engine's tokenizer lock (no reference to
+    the engine itself: a dropped engine frees its KV pool at once)."""
+
+    def __init__(self, tokenizer, lock: threading.Lock):
+        self.tokenizer, self.lock = tokenizer, lock
+
+    def decode(self, ids, **kwargs) -> str:
+        with self.lock:
+            return self.tokenizer.decode(ids, **kwargs)

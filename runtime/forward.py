@@ -1,8 +1,7 @@
 """How the engine's attention runs inside an unchanged transformers forward: the model's attention calls are
 routed through transformers' AttentionInterface to `sift_attention`, and the per-forward state (what to write
 into the KV cache, which kernel and which block CSR to attend with) travels in the model's kwargs as
-`sift_state`. Shared by the engine's prefill and decode (runtime/engine.py) and its reuse path
-(runtime/reuse_prefill.py).
+`sift_state`. Made by the runner (runtime/runner.py) for each prefill forward and once per decode batch size.
 """
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ from collections import defaultdict
 
 import torch
 
-from .kv_cache import BatchKVCache
+from .kv_cache import PagedKVCache, PoolKV
 from .metadata import DecodeMetadata, PrefillMetadata
 
 ATTN_NAME = "sift_runtime"
@@ -44,6 +43,10 @@ class Timer:
             yield
             self.seconds[stage] += time.perf_counter() - t0
 
+    def add(self, stage: str, seconds: float) -> None:
+        """Host seconds of a stage measured by the caller (the KV store's bookkeeping)."""
+        self.seconds[stage] += seconds
+
     def totals(self) -> dict[str, float]:
         if self.cuda:
             # The call's own stream: the KV store's write-back to DRAM runs on, and outlives the call.
@@ -61,7 +64,7 @@ class PrefillAttention:
     """The attention of one prefill forward (handed to `sift_attention` through the model kwargs): writes each
     layer's position-free K/V into the cache, then attends with the backend over the metadata's CSR."""
 
-    def __init__(self, backend, meta: PrefillMetadata, cache: BatchKVCache, inv_freq, timer: Timer):
+    def __init__(self, backend, meta: PrefillMetadata, cache: PagedKVCache, inv_freq, timer: Timer):
         self.backend, self.meta, self.cache, self.inv_freq, self.timer = backend, meta, cache, inv_freq, timer
 
     def attend(self, layer: int, query, key, value, scale: float):
@@ -73,20 +76,15 @@ class PrefillAttention:
 
 
 class DecodeAttention:
-    """The attention of one generation step: one token per request, appended to the cache and attended over
-    its request's blocks in logical order."""
+    """The attention of one decode step: one token per row, appended to the pool at the row's slot and
+    attended over the row's block table. Nothing here reads the data on the host: a CUDA graph captures it."""
 
-    def __init__(self, backend, meta: DecodeMetadata, cache: BatchKVCache, inv_freq):
+    def __init__(self, backend, meta: DecodeMetadata, cache: PoolKV, inv_freq):
         self.backend, self.meta, self.cache, self.inv_freq = backend, meta, cache, inv_freq
-        self.slots: torch.Tensor | None = None
-
-    def start_step(self, step: int) -> None:
-        self.slots = self.meta.step_slots(step)
-        self.cache.advance(self.slots)
 
     def attend(self, layer: int, query, key, value, scale: float):
         """query [1, Hq, B, D], key / value [1, Hkv, B, D] -> [1, B, Hq, D]."""
-        self.cache.append(layer, self.slots, key[0], value[0])
+        self.cache.append(layer, self.meta.slots, key[0], value[0])
         out = self.backend.decode(self.meta, self.cache, layer, query[0].transpose(0, 1), self.inv_freq, scale)
         return out.unsqueeze(0), None
 
@@ -95,7 +93,7 @@ def sift_attention(module, query, key, value, attention_mask, scaling=None, drop
                     **kwargs):
     """AttentionInterface function of the engine: the per-forward state comes in through the model kwargs."""
     if sift_state is None:
-        raise RuntimeError(f"attention implementation {ATTN_NAME!r} runs only inside SiftEngine.prefill/generate")
+        raise RuntimeError(f"attention implementation {ATTN_NAME!r} runs only inside a SiftEngine forward")
     return sift_state.attend(module.layer_idx, query, key, value, scaling)
 
 

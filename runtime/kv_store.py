@@ -179,6 +179,7 @@ class KVStore:
         self._dram: OrderedDict[str, _Entry] = OrderedDict()  # entries with a host copy, LRU first
         self._lock = threading.RLock()
         self._stream = None
+        self._scratch = 0                             # pages held as scratch by unreleased leases
         self._counts = dict(hits_hbm=0, hits_dram=0, misses=0, evictions=0, evictions_dram=0, demotions=0,
                             bytes_h2d=0, bytes_d2h=0)
 
@@ -243,7 +244,8 @@ class KVStore:
     def stats(self) -> dict:
         """hbm_bytes / dram_bytes: bytes in use (entries' pages in HBM, pinned host copies); entries per tier;
         hits_hbm / hits_dram / misses: distinct documents per call; evictions (HBM), evictions_dram,
-        demotions (HBM -> DRAM copies made at eviction), bytes_h2d / bytes_d2h: KV bytes moved."""
+        demotions (HBM -> DRAM copies made at eviction), bytes_h2d / bytes_d2h: KV bytes moved; pages_free: HBM
+        pages no entry and no call holds; pages_scratch: pages calls hold for their own tokens."""
         with self._lock:
             page = self.geometry.page_bytes if self.geometry else 0
             used = sum(e.n_pages for e in self._hbm.values())
@@ -251,7 +253,9 @@ class KVStore:
             host_pages = len(self._host_free) if self._host_free is not None else 0
             return dict(hbm_bytes=used * page, dram_bytes=host_used * page, hbm_capacity=self.n_pages * page,
                         dram_capacity=host_pages * page, entries_hbm=len(self._hbm), entries_dram=len(self._dram),
-                        pinned=sum(e.refs > 0 for e in {**self._dram, **self._hbm}.values()), **self._counts)
+                        pinned=sum(e.refs > 0 for e in {**self._dram, **self._hbm}.values()),
+                        pages_free=0 if self._free is None else int(self._free.sum()), pages_scratch=self._scratch,
+                        **self._counts)
 
     def clear(self, *, hbm: bool = True, dram: bool = True) -> None:
         """Drop every entry no call is using from HBM and / or DRAM (an entry dropped from HBM stays served
@@ -270,6 +274,26 @@ class KVStore:
             return key in self._hbm or key in self._dram
 
     # ---------------------------------------------------------------------------------------- leasing
+
+    def can_lease(self, docs: dict[str, int], scratch_pages: int, per_miss_pages: int = 0) -> bool:
+        """Whether leases of `docs` (distinct key -> n_tokens) and `scratch_pages` own pages in all (plus
+        per_miss_pages per document missing from both tiers) would find their pages now: free, or held by
+        entries no call uses (other than these documents). When they would, the documents already in HBM become
+        the most recently used, so that taking the leases one after another evicts none of them."""
+        g = self.geometry
+        with self._lock:
+            need = scratch_pages
+            for key, n in docs.items():
+                if key not in self._hbm:
+                    need += -(-n // g.block) + (0 if key in self._dram else per_miss_pages)
+            spare = int(self._free.sum()) + sum(e.n_pages for k, e in self._hbm.items()
+                                                if e.refs == 0 and k not in docs)
+            if need > spare:
+                return False
+            for key in docs:
+                if key in self._hbm:
+                    self._hbm.move_to_end(key)
+            return True
 
     def lease(self, docs: dict[str, int], scratch_pages: int, per_miss_pages: int = 0) -> Lease:
         """docs: distinct document key -> n_tokens; scratch_pages: the call's own pages, plus per_miss_pages
@@ -331,6 +355,7 @@ class KVStore:
         self.page_valid[torch.as_tensor(scratch, device=self.geometry.device)] = 0
         lease.scratch = torch.as_tensor(scratch, device=self.geometry.device)
         lease._scratch_np = scratch
+        self._scratch += len(scratch)
         if promote:
             lease.layer_ready = self._promote(promote)
 
@@ -455,6 +480,7 @@ class KVStore:
                     e.pages, e.pages_t = None, None
             if lease._scratch_np is not None:
                 self._free[lease._scratch_np] = True
+                self._scratch -= len(lease._scratch_np)
 
 
 

@@ -2,13 +2,13 @@
 
     PrefillMetadata   layout + every layer's block CSR (decoded from the bits, in layer groups) + the row of the
                       forward's tokens holding each block's first slot + which query blocks the forward computes
-    DecodeMetadata    the block table of each request (the physical blocks of its prompt, then of its generated
-                      tokens), the rotation offset of each entry and the logical position of each request's
-                      generated segment
+    DecodeMetadata    the block table of each row of a decode step (the pages of its prompt, then of its generated
+                      tokens), the rotation offset of each entry, the logical position of each request's
+                      generated segment and the slot each row's new token goes to
 
-The valid slots of each physical block belong to the KV the block holds: they live in the cache
-(runtime/kv_cache.py). A rotation offset belongs to a block's place in a request: one physical block of a shared
-document has one offset per request that holds it, so the decode table carries one per entry.
+The valid slots of each page belong to the KV the page holds: they live in the pool (runtime/kv_cache.py). A
+rotation offset belongs to a block's place in a request: one page of a shared document has one offset per
+request that holds it, so the decode table carries one per entry.
 """
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.decode_attention import layout_kv_table
 from ..kernels.layout import BatchLayout
 
 
@@ -100,37 +99,21 @@ def _select_rows(layers: list[LayerCsr], q_blocks: torch.Tensor, n_heads: int, n
 
 @dataclass(frozen=True, eq=False)
 class DecodeMetadata:
-    """The block table one generation step's decode attention reads.
+    """The block tables one decode step reads: views of the decode batch's static buffers (runtime/runner.py),
+    made once per batch size and read by every replay while the runner rewrites their contents in place.
 
-    Request b's KV in logical order is the physical blocks kv_indices[kv_indptr[b]:kv_indptr[b + 1]] (its prompt
-    blocks, then the `gen_blocks` blocks of its generated tokens); kv_offset, parallel to kv_indices, is the
-    logical position of the first token of each entry's segment. q_offset: int32 [B], the logical position of
-    each request's first generated token (its prompt length). gen_pages: int64 [B, gen_blocks], the physical
-    blocks of the generated tokens.
+    Row b's KV in logical order is the pages kv_indices[kv_indptr[b]:kv_indptr[b + 1]] (its prompt blocks, then
+    its generation pages); kv_offset, parallel to kv_indices, is the logical position of the first token of each
+    entry's segment. q_offset: int32 [B], the logical position of each row's first generated token (its prompt
+    length). slots: int64 [B], the pool slot each row's token of this step goes to. num_splits: programs per
+    (row, kv head) of the split-K decode kernel, fixed by the buffers' capacity (never by the data, so a
+    captured step replays with any tables).
     """
 
     block: int
-    gen_blocks: int
-    q_offset: torch.Tensor
-    gen_pages: torch.Tensor
+    q_offset: torch.Tensor          # int32 [B]
     kv_indptr: torch.Tensor         # int32 [B + 1]
-    kv_indices: torch.Tensor        # int32 [total blocks]
-    kv_offset: torch.Tensor         # int32 [total blocks]
-
-    @classmethod
-    def build(cls, layout: BatchLayout, block_pages: torch.Tensor, gen_pages: torch.Tensor) -> "DecodeMetadata":
-        """block_pages: int64 [NB], the physical block of each logical prompt block; gen_pages [B, gen_blocks]."""
-        dev, b, g = layout.device, layout.n_requests, gen_pages.shape[1]
-        indptr, _ = layout_kv_table(layout)
-        gen_offset = layout.req_n_tokens.to(torch.int32)
-        pages, offsets = [], []
-        for r, (f, n) in enumerate(layout.request_blocks):
-            pages += [block_pages[f:f + n], gen_pages[r]]
-            offsets += [layout.block_offset[f:f + n], gen_offset[r].expand(g)]
-        return cls(block=layout.block, gen_blocks=g, q_offset=gen_offset.clone(), gen_pages=gen_pages,
-                   kv_indptr=indptr + torch.arange(b + 1, device=dev, dtype=torch.int32) * g,
-                   kv_indices=torch.cat(pages).to(torch.int32), kv_offset=torch.cat(offsets).to(torch.int32))
-
-    def step_slots(self, step: int) -> torch.Tensor:
-        """int64 [B]: the physical slot of each request's generated token of decode step `step`."""
-        return self.gen_pages[:, step // self.block] * self.block + step % self.block
+    kv_indices: torch.Tensor        # int32 [capacity]
+    kv_offset: torch.Tensor         # int32 [capacity]
+    slots: torch.Tensor             # int64 [B]
+    num_splits: int | None = None

@@ -1,225 +1,178 @@
-"""Modes "reuse" and "hybrid" of the engine (SPEC section 6; which blocks a call recomputes: runtime/reuse.py):
-the documents' position-free KV comes from the engine's KVStore, a missing document is computed on its own after
-the index's profiling prefix (inside the request's own forward, or in a forward of its own first where the policy
-reads its stored keys), and the request's forward runs only its prefix, query, last and recomputed blocks, the
-other blocks' KV read from the documents' pages through a `PagedKVCache`.
+"""The plan builder of modes "reuse" and "hybrid" (SPEC section 6; which blocks a request recomputes:
+runtime/reuse.py): the documents' position-free KV comes from the KV store, a missing document is computed on its
+own after the index's profiling prefix (inside the requests' own forward, or in a forward of its own first where
+the policy reads its stored keys), and the forward runs only each request's prefix, query, last and recomputed
+blocks, the other blocks' KV read from the documents' pages.
 
-These functions compose a `SiftEngine`'s public steps (`segments`, `check_docs`, `metadata`, `forward_tokens`,
-`routed_attention`), the engine passed in as `engine` (this module does not import it); `SiftEngine.prefill` and
-`generate` call `prefill` for these modes and `release` when the call ends.
+Each request's lease (taken by the scheduler when it was admitted) pins its documents and holds its scratch
+pages, cut as `PageNeed` says: [its computed blocks | its generation pages | the profiling prefix of each document
+it misses]. A document two requests of the group share is missed by the first one's lease only: the second finds
+the entry the first is computing, and reads its pages at each layer after the forward wrote them.
+
+The builder decides; the forwards it needs before deciding (the `deviation` policy's) run through the runner.
 """
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 import torch
 
-from sift.format import content_hash
-
 from ..kernels.layout import DOC, build_layout
 from . import reuse
-from .forward import StopAfter, Stopped, Timer
-from .kv_cache import BatchKVCache, PagedKVCache
-from .kv_store import entry_key
+from .forward import Timer
+from .kv_cache import BatchKVCache, PagedKVCache, PoolKV
+from .modes import Mode
+from .plan import PlanContext, PrefillPlan, n_blocks
 
 
-def prefill(engine, requests: Sequence, mode: str, new_tokens: int):
-    """Modes "reuse" / "hybrid" (runtime/reuse.py): documents' KV from the store (computed on its own on a
-    miss), the request's prefix, query and recomputed blocks through the model. -> (the fields of the call's
-    `PrefillResult` but its mode, backend and block; the layout; the batch's PagedKVCache, holding the store
-    lease until `release`)."""
-    t0 = time.perf_counter()
-    if engine.device.type == "cuda":
-        torch.cuda.current_stream(engine.device).synchronize()
-    engine.validate_requests(requests, mode)
-    _, policy, fraction = reuse.parse_mode(mode)
-    timer = Timer(engine.device)
-    segs, lengths = engine.segments(requests, new_tokens)
-    if engine.index is not None:
-        engine.check_docs(requests, segs)
-    shape = [[(k, len(ids)) for k, ids in s] for s in segs]
-    layout = build_layout(shape, engine.block, engine.device)
-    docs = [(doc_id, ids) for r, s in zip(requests, segs)
-            for (doc_id, _), ids in zip(r.docs, [ids for k, ids in s if k == "doc"])]
-    dtype = engine.kv_store.geometry.dtype
-    keys = [entry_key(engine.kv_store.fingerprint, content_hash(ids), len(ids), dtype, engine.prefix_ids, engine.block)
-            for _, ids in docs]
-    distinct = {k: d for k, d in zip(keys, docs)}
-    fraction = engine.hybrid_fraction if fraction is None else fraction
-    plan = _ReusePlan.make(layout, docs, policy, fraction, -(-new_tokens // engine.block))
-    all_ids = torch.tensor([t for s in segs for _, seg in s for t in seg], device=engine.device)
-    t_store = time.perf_counter()
-    lease = engine.kv_store.lease({k: len(ids) for k, (_, ids) in distinct.items()}, plan.scratch_pages,
-                                per_miss_pages=-(-len(engine.prefix_ids) // engine.block))
-    store_s = time.perf_counter() - t_store
-    try:
-        # Missing documents join the request's own forward (one forward: they attend only to the profiling
-        # prefix and themselves, so their KV is what a forward of their own would give), except where the
-        # policy must read their stored KV before choosing what to recompute.
-        cold = _ColdDocs.make(engine, lease, distinct, plan) if lease.misses else None
-        cold_nnz = 0.0
-        cold_blocks = cold.n_doc_blocks if cold is not None else 0
-        if cold is not None and policy == "deviation":
-            cold_nnz = _compute_docs(engine, cold, timer)
-            cold = None
-            store_s += _timed(lease.commit)
-        recompute = _choose_blocks(engine, policy, layout, all_ids, docs, keys, lease, plan, timer)
-        logits, meta, cache = _reuse_forward(engine, shape, layout, all_ids, docs, keys, lease, plan, recompute,
-                                                  timer, cold)
-        store_s += _timed(lease.commit)
-    except BaseException:
-        lease.release()
-        raise
-    stages = timer.totals()
-    stages["store"] += store_s
-    total = time.perf_counter() - t0
-    n_layers, n_heads = engine.model.config.num_hidden_layers, engine.model.config.num_attention_heads
-    dense_pairs = n_layers * n_heads * layout.causal_block_pairs
-    frac = (float(meta.nnz()) + cold_nnz) / dense_pairs
-    doc_tokens = int(layout.doc_n_tokens.sum())
-    redone = int(layout.block_valid[recompute].sum()) if doc_tokens else 0
-    stages["rest"] = max(0.0, total - sum(stages.values()))
-    stages["total"] = total
-    status = list(lease.status.values())
-    result = dict(logits=logits, ttft_s=(total,) * len(requests), stages=stages, tile_fraction=frac,
-                  n_tokens=tuple(lengths), recomputed_fraction=redone / doc_tokens if doc_tokens else 0.0,
-                  store=dict(hbm=status.count("hbm"), dram=status.count("dram"), computed=status.count("miss"),
-                             computed_blocks=cold_blocks))
-    return result, layout, cache
+def reuse_plan(ctx: PlanContext, runner, mode: Mode, states, timer: Timer) -> PrefillPlan:
+    """-> the plan of the group's forward (modes "reuse" / "hybrid"); missing documents are part of it, except
+    under the `deviation` policy, which computes them first (its plan's leases are then already committed)."""
+    blk = ctx.block
+    shape = [[(k, len(ids)) for k, ids in s.segments] for s in states]
+    layout = build_layout(shape, blk, ctx.device)
+    docs, doc_state = [], []
+    for s in states:
+        for (doc_id, _), ids in zip(s.request.docs, [ids for k, ids in s.segments if k == "doc"]):
+            docs.append((doc_id, ids))
+            doc_state.append(s)
+    keys = [ctx.doc_key(ids) for _, ids in docs]
+    doc_pages = [s.lease.doc_pages[k] for s, k in zip(doc_state, keys)]
+    fraction = ctx.hybrid_fraction if mode.fraction is None else mode.fraction
+    per_doc = tuple(reuse.budget(n_blocks(len(ids), blk), fraction, mode.policy) for _, ids in docs)
+    leases = [s.lease for s in states]
+    all_ids = torch.tensor([t for s in states for _, seg in s.segments for t in seg], device=ctx.device)
+
+    cold = _ColdDocs.make(ctx, states) if any(s.lease.misses for s in states) else None
+    cold_nnz, cold_blocks = 0.0, (cold.n_doc_blocks if cold is not None else 0)
+    if cold is not None and mode.policy == "deviation":
+        cold_nnz = _compute_docs(ctx, runner, cold, leases, timer)
+        t = time.perf_counter()
+        for lease in leases:
+            lease.commit()
+        timer.add("store", time.perf_counter() - t)
+        cold, leases_to_commit = None, ()
+    else:
+        leases_to_commit = tuple(leases)
+    recompute = _choose_blocks(ctx, runner, mode.policy, layout, all_ids, docs, doc_pages, per_doc, leases, timer)
+    plan = _forward_plan(ctx, states, shape, layout, all_ids, docs, doc_pages, recompute, timer, cold)
+    status = [st for lease in leases for st in lease.status.values()]
+    doc_tokens = sum(len(ids) for _, ids in docs)
+    recomputed = int(layout.block_valid[recompute.to(ctx.device)].sum()) if doc_tokens else 0
+    return PrefillPlan(**plan, computed=plan["meta"].nnz() + cold_nnz, dense=ctx.dense_pairs(layout),
+                       recomputed_tokens=recomputed, doc_tokens=doc_tokens, leases=leases_to_commit,
+                       store=dict(hbm=status.count("hbm"), dram=status.count("dram"), computed=status.count("miss"),
+                                  computed_blocks=cold_blocks))
 
 
-def _timed(fn) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
-
-
-def _compute_docs(engine, cold: "_ColdDocs", timer: Timer) -> float:
+def _compute_docs(ctx: PlanContext, runner, cold: "_ColdDocs", leases, timer: Timer) -> float:
     """Compute the missing documents in a forward of their own, straight into their pages (the policies that
     read their stored KV before the request's forward). -> computed tiles."""
-    bits = _bits_of(engine, cold.layout, cold.docs, timer)
-    meta = engine.metadata(cold.layout, bits, timer)
-    slots = cold.pages[cold.layout.token_phys // engine.block] * engine.block + cold.layout.token_phys % engine.block
-    cache = PagedKVCache(cold.layout, engine.kv_store, cold.lease, cold.pages, slots,
-                         cold.pages.new_empty(0, 0))
-    engine.forward_tokens(cold.ids[None], cold.layout.token_local_pos, meta, cache, timer)
-    if bits is not None:
-        return float(meta.nnz())
-    config = engine.model.config   # every causal pair
-    return float(config.num_hidden_layers * config.num_attention_heads * cold.layout.causal_block_pairs)
+    bits = ctx.fetch(cold.docs, timer)
+    meta = ctx.metadata(cold.layout, bits, timer)
+    blk = ctx.block
+    slots = cold.pages[cold.layout.token_phys // blk] * blk + cold.layout.token_phys % blk
+    cache = PagedKVCache(cold.layout, ctx.store, leases, cold.pages, slots)
+    runner.forward(cold.ids, cold.layout.token_local_pos, meta, cache, timer)
+    return float(meta.nnz()) if bits is not None else float(ctx.dense_pairs(cold.layout))
 
 
-def _choose_blocks(engine, policy, layout, all_ids, docs, keys, lease, plan: "_ReusePlan",
+def _choose_blocks(ctx: PlanContext, runner, policy, layout, all_ids, docs, doc_pages, per_doc, leases,
                    timer: Timer) -> torch.Tensor:
-    """bool [NB]: the document blocks this request recomputes in context (mode "hybrid")."""
+    """bool [NB] on the host: the document blocks the group recomputes in context (mode "hybrid")."""
     recompute = torch.zeros(layout.n_blocks, dtype=torch.bool)
-    if not plan.per_doc:
-        return recompute.to(engine.device)
+    if not any(per_doc):
+        return recompute
+    blk, index = ctx.block, ctx.index
     first = layout.doc_first_block.tolist()
-    scores = _deviation(engine, layout, all_ids, docs, keys, lease, timer) if policy == "deviation" else None
-    for d, ((doc_id, ids), k) in enumerate(zip(docs, plan.per_doc)):
-        nb = -(-len(ids) // engine.block)
-        if policy == "first" or (policy == "bits" and (engine.index is None or doc_id not in engine.index)):
+    scores = (_deviation(ctx, runner, layout, all_ids, docs, doc_pages, leases, timer) if policy == "deviation"
+              else None)
+    for d, ((doc_id, ids), k) in enumerate(zip(docs, per_doc)):
+        nb = n_blocks(len(ids), blk)
+        if policy == "first" or (policy == "bits" and (index is None or doc_id not in index)):
             chosen = np.arange(k)
         elif policy == "bits":
-            entry = engine.index.entry(doc_id)
-            chosen = reuse.top_blocks(reuse.ca_block_scores(entry.ca, len(ids), engine.index.tile, engine.block,
-                                                            engine.index.n_layers * engine.index.n_heads), k)
+            entry = index.entry(doc_id)
+            chosen = reuse.top_blocks(reuse.ca_block_scores(entry.ca, len(ids), index.tile, blk,
+                                                            index.n_layers * index.n_heads), k)
         else:
             chosen = reuse.top_blocks(scores[d][:nb], k)
         recompute[first[d] + torch.as_tensor(chosen, dtype=torch.long)] = True
-    return recompute.to(engine.device)
+    return recompute
 
 
-def _deviation(engine, layout, all_ids, docs, keys, lease, timer: Timer) -> list[np.ndarray]:
+def _deviation(ctx: PlanContext, runner, layout, all_ids, docs, doc_pages, leases, timer: Timer) -> list:
     """Per document, per block: squared distance between the request's in-context keys of layer
     DEVIATION_LAYER and the cached ones (CacheBlend's signal), from a forward of the first layers only. Real
     slots only: a last block's padding slots hold whatever an earlier user of the page wrote."""
-    meta = engine.metadata(layout, _bits_of(engine, layout, docs, timer), timer)
-    cache = BatchKVCache(layout, reuse.DEVIATION_LAYER + 1)
-    state = StopAfter(engine.attention_backend, meta, cache, engine.inv_freq, timer, reuse.DEVIATION_LAYER)
-    with engine.routed_attention(), contextlib.suppress(Stopped):
-        engine.model.base_model(input_ids=all_ids[None], position_ids=layout.token_local_pos[None],
-                              use_cache=False, sift_state=state)
-    k_ctx, _ = cache.prompt_kv(reuse.DEVIATION_LAYER)
-    lease.wait_layer(reuse.DEVIATION_LAYER)
-    pool = engine.kv_store.k_pool[reuse.DEVIATION_LAYER]          # [slots, Hkv, D]
+    layer = reuse.DEVIATION_LAYER
+    meta = ctx.metadata(layout, ctx.fetch(docs, timer), timer)
+    cache = BatchKVCache(layout, layer + 1)
+    runner.forward_until(all_ids, layout.token_local_pos, meta, cache, layer, timer)
+    k_ctx, _ = cache.prompt_kv(layer)
+    for lease in leases:
+        lease.wait_layer(layer)
+    pool = ctx.store.k_pool[layer]          # [slots, Hkv, D]
     _, h, d = pool.shape
-    blk = engine.block
+    blk = ctx.block
     out = []
     slot = torch.arange(blk, device=pool.device)
-    for i, k in enumerate(keys):
+    for i, pages in enumerate(doc_pages):
         f, n = int(layout.doc_first_block[i]), int(layout.doc_n_blocks[i])
-        cached = pool.view(-1, blk, h, d).index_select(0, lease.doc_pages[k]).float()   # [n, blk, Hkv, D]
-        ctx = k_ctx.reshape(h, -1, blk, d)[:, f:f + n].permute(1, 2, 0, 3).float()
-        real = slot[None, :] < layout.block_valid[f:f + n, None].to(pool.device)       # [n, blk]
-        out.append((((ctx - cached) ** 2).sum(dim=(2, 3)) * real).sum(dim=1).cpu().numpy())
+        cached = pool.view(-1, blk, h, d).index_select(0, pages).float()                 # [n, blk, Hkv, D]
+        in_ctx = k_ctx.reshape(h, -1, blk, d)[:, f:f + n].permute(1, 2, 0, 3).float()
+        real = slot[None, :] < layout.block_valid[f:f + n, None].to(pool.device)        # [n, blk]
+        out.append((((in_ctx - cached) ** 2).sum(dim=(2, 3)) * real).sum(dim=1).cpu().numpy())
     return out
 
 
-def _bits_of(engine, layout, docs, timer: Timer):
-    """The batch's documents' bits (None without an index)."""
-    if engine.index is None or not docs:
-        return None
-    with timer("fetch"):
-        return engine.index.fetch([(doc_id, len(ids)) for doc_id, ids in docs], on_unknown=engine.on_unknown)
-
-
-def _reuse_forward(engine, shape, layout, all_ids, docs, keys, lease, plan: "_ReusePlan", recompute: torch.Tensor,
-                   timer: Timer, cold: "_ColdDocs | None" = None):
-    """The request's own forward: its prefix, query, last block and recomputed blocks through the model
-    (each in a scratch page of the call), every other document block read from its entry's pages; with
-    `cold`, the missing documents (each after the profiling prefix, as their own requests ahead of the
-    batch's) run in the same forward into their pages. -> (logits [B, vocab], metadata, the batch's cache)."""
-    blk = engine.block
-    computed = (layout.block_kind != DOC) | recompute
-    computed[(layout.req_first_block + layout.req_n_blocks - 1).long()] = True  # the logits' position
-    pages = torch.empty(layout.n_blocks, dtype=torch.int64, device=engine.device)
+def _forward_plan(ctx: PlanContext, states, shape, layout, all_ids, docs, doc_pages, recompute: torch.Tensor,
+                  timer: Timer, cold: "_ColdDocs | None") -> dict:
+    """The group's own forward: each request's prefix, query, last block and recomputed blocks through the model
+    (in the request's own scratch pages), every other document block read from its entry's pages; with
+    `cold`, the missing documents (each after the profiling prefix, as their own requests ahead of the group's)
+    run in the same forward into their pages. -> the fields of the plan's forward."""
+    blk, dev = ctx.block, ctx.device
+    kinds = torch.tensor([k != "doc" for s in shape for k, n in s for _ in range(n_blocks(n, blk))], dtype=torch.bool)
+    computed = kinds | recompute                                                   # host, [NB]
+    for f, n in layout.request_blocks:
+        computed[f + n - 1] = True                                                 # the logits' position
+    per_request = [int(computed[f:f + n].sum()) for f, n in layout.request_blocks]
+    computed_d = computed.to(dev)
+    pages = torch.empty(layout.n_blocks, dtype=torch.int64, device=dev)
     if docs:
-        pages[layout.block_kind == DOC] = torch.cat([lease.doc_pages[k] for k in keys])
-    own = lease.scratch[:int(computed.sum())]
-    pages[computed] = own
-    engine.kv_store.page_valid[own] = layout.block_valid[computed]
-    gen = lease.scratch[plan.gen_first:plan.gen_first + layout.n_requests * plan.gen_blocks]
-    gen = gen.view(layout.n_requests, plan.gen_blocks)
+        pages[layout.block_kind == DOC] = torch.cat(doc_pages)
+    own = torch.cat([s.lease.scratch[:c] for s, c in zip(states, per_request)])
+    pages[computed_d] = own
+    PoolKV(ctx.store).claim(own, layout.block_valid[computed_d])
     if cold is None:
-        run, ids, run_pages, run_computed, first_request = layout, all_ids, pages, computed, 0
-        bits = _bits_of(engine, layout, docs, timer) if bool(recompute.any()) else None
+        run, ids, run_pages, run_computed, first_request = layout, all_ids, pages, computed_d, 0
+        bits = ctx.fetch(docs, timer) if bool(recompute.any()) else None
     else:
-        run = build_layout(cold.shape + shape, blk, engine.device)
+        run = build_layout(cold.shape + shape, blk, dev)
         ids, run_pages = torch.cat([cold.ids, all_ids]), torch.cat([cold.pages, pages])
-        run_computed = torch.cat([torch.ones_like(cold.pages, dtype=torch.bool), computed])
+        run_computed = torch.cat([torch.ones_like(cold.pages, dtype=torch.bool), computed_d])
         first_request = len(cold.shape)
-        bits = _bits_of(engine, run, cold.docs + docs, timer)
-    meta = engine.metadata(run, bits, timer, q_blocks=run_computed.nonzero().flatten())
+        bits = ctx.fetch(cold.docs + docs, timer)
+    meta = ctx.metadata(run, bits, timer, q_blocks=run_computed.nonzero().flatten())
     sel = run_computed[run.token_phys // blk]
     slots = run_pages[meta.token_phys // blk] * blk + meta.token_phys % blk
-    cache = PagedKVCache(run, engine.kv_store, lease, run_pages, slots, gen)
-    hidden = engine.forward_tokens(ids[sel][None], run.token_local_pos[sel], meta, cache, timer)
+    cache = PagedKVCache(run, ctx.store, [s.lease for s in states], run_pages, slots)
     last = run.token_phys[(run.req_first_token + run.req_n_tokens - 1).long()[first_request:]]
-    rows = torch.searchsorted(meta.token_phys, last)
-    logits = engine.model.get_output_embeddings()(hidden[0, rows]).float()
-    if cold is not None:   # generation reads the batch's own blocks
-        cache = PagedKVCache(layout, engine.kv_store, lease, pages, pages.new_empty(0), gen)
-    return logits, meta, cache
-
-
-def release(cache) -> None:
-    """End a call's hold on the KV store (reuse modes)."""
-    if isinstance(cache, PagedKVCache):
-        cache.lease.release()
+    offsets = layout.block_offset
+    tables = tuple((pages[f:f + n].to(torch.int32), offsets[f:f + n]) for f, n in layout.request_blocks)
+    return dict(ids=ids[sel], positions=run.token_local_pos[sel], meta=meta, cache=cache,
+                logit_rows=torch.searchsorted(meta.token_phys, last), tables=tables)
 
 
 @dataclass(frozen=True, eq=False)
 class _ColdDocs:
-    """The documents a reuse call misses, each as its own request: the profiling prefix (in the call's scratch
-    pages from `cold_first`), then the document (in its entry's pages)."""
+    """The documents a group's leases miss, each as its own request: the profiling prefix (in the scratch pages
+    of the lease that missed it, after its own and generation pages), then the document (in its entry's
+    pages)."""
 
-    lease: object
     shape: list                     # build_layout segments: [("prefix", n), ("doc", n)] per document
     layout: object                  # their layout alone
     ids: torch.Tensor               # int64 [tokens], in layout order
@@ -228,40 +181,24 @@ class _ColdDocs:
     n_doc_blocks: int
 
     @classmethod
-    def make(cls, engine, lease, distinct: dict, plan: "_ReusePlan") -> "_ColdDocs":
-        misses, pfx = lease.misses, engine.prefix_ids
-        shape = [[("prefix", len(pfx)), ("doc", len(distinct[k][1]))] for k in misses]
-        layout = build_layout(shape, engine.block, engine.device)
-        pages = torch.empty(layout.n_blocks, dtype=torch.int64, device=engine.device)
+    def make(cls, ctx: PlanContext, states) -> "_ColdDocs":
+        pfx, blk = list(ctx.prefix_ids), ctx.block
+        misses, doc_pages, pfx_pages = [], [], []
+        for s in states:
+            by_key = {ctx.doc_key(ids): (doc_id, ids)
+                      for (doc_id, _), ids in zip(s.request.docs, [ids for k, ids in s.segments if k == "doc"])}
+            first = s.need.own + s.need.gen
+            for i, key in enumerate(s.lease.misses):
+                misses.append(by_key[key])
+                doc_pages.append(s.lease.doc_pages[key])
+                pfx_pages.append(s.lease.scratch[first + i * s.need.per_miss:first + (i + 1) * s.need.per_miss])
+        shape = [[("prefix", len(pfx)), ("doc", len(ids))] for _, ids in misses]
+        layout = build_layout(shape, blk, ctx.device)
+        pages = torch.empty(layout.n_blocks, dtype=torch.int64, device=ctx.device)
         is_doc = layout.block_kind == DOC
-        pages[is_doc] = torch.cat([lease.doc_pages[k] for k in misses])
-        n_pfx = int((~is_doc).sum())
-        pfx_pages = lease.scratch[plan.cold_first:plan.cold_first + n_pfx]
+        pages[is_doc] = torch.cat(doc_pages)
+        pfx_pages = torch.cat(pfx_pages)
         pages[~is_doc] = pfx_pages
-        engine.kv_store.page_valid[pfx_pages] = layout.block_valid[~is_doc]
-        docs = [distinct[k] for k in misses]
-        ids = torch.tensor([t for k in misses for t in pfx + list(distinct[k][1])], device=engine.device)
-        return cls(lease, shape, layout, ids, pages, docs, int(is_doc.sum()))
-
-
-@dataclass(frozen=True)
-class _ReusePlan:
-    """How a reuse call cuts its scratch pages: [0, gen_first) its own computed blocks (an upper bound: prefix,
-    query, last and recomputed blocks), then `gen_blocks` per request for generation (`scratch_pages` in all),
-    then from `cold_first` the profiling prefix's blocks of the documents computed on a miss (the store adds
-    those per miss). per_doc: blocks recomputed per document ordinal (empty: none)."""
-
-    per_doc: tuple[int, ...]
-    gen_blocks: int
-    gen_first: int
-    cold_first: int
-    scratch_pages: int
-
-    @classmethod
-    def make(cls, layout, docs, policy, fraction: float, gen_blocks: int) -> "_ReusePlan":
-        per_doc = tuple(reuse.budget(-(-len(ids) // layout.block), fraction, policy) for _, ids in docs)
-        if not any(per_doc):
-            per_doc = ()
-        own = int((layout.block_kind != DOC).sum()) + layout.n_requests + sum(per_doc)
-        gen = layout.n_requests * gen_blocks
-        return cls(per_doc, gen_blocks, own, own + gen, own + gen)
+        PoolKV(ctx.store).claim(pfx_pages, layout.block_valid[~is_doc])
+        ids = torch.tensor([t for _, ids in misses for t in pfx + list(ids)], device=ctx.device)
+        return cls(shape, layout, ids, pages, misses, int(is_doc.sum()))

@@ -8,6 +8,7 @@ import torch
 from sift.errors import SiftError
 from sift.kernels.bits import tril_to_square, unpack_msb
 from sift.runtime import Request, SiftEngine
+from sift.runtime.supplied_bits import generate_with_bits
 from sift.quality.oracle import (PromptMass, ReaderCache, batch_bits, batch_masses, parse_mode, prompt_mass, reader_bits, reader_ids,
                                  reader_mass, select)
 
@@ -105,12 +106,12 @@ def test_engine_computes_the_oracle_pattern():
     segments = engine.tokenize(request)
     masses = batch_masses(engine, [request])
     dense = engine.generate([request], 6, mode="dense")
-    full = engine.generate([request], 6, mode="sift", bits=batch_bits(engine, [request], 1.0, masses))
+    full = generate_with_bits(engine, [request], 6, batch_bits(engine, [request], 1.0, masses))
     assert full.prefill.tile_fraction == 1.0 and full.token_ids == dense.token_ids
 
     coverage = 0.97
     masks = select(masses[0], coverage)
-    sparse = engine.generate([request], 6, mode="sift", bits=batch_bits(engine, [request], coverage, masses))
+    sparse = generate_with_bits(engine, [request], 6, batch_bits(engine, [request], coverage, masses))
     blocks = [-(-len(ids) // TILE) for _, ids in segments]
     doc_blocks = [b for (kind, _), b in zip(segments, blocks) if kind == "doc"]
     n_layers, n_heads = masks[0].ca.shape[:2]
@@ -136,10 +137,8 @@ def test_supplied_bits_are_checked():
     docs = [(f"d{i}", t[:120]) for i, t in enumerate(wiki_texts(2))]
     request = Request(prefix="Read.\n", docs=docs, query="\nWhich?")
     bits = batch_bits(engine, [request], 0.99)
-    with pytest.raises(SiftError, match="mode 'sift' only"):
-        engine.generate([request], 2, mode="dense", bits=bits)
     with pytest.raises(SiftError, match="2 documents, the batch has 4"):
-        engine.generate([request, request], 2, mode="sift", bits=bits)
+        generate_with_bits(engine, [request, request], 2, bits)
 
 
 def test_reader_bits_depend_on_the_document_only():
