@@ -39,6 +39,7 @@ from __future__ import annotations
 import copy
 import gc
 import json
+import os
 import pathlib
 import statistics
 import tempfile
@@ -270,9 +271,10 @@ def masked_engine(model, tmp: pathlib.Path, mask: str, docs: dict[str, list[int]
         bits = {d: anchor_bits(len(t), vectors, gen, la, ca) for d, t in docs.items()}
     write_index(tmp / f"index-{mask}", docs, bits, tile=tile, config=config)
     index = SyntheticIndex.open(tmp / f"index-{mask}", device=model.device)
-    # The Triton kernels (in the interpreter under --smoke), the block of a GPU serving the 8B shape.
+    # The Triton kernels (on CPU in the interpreter, under --smoke), the block of a GPU serving the 8B shape.
+    triton = model.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
     return SiftEngine(model, IdTokenizer(config.bos_token_id, config.eos_token_id), index, block=TILE,
-                      backend="triton", kv_store=kv_store)
+                      backend="triton" if triton else "torch", kv_store=kv_store)
 
 
 def random_docs(config, n_docs: int, doc_tokens: int, gen: torch.Generator) -> dict[str, list[int]]:
