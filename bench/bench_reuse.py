@@ -41,6 +41,7 @@ failed. Writes bench/results/reuse.json.
 """
 from __future__ import annotations
 
+import copy
 import gc
 import json
 import pathlib
@@ -55,7 +56,7 @@ common.smoke_env()  # before any kernel module imports triton
 import torch  # noqa: E402
 from transformers import DynamicCache, StaticCache  # noqa: E402
 
-from bench_ttft import build_llama, engine_check, masked_engine, random_docs, timed  # noqa: E402
+from bench_ttft import TWIN_FACTOR, build_llama, engine_check, masked_engine, random_docs, timed  # noqa: E402
 from sift.runtime import KVStore, Request, SiftEngine, reuse  # noqa: E402
 
 # The peer's logits against the dense forward's, both transformers + SDPA on the same bf16 weights: the two
@@ -73,11 +74,9 @@ def build(smoke: bool, contexts: list[int], doc_tokens: int, tmp: pathlib.Path, 
     return model, engine, store, docs, gen
 
 
-def hf_cache_ttft(model, engine: SiftEngine, req: Request, reps: int, kind: str, dense_logits: torch.Tensor,
-                  checks: common.Checks) -> tuple[float, dict]:
-    """The peer (module docstring): the query's forward over the context's KV held in a DynamicCache
-    (kind "dynamic") or a StaticCache (kind "static"), the context prefilled once, untimed; checked against the
-    dense forward's logits first. -> (median seconds, what a call copies)."""
+def hf_peer(model, engine: SiftEngine, req: Request, kind: str):
+    """The peer (module docstring) over `req`'s context, prefilled now: -> (run, what a call writes), run() the
+    query's forward over the cache (fp32 logits of its last position), the cache rewound after it."""
     ids = engine.prompt_ids(req)
     n_query = len(engine.tokenize(req)[-1][1])
     n_ctx = len(ids) - n_query
@@ -86,46 +85,67 @@ def hf_cache_ttft(model, engine: SiftEngine, req: Request, reps: int, kind: str,
     positions = torch.arange(n_ctx, len(ids), device=engine.device)[None]
     cfg = model.config
     kv_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) \
-        * model.dtype.itemsize
+        * model.dtype.itemsize     # K and V of one token, all layers
+    if kind == "dynamic":
+        cache = DynamicCache(config=cfg)
+        copied = kv_bytes * len(ids)        # each layer's torch.cat writes the context's and the query's K / V
+
+        def rewind():
+            cache.crop(-n_query)            # drops the query's entries: a view of the context's, no copy
+    else:
+        cache = StaticCache(config=cfg, max_cache_len=len(ids))
+        copied = kv_bytes * n_query         # the query's K / V written into their slots
+
+        def rewind():
+            for layer in cache.layers:      # each layer's length counter back to the context's
+                layer.cumulative_length.fill_(n_ctx)
     with torch.inference_mode():
-        if kind == "dynamic":
-            cache = DynamicCache(config=cfg)
-            copied = kv_bytes * len(ids)        # each layer's torch.cat writes the context's and the query's K / V
-
-            def rewind():
-                cache.crop(-n_query)            # drops the query's entries: a view of the context's, no copy
-        else:
-            cache = StaticCache(config=cfg, max_cache_len=len(ids))
-            copied = kv_bytes * n_query         # the query's K / V written into their slots
-
-            def rewind():
-                for layer in cache.layers:      # each layer's length counter back to the context's
-                    layer.cumulative_length.fill_(n_ctx)
         model(input_ids=context, past_key_values=cache, use_cache=True, logits_to_keep=1)
 
-        def run():
-            out = model(input_ids=query, position_ids=positions, past_key_values=cache, use_cache=True,
-                        logits_to_keep=1).logits[0, -1].float()
-            rewind()
-            return out
+    @torch.inference_mode()
+    def run():
+        out = model(input_ids=query, position_ids=positions, past_key_values=cache, use_cache=True,
+                    logits_to_keep=1).logits[0, -1].float()
+        rewind()
+        return out
 
-        run()   # the second call checked: it runs on the rewound cache, as every timed call does
-        checks.close(f"hf_{kind}/logits_vs_dense/{len(ids)}", run(), dense_logits, model.dtype,
-                     PEER_ROUNDINGS_PER_LAYER * cfg.num_hidden_layers)
-        t, _ = timed(run, reps)
-    del cache
-    return t, dict(bytes_written_per_call=copied, context_tokens=n_ctx)
+    return run, dict(bytes_written_per_call=copied, context_tokens=n_ctx)
+
+
+def hf_cache_ttft(model, engine: SiftEngine, req: Request, reps: int, kind: str, dense_logits: torch.Tensor,
+                  checks: common.Checks) -> tuple[float, dict]:
+    """The peer's TTFT (median seconds) and what a call writes; its logits checked against the dense forward's
+    first (a loose bound: two bf16 computations of the whole model; `check_reuse` holds the peer to the tight
+    one on the check prompt)."""
+    run, info = hf_peer(model, engine, req, kind)
+    run()   # the second call is checked: it runs on the rewound cache, as every timed call does
+    checks.close(f"hf_{kind}/{len(engine.prompt_ids(req))}/logits_vs_dense", run(), dense_logits, model.dtype,
+                 PEER_ROUNDINGS_PER_LAYER * model.config.num_hidden_layers)
+    t, _ = timed(run, reps)
+    return t, info
 
 
 def check_reuse(model, engine: SiftEngine, store: KVStore, req: Request, checks: common.Checks) -> dict:
-    """The engine-level check of the kernels on the reuse path (module docstring), then: warm and cold reuse give
-    the same logits, and greedy generation through the Triton and torch backends (recorded: random weights give
-    near-ties, where a correct bf16 run may pick either token)."""
+    """The engine-level check of the kernels on the reuse path (module docstring) and of the peer (its second
+    call's logits against the fp32 forward, within TWIN_FACTOR x the bf16 dense forward's error); then warm and
+    cold reuse give the same logits, and greedy generation through the Triton and torch backends (recorded:
+    random weights give near-ties, where a correct bf16 run may pick either token)."""
     cfg = model.config
     page_bytes = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * engine.block * \
         (cfg.hidden_size // cfg.num_attention_heads) * 4                      # an fp32 page of the reference
     pages = len(engine.prompt_ids(req)) // engine.block + len(req.docs) + 4   # blocks, each segment's last one
-    out = engine_check(model, engine, req, ("reuse", "hybrid"), checks, store_gib=2 * pages * page_bytes / 2**30)
+    model32 = copy.deepcopy(model).float()
+    out = engine_check(model, engine, req, ("reuse", "hybrid"), checks, store_gib=2 * pages * page_bytes / 2**30,
+                       model32=model32)
+    prompt = torch.tensor([engine.prompt_ids(req)], device=engine.device)
+    with torch.inference_mode():
+        dense, dense32 = (m(input_ids=prompt, logits_to_keep=1).logits[0, -1].float() for m in (model, model32))
+    del model32
+    for kind in ("dynamic", "static"):
+        run, _ = hf_peer(model, engine, req, kind)
+        run()
+        checks.within_twin(f"hf_{kind}/logits_vs_fp32", run(), dense, dense32, factor=TWIN_FACTOR,
+                           ref_dtype=torch.float32, depth=cfg.num_hidden_layers)
     twin = SiftEngine(model, engine.tokenizer, engine.index, kv_store=store, backend="torch", block=engine.block)
     for mode in ("reuse", "hybrid"):
         store.clear()
@@ -138,6 +158,9 @@ def check_reuse(model, engine: SiftEngine, store: KVStore, req: Request, checks:
     warm = engine.prefill([req], mode="reuse")
     checks.equal("reuse/warm_equals_cold", warm.logits, cold.logits, "logits equal bit for bit")
     store.clear()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return out
 
 

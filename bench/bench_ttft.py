@@ -172,12 +172,13 @@ def closeness(tag: str, logits: torch.Tensor, reference: list[torch.Tensor]) -> 
 
 
 def engine_check(model, engine: SiftEngine, req: Request, modes: tuple[str, ...], checks: common.Checks,
-                 store_gib: float = 0.0) -> dict:
+                 store_gib: float = 0.0, model32=None) -> dict:
     """The engine's kernels on `req`, per mode: last-position logits of `engine` (the Triton backend on the
-    model's dtype) against an fp32 copy of the same weights through the kernels' torch twins (backend "torch"),
-    within TWIN_FACTOR times the error of the torch twins at the model's dtype (`check_within_twin`). The
-    reuse modes get a KV store of `store_gib` per engine, empty before each call. -> the figures checked."""
-    model32 = copy.deepcopy(model).float()
+    model's dtype) against an fp32 copy of the same weights (`model32`, made here when None) through the
+    kernels' torch twins (backend "torch"), within TWIN_FACTOR times the error of the torch twins at the model's
+    dtype (`check_within_twin`). The reuse modes get a KV store of `store_gib` per engine, empty before each
+    call. -> the figures checked."""
+    model32 = copy.deepcopy(model).float() if model32 is None else model32
     store = (lambda: KVStore(hbm_bytes=int(store_gib * 2**30), dram_bytes=0)) if store_gib else (lambda: None)
     twin = SiftEngine(model, engine.tokenizer, engine.index, kv_store=store(), backend="torch", block=engine.block)
     ref = SiftEngine(model32, engine.tokenizer, engine.index, kv_store=store(), backend="torch", block=engine.block)
