@@ -7,7 +7,8 @@
 
 Uses Triton's own ptxas (shipped in the wheel) on the PTX the JIT would build for an H100/H200 (bf16, head_dim
 128, GQA 4, unit last strides, 16-divisible pointers and strides). A spill in the steady loop or a shared-memory
-total over 227 KiB shows here before any GPU time is spent; speed still needs the GPU.
+total over 227 KiB shows here before any GPU time is spent; speed still needs the GPU. Exit status 1 if a kernel
+needs more shared memory than an sm_90 SM gives one block (227 KiB).
 """
 from __future__ import annotations
 
@@ -29,8 +30,9 @@ from sift.kernels import sparse_attention_tl as tlk  # noqa: E402
 
 POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16", "Indptr": "*i32", "RowEnd": "*i32",
             "Indices": "*i32", "BlockValid": "*i32", "BlockOffset": "*i32", "QBlocks": "*i32", "QTokStart": "*i32",
-            "InvFreq": "*fp32"}
+            "InvFreq": "*fp32", "KVPages": "*i32"}
 ROPE = {None: tlk.ROPE_NONE.value, "k": tlk.ROPE_ON_K.value, "pre": tlk.ROPE_PRE.value}
+SMEM_LIMIT = 227 * 1024  # bytes of shared memory one block may use on sm_90
 
 
 def compile_tl(cfg: tlk.AttentionConfig, rope_on: str | None, *, block: int, head_dim: int = 128, group: int = 4,
@@ -51,7 +53,7 @@ def compile_tl(cfg: tlk.AttentionConfig, rope_on: str | None, *, block: int, hea
         elif name == "qk_scale":
             sig[name] = "fp32"
     const.update(GROUP=group, BLOCK=block, HEAD_DIM=head_dim, ROPE=ROPE[rope_on], Q_TOKENS=q_tokens,
-                 Q_BLOCKS=q_blocks, DOT_PRECISION="tf32", FAST_TRIG=True)
+                 Q_BLOCKS=q_blocks, K_PAGED=False, V_PAGED=False, DOT_PRECISION="tf32", FAST_TRIG=True)
     missing = set(fn.arg_names) - set(sig) - set(const)
     if missing:
         raise SystemExit(f"aot_sm90.py does not know the kernel arguments {sorted(missing)}: update POINTERS")
@@ -80,18 +82,26 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("kernel", nargs="?", choices=("tl", "gluon"), default="tl", help="which kernel to compile")
     args = ap.parse_args()
+    over = []
+
+    def report(name: str, kernel) -> None:
+        shared = kernel.metadata.shared
+        print(f"{name}: shared memory {shared} B, {ptxas_report(kernel.asm['ptx'])}", flush=True)
+        if shared > SMEM_LIMIT:
+            over.append(f"{name} ({shared} B)")
+
     if args.kernel == "gluon":
         for rope, q_tokens, q_blocks in ((True, True, False), (False, False, False), (True, True, True)):
-            kernel = sm90.compile_for_sm90(rope=rope, q_tokens=q_tokens, q_blocks=q_blocks)
-            print(f"gluon rope={rope} q_tokens={q_tokens} q_blocks={q_blocks}: shared memory "
-                  f"{kernel.metadata.shared} B, {ptxas_report(kernel.asm['ptx'])}", flush=True)
-        return
-    for block in (128, 64):
-        cfg = tlk.default_config(block)
-        for rope_on, q_blocks in ((cfg.rope_on, False), (None, False), (cfg.rope_on, True)):
-            kernel = compile_tl(cfg, rope_on, block=block, q_blocks=q_blocks)
-            print(f"tl block={block} {cfg} rope={rope_on} q_blocks={q_blocks}: shared memory "
-                  f"{kernel.metadata.shared} B, {ptxas_report(kernel.asm['ptx'])}", flush=True)
+            report(f"gluon rope={rope} q_tokens={q_tokens} q_blocks={q_blocks}",
+                   sm90.compile_for_sm90(rope=rope, q_tokens=q_tokens, q_blocks=q_blocks))
+    else:
+        for block in (128, 64):
+            cfg = tlk.default_config(block)
+            for rope_on, q_blocks in ((cfg.rope_on, False), (None, False), (cfg.rope_on, True)):
+                report(f"tl block={block} {cfg} rope={rope_on} q_blocks={q_blocks}",
+                       compile_tl(cfg, rope_on, block=block, q_blocks=q_blocks))
+    if over:
+        raise SystemExit(f"over the {SMEM_LIMIT} B of shared memory an sm_90 block may use: {', '.join(over)}")
 
 
 if __name__ == "__main__":

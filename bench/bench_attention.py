@@ -12,13 +12,17 @@
    tokens keep 30% of their own causal blocks, 6% of earlier documents' and the first block; the 512-token query
    is dense. Mask (b): real SmolLM2 SIFT bits tiled to L (bench/masks.py). Every timing is a do_bench median;
    --rounds interleaved rounds, the minimum kept (single runs of one persistent kernel vary by several percent).
+
+The correctness checks are gates (bench/common.py `Checks`): the output's relative error per (head, query block)
+within c * u * sqrt(depth) of the reference, u the unit roundoff of the inputs' dtype (DEPTH_* below says which
+roundings count); the script exits with status 1 after writing its result when one fails.
 """
 from __future__ import annotations
 
 import json
 import time
 
-from common import gpu_ms, out_dir, parser, smoke_env, write_result
+from common import Checks, gpu_ms, out_dir, parser, relative_error, smoke_env, write_result
 
 SMOKE = smoke_env()
 
@@ -36,6 +40,16 @@ HQ, HKV, D = (4, 1, 128) if SMOKE else (32, 8, 128)
 DTYPE = torch.float16 if SMOKE else torch.bfloat16  # bf16 is broken in the interpreter
 SCALE = D ** -0.5
 KERNELS = ("tl",) if SMOKE else ("tl", "gluon")   # the Gluon kernel needs an sm_90 GPU
+# Roundings to the inputs' dtype that a kernel's output goes through and its ref twin's does not share (the
+# twin attends in fp32 from the same inputs, rotates in fp64 and rounds its output once): P before the P V product,
+# the kernel's output and the twin's; with RoPE also the key pass's rotated keys and the query tile rotated in
+# packed arithmetic (cos / sin rounded, two roundings per element).
+DEPTH_ATTENTION, DEPTH_ATTENTION_ROPE = 3, 7
+# Against fp32 SDPA over keys rotated at logical positions in fp64: the kernel's own roundings (with RoPE) and the
+# query, key and value inputs rounded to the dtype once each.
+DEPTH_DENSE_VS_SDPA = DEPTH_ATTENTION_ROPE + 3
+# Against FlexAttention on the same inputs and block mask (pre-rotated keys): both kernels round P and the output.
+DEPTH_VS_FLEX = 4
 
 
 def run(kernel, q, k, v, ptr, idx, block_valid, block_offset, inv_freq, out):
@@ -123,31 +137,28 @@ def segments_case(hq, hkv, n_first, dtype, gen):
     return lay, block_offset, q, k, v, mask
 
 
-def rel_err(out, ref):
-    """(relative Frobenius error, max abs error, all finite)."""
-    out, ref = out.float(), ref.float()
-    return ((out - ref).norm() / ref.norm()).item(), (out - ref).abs().max().item(), bool(out.isfinite().all())
+def blocks(x):
+    """[H, n_slots, D] -> [H, n_slots / BLOCK, BLOCK, D]: the (head, query block) groups a gate is checked per."""
+    return x.unflatten(1, (-1, BLOCK))
 
 
 def rope_freq():
     return 1.0 / (500000.0 ** (torch.arange(0, D, 2, dtype=torch.float32, device=DEV) / D))
 
 
-def correctness(results):
+def correctness(checks: Checks):
     gen = torch.Generator(device=DEV).manual_seed(0)
     inv_freq = rope_freq()
     hq, hkv = (2, 1) if SMOKE else (8, 2)
     lay, offset, q, k, v, mask = segments_case(hq, hkv, 3 if SMOKE else 30, DTYPE, gen)
     args = (*csr(mask), lay.block_valid, offset)
-    checks = {}
     for rope in (True, False):
         f = inv_freq if rope else None
         ref = sa.sparse_attention_ref(q, k, v, *args, f, scale=SCALE, block=BLOCK)
         for kernel in KERNELS:
             out = run(kernel, q, k, v, *args, f, torch.full_like(q, float("nan")))
-            r, m, fin = rel_err(out, ref)
-            checks[f"twin/{kernel}/{'rope' if rope else 'none'}"] = dict(rel=r, max_abs=m, finite=fin,
-                                                                        ok=fin and r < 1.5e-2)
+            checks.close(f"twin/{kernel}/{'rope' if rope else 'none'}", blocks(out), blocks(ref), DTYPE,
+                         DEPTH_ATTENTION_ROPE if rope else DEPTH_ATTENTION, group_dims=2)
     # Dense path == dense causal SDPA (fp32) on each request's unsegmented prompt at logical positions.
     segs = [[30, 200, 129, 1], [77, 300]] if SMOKE else [[300, 2047, 129, 1, 555, 1000, 260], [77, 3001, 128, 500]]
     lay = build_layout([[("doc", n) for n in s] for s in segs], BLOCK, device=DEV)
@@ -173,11 +184,7 @@ def correctness(results):
         ref = torch.nn.functional.scaled_dot_product_attention(
             ql.float()[None], kl.float().repeat_interleave(HQ // HKV, 0)[None],
             v[:, slots].float().repeat_interleave(HQ // HKV, 0)[None], is_causal=True, scale=SCALE)[0]
-        rr, m, fin = rel_err(out[:, slots], ref)
-        checks[f"dense_vs_sdpa/request{r}"] = dict(rel=rr, max_abs=m, finite=fin, ok=fin and rr < 1.5e-2)
-    results["correctness"] = checks
-    for name, c in checks.items():
-        print(f"check {name:32s} rel {c['rel']:.2e} max_abs {c['max_abs']:.2e} {'OK' if c['ok'] else 'FAIL'}")
+        checks.close(f"dense_vs_sdpa/request{r}", out[:, slots], ref, DTYPE, DEPTH_DENSE_VS_SDPA, group_dims=1)
 
 
 def bench(fn):
@@ -201,6 +208,10 @@ def flex_block_mask(mask, nb):
     def causal_mod(b, h, q_idx, kv_idx):
         return q_idx >= kv_idx
 
+    if SMOKE:  # eager FlexAttention (CPU) applies mask_mod to every block and ignores the block lists
+        def causal_mod(b, h, q_idx, kv_idx):  # noqa: F811
+            return (q_idx >= kv_idx) & mask[h, q_idx // BLOCK, kv_idx // BLOCK]
+
     return BlockMask.from_kv_blocks(part_num, part_idx, full_num, full_idx, BLOCK_SIZE=BLOCK, mask_mod=causal_mod)
 
 
@@ -215,7 +226,7 @@ def mask_case(kind, L, gen):
     return rm.layout.block_valid, rm.layout.block_offset, dense_mask(rm, HQ)
 
 
-def time_mask(kind, L, rounds, gen, flex):
+def time_mask(kind, L, rounds, gen, flex, checks: Checks):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     inv_freq = rope_freq()
@@ -256,7 +267,9 @@ def time_mask(kind, L, rounds, gen, flex):
             if "flex_vs_ours_rel" not in row:
                 fo = flex(q4, k4, v4, block_mask=bm, enable_gqa=True, scale=SCALE)
                 ours = sa.sparse_attention(q, k, v, *sp, block_valid, block_offset, None, scale=SCALE, block=BLOCK)
-                row["flex_vs_ours_rel"] = rel_err(ours, fo[0])[0]
+                row["flex_vs_ours_rel"] = relative_error(blocks(ours), blocks(fo[0]), group_dims=2)
+                checks.close(f"flex_vs_ours/{kind}/{L}", blocks(ours), blocks(fo[0]), DTYPE, DEPTH_VS_FLEX,
+                             group_dims=2)
             record("flex_sparse", bench(lambda: flex(q4, k4, v4, block_mask=bm, enable_gqa=True, scale=SCALE)),
                    cells)
         except Exception as e:  # recorded, not fatal: FlexAttention is a baseline
@@ -271,7 +284,7 @@ def time_mask(kind, L, rounds, gen, flex):
     return row
 
 
-def timings(results, lengths, masks, rounds):
+def timings(results, lengths, masks, rounds, checks: Checks):
     from torch.nn.attention.flex_attention import flex_attention
 
     flex = flex_attention if SMOKE else torch.compile(flex_attention, dynamic=False)
@@ -279,7 +292,7 @@ def timings(results, lengths, masks, rounds):
     rows = []
     for kind in masks:
         for L in lengths:
-            rows.append(time_mask(kind, L, 1 if SMOKE else rounds, gen, flex))
+            rows.append(time_mask(kind, L, 1 if SMOKE else rounds, gen, flex, checks))
             print(json.dumps(rows[-1]))
             if not SMOKE:
                 torch.cuda.empty_cache()
@@ -316,13 +329,19 @@ def main():
     results = dict(shapes=dict(B=1, Hq=HQ, Hkv=HKV, D=D, dtype=str(DTYPE).removeprefix("torch."), block=BLOCK),
                    kernels=list(KERNELS), rounds=args.rounds)
     t0 = time.time()
+    checks = Checks()
     try:
-        correctness(results)
-        timings(results, lengths, [m for m in args.masks.split(",") if m], args.rounds)
+        correctness(checks)
+        if checks.ok:  # a kernel that computes something else is not timed
+            timings(results, lengths, [m for m in args.masks.split(",") if m], args.rounds, checks)
     finally:
         results["wall_s"] = round(time.time() - t0, 1)
+        results["checks"] = checks.to_json()
+        results["ok"] = checks.ok
         write_result("attention", results, out_dir(args))
-    summary(results)
+    if "timings" in results:
+        summary(results)
+    raise SystemExit(checks.exit_status())
 
 
 if __name__ == "__main__":

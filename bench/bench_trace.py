@@ -17,7 +17,9 @@ Also: the memory one document uses when 8 requests of one batch hold it at 8 dif
 the engine itself on a small random Llama on CPU (pool pages referenced by the 8 block tables, store bytes).
 
 A budget below one request's pages (8 x 256 MiB of documents plus its own pages, 2.06 GiB) is refused by the
-store, as the engine refuses it: such points are reported as not feasible.
+store, as the engine refuses it: such points are reported as not feasible. Checks (exit status 1 after writing the
+result if one fails): the store ends every trace with nothing pinned and within its capacities, and the 8 requests
+of the one-copy measurement point at one set of pages.
 
     python bench/bench_trace.py [--requests 6000] [--alphas 0.8,1.0,1.2] [--hbm-gib 1,2.5,5,10,20,40]
     python bench/bench_trace.py --smoke
@@ -55,7 +57,8 @@ def zipf_requests(n_docs: int, n_requests: int, per_request: int, alpha: float, 
     return out
 
 
-def run_trace(requests, hbm_gib: float, dram_gib: float, doc_tokens: int, warmup: int) -> dict:
+def run_trace(requests, hbm_gib: float, dram_gib: float, doc_tokens: int, warmup: int,
+              checks: common.Checks) -> dict:
     """The requests through a store with the 8B shape's page counts -> per-request (hbm, dram, miss) counts."""
     pages = int(hbm_gib * 2**30) // REAL_PAGE
     dram_pages = int(dram_gib * 2**30) // REAL_PAGE
@@ -71,7 +74,10 @@ def run_trace(requests, hbm_gib: float, dram_gib: float, doc_tokens: int, warmup
         if i >= warmup:
             counts.append((st.count("hbm"), st.count("dram"), st.count("miss")))
     s = store.stats()
-    assert s["pinned"] == 0 and s["hbm_bytes"] <= s["hbm_capacity"] and s["dram_bytes"] <= s["dram_capacity"]
+    checks.true(f"trace/{hbm_gib:g}GiB/store_released_and_within_capacity",
+                s["pinned"] == 0 and s["hbm_bytes"] <= s["hbm_capacity"] and s["dram_bytes"] <= s["dram_capacity"],
+                f"pinned {s['pinned']}, HBM {s['hbm_bytes']} of {s['hbm_capacity']}, DRAM {s['dram_bytes']} of "
+                f"{s['dram_capacity']}")
     return dict(counts=np.array(counts), pages=pages, dram_pages=dram_pages, stats=s)
 
 
@@ -156,6 +162,7 @@ def main() -> None:
     costs = next(r for r in rows if r["context"] == 16384) if not args.smoke else rows[0]
     costs = {k: costs[k] for k in ("dense_s", "sift_s", "reuse_cold_s", "reuse_hbm_s", "reuse_dram_s")}
     rng = np.random.default_rng(0)
+    checks = common.Checks()
     result = dict(costs=costs, documents=args.documents, requests=args.requests, warmup=args.warmup,
                   per_request=8, doc_tokens=2048, dram_gib=args.dram_gib, page_bytes_modelled=REAL_PAGE, alphas={})
     for alpha in map(float, args.alphas.split(",")):
@@ -169,7 +176,7 @@ def main() -> None:
                 result["alphas"][str(alpha)].append(row)
                 print(json.dumps(dict(alpha=alpha, **row)), flush=True)
                 continue
-            t = run_trace(reqs, gib, args.dram_gib, 2048, args.warmup)
+            t = run_trace(reqs, gib, args.dram_gib, 2048, args.warmup, checks)
             n = t["counts"].sum(0) / t["counts"].sum()
             ttft = ttft_model(costs, t["counts"], 8)
             row = dict(hbm_gib=gib, feasible=True, hbm_pages=t["pages"], hit_hbm=float(n[0]), hit_dram=float(n[1]),
@@ -179,13 +186,18 @@ def main() -> None:
                        evictions=t["stats"]["evictions"], demotions=t["stats"]["demotions"])
             result["alphas"][str(alpha)].append(row)
             print(json.dumps(dict(alpha=alpha, **row)), flush=True)
-    result["one_copy"] = one_copy_check()
-    print(json.dumps(result["one_copy"]), flush=True)
+    result["one_copy"] = one = one_copy_check()
+    print(json.dumps(one), flush=True)
+    checks.true("one_copy/one_set_of_pages", one["distinct_page_lists_of_the_document"] == 1
+                and one["copies_per_document"] == 1.0,
+                f"{one['distinct_page_lists_of_the_document']} page lists, {one['copies_per_document']} copies")
     result["seconds"] = time.perf_counter() - t0
+    result["checks"], result["ok"] = checks.to_json(), checks.ok
     out = common.out_dir(args)
     common.write_result("trace", result, out)
     plot(result, out / "trace.png")
     print(f"wrote {out / 'trace.png'}")
+    raise SystemExit(checks.exit_status())
 
 
 if __name__ == "__main__":

@@ -4,9 +4,17 @@
 1. An 8B Llama-shaped model (hidden 4096, 32 layers, 32 query / 8 kv heads, intermediate 14336, vocab 128256,
    llama3 RoPE with theta 500000), random bf16 weights built on the GPU with `from_config` (no download).
    Prompts of 16K / 32K / 64K tokens (`--contexts`): a 1-token prefix (BOS), 2048-token documents of random
-   token ids, a 512-token query. Bits from an "anchor generator" written to a temporary index (tile 128 = the
-   kernel block): per (layer, head) and document, LA keeps the diagonal, the first page and random tiles up to
-   30% of the lower triangle; CA keeps the first page and random pages up to 6%.
+   token ids, a 512-token query. The documents' bits, written to a temporary index, come from one of
+   three sources (`--masks`):
+     anchor  an "anchor generator" (tile 128 = the kernel block): per (layer, head) and document, LA keeps the
+             diagonal, the first page and random tiles up to 30% of the lower triangle; CA keeps the first page
+             and random pages up to 6%;
+     paper   the same generator at the SIFT paper's sparsities for Llama-3-8B on LongBench (LA sparsity 72.7%,
+             CA sparsity 94.2%): LA keeps 27.3% of the lower triangle, CA 5.8% of the pages;
+     real    real SIFT bits of SmolLM2-135M-Instruct on 2048-token Wikipedia documents (bench/masks.py, the
+             attention benchmark's mask (b); tile 64, coarsened to the kernel block by the engine's decode):
+             document i takes the stored document i mod 24; layer l of the model takes SmolLM2's layer
+             l * 30 // 32 and head h that layer's head h mod 9.
    Token ids travel as text through a stand-in tokenizer (ids written as decimal numbers), since the engine's
    API takes text.
 2. SmolLM2-135M-Instruct on HotpotQA prompts (system prompt + 10 paragraphs + question), bits profiled on the
@@ -14,16 +22,25 @@
 
 Each configuration: one warm-up (Triton compilation), then the median of `--reps` runs, synchronised wall
 clock. `fetch+decode` is the share of SIFT's TTFT spent in `index.fetch` and the per-layer bits -> block
-indices decode (CUDA events). Writes bench/results/ttft.json and prints a compact table last.
+indices decode (CUDA events). Every speed-up is against the dense forward of the same prompt in the same run.
 
-    python bench/bench_ttft.py [--contexts 16384,32768,65536] [--reps 3] [--smollm2-questions 4]
-    python bench/bench_ttft.py --smoke      # tiny random Llama on CPU (torch backend): checks the script runs
+Before anything is timed, the engine is checked on a two-document prompt of the 8B model (`engine_check`): its
+logits in modes "sift" and "dense" through the Triton kernels against an fp32 run of the same weights through
+the kernels' ref twins, within twice the error of the bf16 ref twins (bench/common.py `check_within_twin`).
+Exit status 1 after writing the result if a check failed. Writes bench/results/ttft.json and prints a compact
+table last.
+
+    python bench/bench_ttft.py [--contexts 16384,32768,65536] [--masks anchor,paper,real] [--reps 3]
+                               [--smollm2-questions 4]
+    python bench/bench_ttft.py --smoke      # tiny random Llama on CPU, fp16, Triton interpreter: the script runs
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import gc
 import json
+import os
 import pathlib
 import statistics
 import tempfile
@@ -34,6 +51,7 @@ from common import IdTokenizer
 
 common.smoke_env()  # before any kernel module imports triton
 
+import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 import torch  # noqa: E402
 
@@ -42,10 +60,15 @@ from sift.errors import SiftError  # noqa: E402
 from sift.format import content_hash, n_pages  # noqa: E402
 from sift.kernels.bits import pack_msb  # noqa: E402
 from sift.pipeline import index as idx  # noqa: E402
-from sift.runtime import Request, SiftEngine, SiftIndex  # noqa: E402
+from sift.runtime import KVStore, Request, SiftEngine, SiftIndex  # noqa: E402
 
 TILE = 128
 LA_DENSITY, CA_DENSITY = 0.30, 0.06
+# The SIFT paper's sparsities for Llama-3-8B on LongBench: 72.7% of LA tiles and 94.2% of CA pages skipped.
+PAPER_LA_DENSITY, PAPER_CA_DENSITY = 1 - 0.727, 1 - 0.942
+MASKS = ("anchor", "paper", "real")
+# The kernels' output against the bf16 ref twins', both against an fp32 reference: within this factor.
+TWIN_FACTOR = 2.0
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -78,18 +101,46 @@ def write_index(root: pathlib.Path, docs: dict[str, list[int]], bits: dict[str, 
         "shards": [info.to_dict()], "errors": None, "documents": len(rows)}))
 
 
-def anchor_bits(n_tokens: int, vectors: int, gen: torch.Generator) -> tuple[bytes, bytes]:
-    """LA: diagonal + first page + random tiles up to LA_DENSITY of the lower triangle; CA: first page +
-    random pages up to CA_DENSITY."""
+def anchor_bits(n_tokens: int, vectors: int, gen: torch.Generator, la_density: float = LA_DENSITY,
+                ca_density: float = CA_DENSITY) -> tuple[bytes, bytes]:
+    """LA: diagonal + first page + random tiles up to la_density of the lower triangle; CA: first page +
+    random pages up to ca_density."""
     p = n_pages(n_tokens, TILE)
     rows, cols = torch.tril_indices(p, p)
     forced = (rows == cols) | (cols == 0)
-    extra = max(0.0, LA_DENSITY * len(rows) - float(forced.sum())) / max(1, int((~forced).sum()))
+    extra = max(0.0, la_density * len(rows) - float(forced.sum())) / max(1, int((~forced).sum()))
     la = forced[None, :] | (torch.rand(vectors, len(rows), generator=gen) < extra)
-    ca_extra = max(0.0, CA_DENSITY * p - 1) / max(1, p - 1)
+    ca_extra = max(0.0, ca_density * p - 1) / max(1, p - 1)
     ca = torch.rand(vectors, p, generator=gen) < ca_extra
     ca[:, 0] = True
     return pack_msb(la).numpy().tobytes(), pack_msb(ca).numpy().tobytes()
+
+
+def real_bits(n_tokens: int, n_layers: int, n_heads: int, doc: int) -> tuple[bytes, bytes]:
+    """Stored SmolLM2 bits (bench/masks.py, mask (b)'s documents) for a model of n_layers x n_heads: document
+    `doc` mod 24, cut to n_tokens (a multiple of the stored tile); layer l takes SmolLM2's layer
+    l * L_s // n_layers, head h that layer's head h mod H_s."""
+    from masks import cut_bits, load_bits
+
+    stored = load_bits()
+    d, n_vec = doc % len(stored.n_tokens), stored.n_layers * stored.n_heads
+    if n_tokens > stored.n_tokens[d] or n_tokens % stored.tile:
+        raise SiftError(f"real bits: documents of {n_tokens} tokens; the stored ones have {stored.n_tokens[d]} "
+                        f"(use --doc-tokens {stored.n_tokens[d]} or a shorter multiple of {stored.tile})")
+    la, ca = stored.la[d], stored.ca[d]
+    if n_tokens < stored.n_tokens[d]:
+        la, ca = cut_bits(la, ca, stored.n_tokens[d], n_tokens, stored.tile, n_vec)
+    vec = [(layer * stored.n_layers // n_layers) * stored.n_heads + h % stored.n_heads
+           for layer in range(n_layers) for h in range(n_heads)]
+    la_rows = np.frombuffer(la, np.uint8).reshape(n_vec, -1)
+    ca_rows = np.frombuffer(ca, np.uint8).reshape(n_vec, -1)
+    return la_rows[vec].tobytes(), ca_rows[vec].tobytes()
+
+
+def real_tile() -> int:
+    from masks import load_bits
+
+    return load_bits().tile
 
 
 def _sync() -> None:
@@ -119,7 +170,38 @@ def closeness(tag: str, logits: torch.Tensor, reference: list[torch.Tensor]) -> 
     return {f"{tag}_rel_err": rel, f"{tag}_cosine": cos, f"{tag}_top1_agree": top1}
 
 
-def compare(name: str, model, engine: SiftEngine, reqs: list[Request], reps: int) -> dict:
+def engine_check(model, engine: SiftEngine, req: Request, modes: tuple[str, ...], checks: common.Checks,
+                 store_gib: float = 0.0, model32=None) -> dict:
+    """The engine's kernels on `req`, per mode: last-position logits of `engine` (the Triton backend on the
+    model's dtype) against an fp32 copy of the same weights (`model32`, made here when None) through the
+    kernels' ref twins (backend "torch"), within TWIN_FACTOR times the error of the ref twins at the model's
+    dtype (`check_within_twin`). The reuse modes get a KV store of `store_gib` per engine, empty before each
+    call. -> the figures checked."""
+    model32 = copy.deepcopy(model).float() if model32 is None else model32
+    store = (lambda: KVStore(hbm_bytes=int(store_gib * 2**30), dram_bytes=0)) if store_gib else (lambda: None)
+    twin = SiftEngine(model, engine.tokenizer, engine.index, kv_store=store(), backend="torch", block=engine.block)
+    ref = SiftEngine(model32, engine.tokenizer, engine.index, kv_store=store(), backend="torch", block=engine.block)
+    out = {}
+    for mode in modes:
+        logits = []
+        for e in (engine, twin, ref):
+            if e.kv_store is not None:
+                e.kv_store.clear()
+            logits.append(e.prefill([req], mode=mode).logits[0].float())
+        c = common.check_within_twin(f"engine/{mode}/logits_vs_fp32", *logits, factor=TWIN_FACTOR,
+                                     ref_dtype=torch.float32, depth=model.config.num_hidden_layers)
+        checks.add(c)
+        out[mode] = dict(rel_err=c.value, twin_rel_err=common.relative_error(logits[1], logits[2]), bound=c.bound)
+    if engine.kv_store is not None:
+        engine.kv_store.clear()
+    del model32, twin, ref
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return out
+
+
+def compare(name: str, model, engine: SiftEngine, reqs: list[Request], reps: int, **labels) -> dict:
     """Dense (plain SDPA forward of each unsegmented prompt) vs the engine in sift mode, batch = reqs."""
     prompts = [torch.tensor([engine.prompt_ids(r)], device=engine.device) for r in reqs]
 
@@ -131,9 +213,9 @@ def compare(name: str, model, engine: SiftEngine, reqs: list[Request], reps: int
     t_sift, res = timed(lambda: engine.prefill(reqs, mode="sift"), reps)
     t_engine_dense, res_dense = timed(lambda: engine.prefill(reqs, mode="dense"), reps)
     st = res.stages
-    row = dict(name=name, tokens=sum(res.n_tokens), requests=len(reqs), backend=res.backend,
+    row = dict(name=name, **labels, tokens=sum(res.n_tokens), requests=len(reqs), backend=res.backend,
                ttft_dense_s=t_dense, ttft_sift_s=t_sift, ttft_engine_dense_s=t_engine_dense,
-               speedup=t_dense / t_sift, tile_fraction=res.tile_fraction, fetch_s=st["fetch"],
+               speedup_vs_dense=t_dense / t_sift, tile_fraction=res.tile_fraction, fetch_s=st["fetch"],
                decode_s=st["decode"], attention_s=st["attention"], rest_s=st["rest"],
                fetch_decode_fraction=(st["fetch"] + st["decode"]) / st["total"],
                **closeness("engine_dense_vs_sdpa", res_dense.logits, dense_logits),
@@ -160,43 +242,75 @@ def llama_config(smoke: bool):
                        tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001, rope_parameters=rope)
 
 
-def bench_llama(tmp: pathlib.Path, contexts: list[int], doc_tokens: int, query_tokens: int, reps: int,
-                smoke: bool) -> list[dict]:
-    """Random-weight Llama (8B shape) over prompts of `contexts` tokens of `doc_tokens`-token documents."""
+def build_llama(smoke: bool):
+    """The random-weight model (8B shape, bf16 on the GPU; --smoke: 2 layers, fp16 on CPU)."""
     from transformers import AutoModelForCausalLM
 
-    if not contexts:
-        return []
     config = llama_config(smoke)
-    device, dtype = ("cpu", torch.float32) if smoke else ("cuda", torch.bfloat16)
+    device, dtype = ("cpu", torch.float16) if smoke else ("cuda", torch.bfloat16)
     t0 = time.perf_counter()
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval()
     print(f"{config.num_hidden_layers}-layer Llama built in {time.perf_counter() - t0:.1f}s", flush=True)
-    gen = torch.Generator().manual_seed(0)
-    lo, hi = 3, config.vocab_size
+    return model
 
-    def ids(n: int) -> list[int]:
-        return torch.randint(lo, hi, (n,), generator=gen).tolist()
 
-    docs = {f"doc{i}": ids(doc_tokens) for i in range(max(contexts) // doc_tokens)}
+def masked_engine(model, tmp: pathlib.Path, mask: str, docs: dict[str, list[int]], gen: torch.Generator,
+                  kv_store: KVStore | None = None) -> SiftEngine:
+    """An engine over a temporary index of `docs` with bits from `mask` (module docstring)."""
+    config = model.config
     vectors = config.num_hidden_layers * config.num_attention_heads
-    bits = {d: anchor_bits(len(t), vectors, gen) for d, t in docs.items()}
-    write_index(tmp / "index-llama", docs, bits, tile=TILE, config=config)
-    index = SyntheticIndex.open(tmp / "index-llama", device=device)
-    engine = SiftEngine(model, IdTokenizer(config.bos_token_id, config.eos_token_id), index)
-    query = " ".join(map(str, ids(query_tokens)))
-    rows = []
-    for ctx in contexts:
-        names = list(docs)[: ctx // doc_tokens]
-        req = Request("", [(d, " ".join(map(str, docs[d]))) for d in names], query)
-        label = f"llama-smoke {ctx}" if smoke else f"llama-8B-random {ctx // 1024}K"
-        rows.append(compare(label, model, engine, [req], reps))
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-    return rows
+    if mask == "real":
+        tile = real_tile()
+        bits = {d: real_bits(len(t), config.num_hidden_layers, config.num_attention_heads, i)
+                for i, (d, t) in enumerate(docs.items())}
+    else:
+        tile = TILE
+        la, ca = (LA_DENSITY, CA_DENSITY) if mask == "anchor" else (PAPER_LA_DENSITY, PAPER_CA_DENSITY)
+        bits = {d: anchor_bits(len(t), vectors, gen, la, ca) for d, t in docs.items()}
+    write_index(tmp / f"index-{mask}", docs, bits, tile=tile, config=config)
+    index = SyntheticIndex.open(tmp / f"index-{mask}", device=model.device)
+    # The Triton kernels (on CPU in the interpreter, under --smoke), the block of a GPU serving the 8B shape.
+    triton = model.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    return SiftEngine(model, IdTokenizer(config.bos_token_id, config.eos_token_id), index, block=TILE,
+                      backend="triton" if triton else "torch", kv_store=kv_store)
+
+
+def random_docs(config, n_docs: int, doc_tokens: int, gen: torch.Generator) -> dict[str, list[int]]:
+    return {f"doc{i}": torch.randint(3, config.vocab_size, (doc_tokens,), generator=gen).tolist()
+            for i in range(n_docs)}
+
+
+def as_request(docs: dict[str, list[int]], names: list[str], query: list[int]) -> Request:
+    return Request("", [(d, " ".join(map(str, docs[d]))) for d in names], " ".join(map(str, query)))
+
+
+def bench_llama(tmp: pathlib.Path, contexts: list[int], masks: list[str], doc_tokens: int, query_tokens: int,
+                reps: int, smoke: bool, checks: common.Checks) -> tuple[list[dict], dict]:
+    """Random-weight Llama (8B shape) over prompts of `contexts` tokens of `doc_tokens`-token documents, with the
+    bits of each of `masks`; the engine checked first. -> (rows, the engine check's figures)."""
+    if not contexts:
+        return [], {}
+    model = build_llama(smoke)
+    gen = torch.Generator().manual_seed(0)
+    docs = random_docs(model.config, max(contexts) // doc_tokens, doc_tokens, gen)
+    query = torch.randint(3, model.config.vocab_size, (query_tokens,), generator=gen).tolist()
+    rows, check = [], {}
+    for mask in masks:
+        engine = masked_engine(model, tmp, mask, docs, gen)
+        if not check:   # once: the kernels do not depend on where the bits came from
+            check = engine_check(model, engine, as_request(docs, list(docs)[:2], query), ("sift", "dense"), checks)
+            if not checks.ok:
+                return rows, check
+        for ctx in contexts:
+            label = f"llama-smoke {ctx}" if smoke else f"llama-8B-random {ctx // 1024}K"
+            req = as_request(docs, list(docs)[: ctx // doc_tokens], query)
+            rows.append(compare(f"{label} {mask}", model, engine, [req], reps, mask=mask, context=ctx))
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    return rows, check
 
 
 def bench_smollm2(tmp: pathlib.Path, n_questions: int, reps: int) -> list[dict]:
@@ -231,39 +345,50 @@ def bench_smollm2(tmp: pathlib.Path, n_questions: int, reps: int) -> list[dict]:
 
 
 def print_table(rows: list[dict], reps: int) -> None:
-    print(f"\n{'config':<34} {'tokens':>7} {'dense':>8} {'sift':>8} {'speedup':>7} {'tiles':>6} "
+    print(f"\n{'config':<34} {'tokens':>7} {'dense':>8} {'sift':>8} {'sift vs dense':>13} {'tiles':>6} "
           f"{'fetch+dec':>9} {'eng.dense':>9}")
     for r in rows:
         print(f"{r['name']:<34} {r['tokens']:>7} {r['ttft_dense_s'] * 1e3:>6.0f}ms {r['ttft_sift_s'] * 1e3:>6.0f}ms "
-              f"{r['speedup']:>6.2f}x {r['tile_fraction']:>6.1%} {r['fetch_decode_fraction']:>9.1%} "
+              f"{r['speedup_vs_dense']:>12.2f}x {r['tile_fraction']:>6.1%} {r['fetch_decode_fraction']:>9.1%} "
               f"{r['ttft_engine_dense_s'] * 1e3:>7.0f}ms")
-    print(f"(TTFT = median of {reps} after a warm-up; dense = transformers SDPA forward of the unsegmented "
-          f"prompt; eng.dense = the engine with every block listed)")
+    print(f"(TTFT = median of {reps} after a warm-up; sift vs dense = dense TTFT / sift TTFT, dense = transformers "
+          f"SDPA forward of the unsegmented prompt in the same run; tiles = (head, query block, key block) triples "
+          f"computed over dense causal; eng.dense = the engine with every block listed)")
 
 
 def main() -> None:
     ap = common.parser(__doc__.split("\n\n")[0])
     ap.add_argument("--contexts", default="16384,32768,65536",
                     help="prompt lengths of the 8B-shaped part, comma-separated ('' skips it)")
+    ap.add_argument("--masks", default=",".join(MASKS), help=f"bits of the 8B-shaped part, of {MASKS}")
     ap.add_argument("--doc-tokens", type=int, default=2048)
     ap.add_argument("--query-tokens", type=int, default=512)
     ap.add_argument("--reps", type=int, default=3, help="timed runs per configuration (median)")
-    ap.add_argument("--smollm2-questions", type=int, default=4, help="HotpotQA prompts of the SmolLM2 part (0 skips it)")
+    ap.add_argument("--smollm2-questions", type=int, default=0,
+                    help="HotpotQA prompts of the SmolLM2 part (0 skips it)")
     args = ap.parse_args()
+    masks = [m for m in args.masks.split(",") if m]
+    if any(m not in MASKS for m in masks):
+        raise SystemExit(f"--masks {args.masks!r}: choose from {MASKS}")
     if args.smoke:
-        args.contexts, args.doc_tokens, args.query_tokens, args.reps, args.smollm2_questions = "512", 256, 32, 1, 0
+        args.contexts, args.doc_tokens, args.query_tokens, args.reps, args.smollm2_questions = "512", 128, 32, 1, 0
     elif not torch.cuda.is_available():
         raise SystemExit("bench_ttft needs a CUDA GPU (or --smoke)")
     contexts = [int(x) for x in args.contexts.split(",") if x]
     t0 = time.perf_counter()
+    checks = common.Checks()
     with tempfile.TemporaryDirectory() as tmp:
-        rows = bench_llama(pathlib.Path(tmp), contexts, args.doc_tokens, args.query_tokens, args.reps, args.smoke)
-        rows += bench_smollm2(pathlib.Path(tmp), args.smollm2_questions, args.reps)
+        rows, check = bench_llama(pathlib.Path(tmp), contexts, masks, args.doc_tokens, args.query_tokens, args.reps,
+                                  args.smoke, checks)
+        if checks.ok:
+            rows += bench_smollm2(pathlib.Path(tmp), args.smollm2_questions, args.reps)
     setup = dict(doc_tokens=args.doc_tokens, query_tokens=args.query_tokens, prefix_tokens=1, reps=args.reps,
-                 tile=TILE, la_density=LA_DENSITY, ca_density=CA_DENSITY, smoke=args.smoke)
-    common.write_result("ttft", dict(setup=setup, seconds=time.perf_counter() - t0, rows=rows),
-                        common.out_dir(args))
+                 masks=masks, tile=TILE, la_density=LA_DENSITY, ca_density=CA_DENSITY,
+                 paper_la_density=PAPER_LA_DENSITY, paper_ca_density=PAPER_CA_DENSITY, smoke=args.smoke)
+    common.write_result("ttft", dict(setup=setup, seconds=time.perf_counter() - t0, engine_check=check,
+                                     checks=checks.to_json(), ok=checks.ok, rows=rows), common.out_dir(args))
     print_table(rows, args.reps)
+    raise SystemExit(checks.exit_status())
 
 
 if __name__ == "__main__":

@@ -13,9 +13,10 @@ times over the same weights:
     twin    bf16, backend "torch": the kernels' ref twins, attention computed in fp32 from the bf16 inputs
     fp32    the same (bf16-rounded) weights in float32, backend "torch": the reference
 
-Pass: the kernels' last-position logits are within FACTOR times the twin's own error of the reference (relative
-L2 per request), and their greedy ids equal the reference's up to the first step whose top-2 margin in the
-reference is not clear of that error. Exit status 1 if a check fails.
+Pass (bench/common.py `check_within_twin`): the kernels' last-position logits are within FACTOR times the twin's
+own error of the reference (relative L2 per request), and their greedy ids equal the reference's up to the first
+step whose top-2 margin in the reference is not clear of that error. Exit status 1 after writing the result if a
+check fails.
 
     python bench/check_engine_sm90.py            # an sm_90 GPU
     python bench/check_engine_sm90.py --smoke    # a tiny model on CPU: backend "reference" as the kernel under test
@@ -119,10 +120,6 @@ def reference_margins(model32, engine: SiftEngine, reqs: list[Request], ref_ids:
     return margins
 
 
-def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
-
-
 def ids_agree(ids: list[int], ref: list[int], margins: list[float], min_margin: float) -> tuple[bool, int]:
     """Equal to the reference at every step up to the first one whose reference margin is not clear;
     -> (agree, steps compared)."""
@@ -134,21 +131,25 @@ def ids_agree(ids: list[int], ref: list[int], margins: list[float], min_margin: 
     return len(ids) == len(ref), min(len(ids), len(ref))
 
 
-def check(name: str, res: dict, twin: dict, ref: dict, margins, twin_abs: float) -> tuple[bool, dict]:
+def check(checks: common.Checks, name: str, res: dict, twin: dict, ref: dict, margins, twin_abs: float,
+          depth: int) -> dict:
     """One kernel's logits and ids against the reference, per request."""
-    ok, rows = True, []
+    rows = []
     for i in range(len(ref["ids"])):
-        err, err_twin = rel_l2(res["logits"][i], ref["logits"][i]), rel_l2(twin["logits"][i], ref["logits"][i])
+        logits = common.check_within_twin(f"{name}/request{i}/logits", res["logits"][i], twin["logits"][i],
+                                          ref["logits"][i], factor=FACTOR, ref_dtype=torch.float32, depth=depth)
+        checks.add(logits)
+        err, err_twin = logits.value, common.relative_error(twin["logits"][i], ref["logits"][i])
         same, compared = ids_agree(res["ids"][i], ref["ids"][i], margins[i], MARGIN_ERRORS * twin_abs)
-        good = err <= FACTOR * err_twin + 1e-6 and same
-        ok &= good
+        checks.true(f"{name}/request{i}/greedy_ids", same, f"equal to the reference's on {compared} clear steps")
+        good = logits.ok and same
         all_equal = res["ids"][i] == ref["ids"][i]  # for information: beyond an unclear step either may be right
         rows.append(dict(rel_err=err, twin_rel_err=err_twin, ratio=err / max(err_twin, 1e-30),
                          ids=res["ids"][i], ids_compared=compared, ids_agree=same, ids_all_equal=all_equal, ok=good))
         print(f"{name} request {i}: logits rel err {err:.2e} vs the twin's {err_twin:.2e} "
               f"({err / max(err_twin, 1e-30):.2f}x, limit {FACTOR:g}x); ids agree on {compared} clear steps: {same} "
               f"(all {len(ref['ids'][i])} equal: {all_equal})", flush=True)
-    return ok, dict(requests=rows, launches=res["launches"])
+    return dict(requests=rows, launches=res["launches"])
 
 
 def main() -> None:
@@ -170,26 +171,23 @@ def main() -> None:
     margins = reference_margins(model32, ref["engine"], reqs, ref["ids"])
     twin_abs = max(float((twin["logits"][i] - ref["logits"][i]).abs().max()) for i in range(len(reqs)))
 
-    ok, result = True, {}
+    checks, result = common.Checks(), {}
     for name, res in under_test.items():
-        good, result[name] = check(name, res, twin, ref, margins, twin_abs)
-        ok &= good
+        result[name] = check(checks, name, res, twin, ref, margins, twin_abs, depth=cfg.num_hidden_layers)
     if not args.smoke:
         n = cfg.num_hidden_layers
         gluon, tl = under_test["gluon"]["launches"], under_test["tl"]["launches"]
-        launches_ok = gluon == (n, n) and tl == (0, 0)
-        ok &= launches_ok
-        print(f"Gluon launches: prefill {gluon[0]}, generate {gluon[1]} (expected {n} each); with the Gluon kernel "
-              f"refused: {sum(tl)}", flush=True)
+        checks.true("gluon_launches", gluon == (n, n) and tl == (0, 0),
+                    f"prefill {gluon[0]}, generate {gluon[1]} (expected {n} each); with the Gluon kernel refused: "
+                    f"{sum(tl)} (expected 0)")
     result.update(reference=dict(ids=ref["ids"], margins=margins), twin=dict(ids=twin["ids"]),
                   twin_max_abs_logit_err=twin_abs, factor=FACTOR, min_margin=MARGIN_ERRORS * twin_abs,
                   model=dict(layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, heads=cfg.num_attention_heads,
                              kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim),
                   n_tokens=[len(ref["engine"].prompt_ids(r)) for r in reqs], new_tokens=NEW_TOKENS, smoke=args.smoke,
-                  ok=bool(ok))
+                  checks=checks.to_json(), ok=checks.ok)
     common.write_result("check-engine-sm90", result, common.out_dir(args))
-    print("ALL OK" if ok else "SOME FAILED", flush=True)
-    sys.exit(0 if ok else 1)
+    sys.exit(checks.exit_status())
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ warm-up, so every timed reuse / hybrid run is warm. The reuse modes give the sam
 (tests/test_kv_reuse.py), so the store's state changes TTFT only.
 
 Modes: dense (the reference), sift, reuse, hybrid:first (EPIC-like), hybrid:deviation (CacheBlend-like),
-hybrid:bits (the index's CA bits), hybrid:none (a check: must equal reuse token for token). Each policy runs at
+hybrid:bits (the index's CA bits), hybrid:none (a check: must equal reuse token for token on every question, else
+the script exits with status 1 after writing its result). Each policy runs at
 each budget of --hybrid-fractions (mode "hybrid:<policy>@<fraction>": that share of each reused document's
 blocks, at least one, recomputed in the request's context).
 
@@ -298,7 +299,7 @@ def main() -> None:
                     limits={name: getattr(args, "limit_" + name.replace("-", "_")) for name in args.sets},
                     ci=dict(method="percentile bootstrap of the mean", level=0.95, resamples=args.resamples),
                     command=" ".join(["python", "bench/eval_reuse.py", *sys.argv[1:]]))
-    results, tables = {}, []
+    results, tables, checks = {}, [], common.Checks()
     for name in args.sets:
         items = load_set(name, args)
         print(f"{name}: {len(items)} questions", flush=True)
@@ -315,7 +316,11 @@ def main() -> None:
 
         write(run_set(name, items, index, model, tokenizer, args, write))
         tables.append(markdown(name, results[name], args))
+        if "hybrid:none" in args.modes:
+            same, n = map(int, results[name]["hybrid_none_equals_reuse"].split("/"))
+            checks.true(f"{name}/hybrid_none_equals_reuse", same == n, f"token for token on {same} of {n} questions")
     print("\n" + "\n".join(tables))
+    raise SystemExit(checks.exit_status())
 
 
 if __name__ == "__main__":

@@ -1,28 +1,29 @@
-"""The README's DuckDB query, run as written over a small index, against the same ranking computed bit by bit."""
+"""docs/building.md's DuckDB query, run as written over a small index, against the same ranking computed bit by
+bit."""
 import os
 import re
 from pathlib import Path
 
 from .test_store import make_index
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+BUILDING = Path(__file__).resolve().parents[1] / "docs" / "building.md"
 # 13 documents (more than the query's 10) of lengths whose LA vectors differ in size, so ranks differ too.
 LENGTHS = {f"doc{i:02d}": n for i, n in enumerate([1, 16, 17, 33, 37, 63, 64, 65, 100, 128, 129, 200, 250])}
 
 
-def readme_block(word: str) -> str:
-    """The README's first ```python block that mentions `word`."""
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+def doc_block(word: str) -> str:
+    """docs/building.md's first ```python block that mentions `word`."""
+    blocks = re.findall(r"```python\n(.*?)```", BUILDING.read_text(), flags=re.S)
     return next(b for b in blocks if word in b)
 
 
-def test_readme_duckdb_top_documents(tmp_path):
+def test_building_doc_duckdb_top_documents(tmp_path):
     rows = make_index(tmp_path / "index" / "sample", LENGTHS, shards=3)
     cwd = os.getcwd()
-    os.chdir(tmp_path)                      # the README's paths are relative: index/sample
+    os.chdir(tmp_path)                      # the doc's paths are relative: index/sample
     try:
         scope = {}
-        exec(readme_block("duckdb"), scope)
+        exec(doc_block("duckdb"), scope)
         top = scope["top"].fetchall()
         frame = scope["top"].df()
     finally:

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
@@ -66,6 +67,19 @@ def test_bootstrap_ci_known_cases():
     # 50 zeros and 50 ones: the mean's standard error is sqrt(0.25 / 100) = 0.05, so about 0.5 +- 0.098
     lo, hi = bootstrap_ci([0.0] * 50 + [1.0] * 50, resamples=4000)
     assert 0.38 < lo < 0.44 and 0.56 < hi < 0.62
+    # Two values: the resampled mean is 0, 1/2 or 1 with probabilities 1/4, 1/2, 1/4, so its 2.5% and 97.5%
+    # quantiles are the two values themselves.
+    assert bootstrap_ci([0.0, 1.0]) == (0.0, 1.0)
+    # 30 ones in 100: the resampled sum is Binomial(100, 0.3); the interval is its 2.5% and 97.5% quantiles / 100,
+    # computed from the binomial distribution (up to the resampling noise of 4000 draws).
+    cdf, quantiles = 0.0, {}
+    for k in range(101):
+        cdf += math.comb(100, k) * 0.3**k * 0.7 ** (100 - k)
+        for q in (0.025, 0.975):
+            if cdf >= q and q not in quantiles:
+                quantiles[q] = k / 100
+    lo, hi = bootstrap_ci([1.0] * 30 + [0.0] * 70, resamples=4000)
+    assert lo == pytest.approx(quantiles[0.025], abs=0.015) and hi == pytest.approx(quantiles[0.975], abs=0.015)
 
 
 # ----------------------------------------------------------------------------------------------- readers
@@ -211,8 +225,12 @@ def test_cli_end_to_end(eval_setup):
         assert stats["n"] == 3
         for key in ("agreement_first_token", "agreement_answer", "em", "f1", "containment", "kl_first_token",
                     "tile_fraction", "ttft_s"):
+            values = [r["modes"][mode][key] for r in report["rows"]]
             lo, hi = stats[key]["ci95"]
-            assert lo <= stats[key]["mean"] <= hi, (mode, key, stats[key])
+            # The mean of the rows' own values; a percentile bootstrap of the mean only draws means of observed
+            # values, so its interval lies within their range (a normal approximation would not).
+            assert stats[key]["mean"] == pytest.approx(float(np.mean(values)), abs=1e-12), (mode, key)
+            assert min(values) - 1e-12 <= lo and hi <= max(values) + 1e-12, (mode, key, values, stats[key])
     # All-ones bits keep every causal tile: SIFT is dense (SPEC section 4's gate), whatever the answers are.
     assert report["modes"]["sift"]["tile_fraction"]["mean"] == 1.0
     assert report["modes"]["sift"]["agreement_first_token"]["mean"] == 1.0

@@ -68,6 +68,19 @@ def _expected_heads(rows: dict) -> np.ndarray:
     return np.mean(per_doc, axis=0)
 
 
+def _expected_tile_fraction(rows: dict) -> float:
+    """LA bits set over all LA bits of the index (every document, layer and head), decoded bit by bit."""
+    kept = total = 0
+    for r in rows.values():
+        p = -(-r["n_tokens"] // TILE)
+        n_bits, nbytes = p * (p + 1) // 2, la_nbytes(r["n_tokens"], TILE)
+        blob = r["la_bits"]
+        kept += sum((blob[v * nbytes + b // 8] >> (7 - b % 8)) & 1 for v in range(LAYERS * HEADS)
+                    for b in range(n_bits))
+        total += LAYERS * HEADS * n_bits
+    return kept / total
+
+
 def test_inspect_plot_writes_the_pngs(tmp_path):
     index = tmp_path / "index"
     rows = make_index(index, LENGTHS, shards=3)
@@ -80,7 +93,7 @@ def test_inspect_plot_writes_the_pngs(tmp_path):
     assert summary["plots"] == [str(out / name) for name in FIGURES]
     heads = np.asarray(summary["la_density_per_head"])
     assert heads.shape == (LAYERS, HEADS) and np.allclose(heads, _expected_heads(rows), atol=1e-4)
-    assert 0.3 < summary["tile_fraction"] < 0.7     # random bits: about half are set
+    assert summary["tile_fraction"] == pytest.approx(_expected_tile_fraction(rows), abs=1e-4)
 
     for name in FIGURES:
         image = mpimg.imread(out / name)            # [height, width, RGBA]

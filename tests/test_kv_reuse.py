@@ -12,6 +12,9 @@ other shapes (documents computed inside the request's forward or in forwards of 
 plain transformers forward) round differently, in a pattern that depends on the CPU's BLAS: they are compared
 within `helpers.model_logit_tol`, derived from fp32's epsilon, the model's depth and width and the logits' scale.
 """
+import math
+from fractions import Fraction
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -206,17 +209,37 @@ def test_answers_ignore_what_padding_slots_hold(setup):
     assert dirty.generate(reqs[:1], max_new_tokens=3, mode="reuse").token_ids == expected_ids
 
 
+def recomputed_share(tokenizer, reqs, fraction: float, block: int) -> tuple[float, float, float]:
+    """From the budget's definition (ceil(fraction x a document's blocks), at least one, at most all, per
+    document of every request): the share of the documents' tokens that policy "first" recomputes, and the least
+    and most any choice of that many blocks can (the last block of a document may be short)."""
+    first = lo = hi = total = 0
+    for req in reqs:
+        for _, text in req.docs:
+            n = len(tokenizer(text, add_special_tokens=False).input_ids)
+            blocks = -(-n // block)
+            k = min(blocks, max(1, math.ceil(Fraction(str(fraction)) * blocks)))   # exact arithmetic
+            last = n - block * (blocks - 1)
+            first += min(k * block, n)
+            lo += block * (k - 1) + last
+            hi += min(k * block, n)
+            total += n
+    return first / total, lo / total, hi / total
+
+
 def test_hybrid_policies_choose_within_budget(setup):
     """Each policy recomputes a share of the blocks within the call's budget; "hybrid:none" recomputes nothing
     and equals "reuse" within rounding (its forward runs a recompute pass with an empty set: other shapes)."""
-    model, _, _, reqs = setup
+    model, tokenizer, index, reqs = setup
     engine, _ = engine_with(setup, hbm_pages=128, hybrid_fraction=0.2)
     none = engine.prefill(reqs, mode="hybrid:none")
     reused = engine.prefill(reqs, mode="reuse")
     assert_within(none.logits, reused.logits, model_logit_tol(model.config, reused.logits), "hybrid:none vs reuse")
-    for policy in ("first", "bits", "deviation"):
+    first, lo, hi = recomputed_share(tokenizer, reqs, 0.2, engine.block)
+    assert engine.prefill(reqs, mode="hybrid:first").recomputed_fraction == pytest.approx(first, abs=1e-12)
+    for policy in ("bits", "deviation"):
         res = engine.prefill(reqs, mode=f"hybrid:{policy}")
-        assert 0.0 < res.recomputed_fraction < 0.5, (policy, res.recomputed_fraction)
+        assert lo - 1e-12 <= res.recomputed_fraction <= hi + 1e-12, (policy, res.recomputed_fraction, lo, hi)
     assert engine.prefill(reqs, mode="hybrid").mode == "hybrid"
     # A call's own budget: "@1" recomputes every block of every document, "@0.6" more than the engine's 0.2.
     assert engine.prefill(reqs, mode="hybrid:first@1").recomputed_fraction == 1.0
