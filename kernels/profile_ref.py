@@ -13,6 +13,9 @@ or "mass": each document row keeps the smallest set of key tiles of its own docu
 is kept if some row of its query tile keeps it. Under "mass" alpha is not read; the diagonal, the sink page,
 CA (beta, gamma) and dense heads are unchanged. Only this reference implements "mass" (the builder refuses
 the Triton backend for it).
+
+`profile_packed_ref` runs `profile_layer_ref` on every document of a pack (`packing.PackedDocs`): each
+document's bits and output rows are those of the document profiled alone, whatever it is packed with.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import torch
 from sift.format import TILES, n_pages
 
 from .bits import pack_msb, square_to_tril
+from .packing import PackedDocs
 
 CA_NORMALIZE = ("causal", "key_index")
 CRITERIA = ("threshold", "mass")
@@ -203,3 +207,59 @@ def profile_layer_ref(
                        ca_normalize=ca_normalize, force_sink_page=force_sink_page, dense_heads=dense_heads,
                        kept=kept)
     return bits, out
+
+
+def validate_packed(q, k, docs: PackedDocs, la_out, ca_out, v=None) -> None:
+    """Checks of a pack's inputs shared by `profile_packed_ref` and the kernel's `profile_packed`."""
+    if q.dim() != 3 or k.dim() != 3 or q.shape[1] != docs.total or k.shape[1] != docs.total:
+        raise ValueError(f"q [Hq, T, D] and k [Hkv, T, D] must hold the pack's T={docs.total} rows; got q "
+                         f"{tuple(q.shape)}, k {tuple(k.shape)}")
+    if v is not None and (v.dim() != 3 or v.shape[:2] != k.shape[:2]):
+        raise ValueError(f"v must be [Hkv, T, Dv] like k {tuple(k.shape)}; got {tuple(v.shape)}")
+    for name, out, width in (("la_out", la_out, docs.la_total), ("ca_out", ca_out, docs.ca_total)):
+        if out.dtype != torch.uint8 or tuple(out.shape) != (q.shape[0], width) or out.device != q.device \
+                or out.stride(1) != 1:
+            raise ValueError(f"{name} must be a uint8 [Hq, {width}] tensor on {q.device} with unit byte stride; "
+                             f"got {out.dtype} {tuple(out.shape)} on {out.device}")
+
+
+def profile_packed_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    docs: PackedDocs,
+    *,
+    la_out: torch.Tensor,
+    ca_out: torch.Tensor,
+    scale: float,
+    alpha: float,
+    beta: float,
+    gamma: float,
+    softcap: float | None = None,
+    ca_normalize: str = "causal",
+    force_sink_page: bool = True,
+    dense_heads: Sequence[int] = (),
+    v: torch.Tensor | None = None,
+    block_bytes: int = 64 << 20,
+    criterion: str = "threshold",
+    coverage: float = 0.95,
+) -> torch.Tensor | None:
+    """One layer of a pack: every document's bits, written into la_out / ca_out at its offsets.
+
+    q: [Hq, T, D], k / v: [Hkv, T, D(v)], the pack's rows (`docs.total`); la_out: [Hq, docs.la_total] and ca_out:
+    [Hq, docs.ca_total] uint8. Returns the layer's output [Hq, T, Dv] when v is given (each sequence attending to
+    itself only), else None. Other arguments as `profile_layer_ref`.
+    """
+    validate_packed(q, k, docs, la_out, ca_out, v)
+    out = torch.empty(q.shape[0], docs.total, v.shape[-1], dtype=v.dtype, device=v.device) if v is not None else None
+    for s in range(len(docs)):
+        rows = docs.seq_rows(s)
+        bits, o = profile_layer_ref(q[:, rows], k[:, rows], v=v[:, rows] if v is not None else None, scale=scale,
+                                    n_prefix=docs.n_prefix, tile=docs.tile, alpha=alpha, beta=beta, gamma=gamma,
+                                    softcap=softcap, ca_normalize=ca_normalize, force_sink_page=force_sink_page,
+                                    dense_heads=dense_heads, block_bytes=block_bytes, criterion=criterion,
+                                    coverage=coverage)
+        la_out[:, docs.la_bytes(s)] = bits.la
+        ca_out[:, docs.ca_bytes(s)] = bits.ca
+        if out is not None:
+            out[:, rows] = o
+    return out

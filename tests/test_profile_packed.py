@@ -1,0 +1,138 @@
+"""Packed profiling: many documents in one pass (`sift.kernels.packing.PackedDocs`), each document's bits equal to
+those of profiling it alone, for the Triton kernels (in the interpreter without a GPU) and the torch reference.
+
+The kernels cut every document into the blocks they would cut it into alone and never read across a document
+boundary, so equality is exact (torch.equal), not up to rounding. The attention forward of a pack
+(`attention_packed`) is compared with a dense per-sequence softmax written here.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from sift.format import ca_nbytes, la_nbytes
+from sift.kernels import profile as pk
+from sift.kernels.packing import PackedDocs
+from sift.kernels.profile_ref import profile_layer_ref, profile_packed_ref
+
+# Mixed lengths: a 1-token document, lengths that are not multiples of the tile or the blocks, whole tiles, and
+# one document as long as the rest together (the budget-sized one a pack may hold alone).
+LENGTHS = (1, 23, 16, 5, 45)
+SMALL = pk.ProfileKernelConfig(16, 16)  # interpreter-sized blocks (tile 16)
+
+
+def _pack(n_prefix, lengths, hq=4, hkv=2, d=32, dtype=torch.float32, seed=0):
+    docs = PackedDocs(n_prefix, lengths, 16)
+    g = torch.Generator().manual_seed(seed)
+    # Views of [T, H, D], as a transformers forward hands them over; N(0, 1.5^2) makes rows peaked.
+    q = (torch.randn(docs.total, hq, d, generator=g) * 1.5).to(dtype).transpose(0, 1)
+    k = (torch.randn(docs.total, hkv, d, generator=g) * 1.5).to(dtype).transpose(0, 1)
+    v = torch.randn(docs.total, hkv, d, generator=g).to(dtype).transpose(0, 1)
+    return docs, q, k, v
+
+
+ARGS = dict(scale=32 ** -0.5, alpha=0.02, beta=0.05, gamma=0.2)
+
+
+def test_layout_offsets_follow_the_lengths():
+    docs = PackedDocs(2, (1, 40, 16), 16)
+    assert docs.starts == (0, 3, 45) and docs.total == 63 and docs.cu_seqlens == (0, 3, 45, 63)
+    assert docs.max_seqlen == 42 and docs.pages == (1, 3, 1)
+    # LA: ceil(P(P+1)/2 / 8) bytes per head; CA: ceil(P / 8).
+    assert docs.la_nbytes == (1, 1, 1) and docs.ca_nbytes == (1, 1, 1)
+    long = PackedDocs(0, (300, 7), 16)  # P = 19: 190 bits, 24 bytes
+    assert long.la_nbytes == (24, 1) and long.la_offsets == (0, 24) and long.la_total == 25
+    assert long.ca_nbytes == (3, 1) and long.ca_offsets == (0, 3) and long.ca_total == 4
+    assert docs.seq_rows(1) == slice(3, 45) and docs.doc_rows(1) == slice(5, 45)
+    with pytest.raises(ValueError, match="at least one token"):
+        PackedDocs(1, (3, 0), 16)
+    with pytest.raises(ValueError, match="tile"):
+        PackedDocs(1, (3,), 24)
+
+
+def _kernel_alone(q, k, docs, s, *, dense_heads=()):
+    rows = docs.seq_rows(s)
+    bits, _ = pk.profile_layer(q[:, rows], k[:, rows], n_prefix=docs.n_prefix, tile=docs.tile,
+                               dense_heads=dense_heads, configs=(SMALL, SMALL), **ARGS)
+    return bits
+
+
+@pytest.mark.parametrize("n_prefix", [0, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_kernel_pack_equals_each_document_alone(n_prefix, dtype):
+    docs, q, k, v = _pack(n_prefix, LENGTHS, dtype=dtype)
+    plan = pk.plan_pack(docs, head_dim=32, dtype=dtype, device="cpu", configs=(SMALL, SMALL), fwd_config=SMALL)
+    dense = pk.dense_flags((1,), 4, "cpu")
+    la = torch.full((4, docs.la_total), 0xAA, dtype=torch.uint8)  # every byte must be written
+    ca = torch.full((4, docs.ca_total), 0xAA, dtype=torch.uint8)
+    pk.profile_packed(q, k, plan, la_out=la, ca_out=ca, dense=dense, **ARGS)
+    for s in range(len(docs)):
+        alone = _kernel_alone(q, k, docs, s, dense_heads=(1,))
+        assert torch.equal(la[:, docs.la_bytes(s)], alone.la), s
+        assert torch.equal(ca[:, docs.ca_bytes(s)], alone.ca), s
+    assert la[1].eq(0).sum() < la[1].numel()  # the dense head's bits are set
+
+    # With the pack's own forward giving the lse (what the profiler runs where no SDPA backend returns one), the
+    # bits are those of the first pass: the same rows, the same keys, the same blocks.
+    _, lse2 = pk.attention_packed(q, k, v, plan, scale=ARGS["scale"])
+    la2, ca2 = torch.zeros_like(la), torch.zeros_like(ca)
+    pk.profile_packed(q, k, plan, la_out=la2, ca_out=ca2, dense=dense, lse2=lse2, **ARGS)
+    assert torch.equal(la2, la) and torch.equal(ca2, ca)
+
+
+def _dense_attention(q, k, v, docs, scale):
+    """Per sequence: fp32 softmax of the causal scores over its own keys -> out [T, Hq, D], lse [Hq, T] (natural)."""
+    g = q.shape[0] // k.shape[0]
+    out = torch.empty(docs.total, q.shape[0], v.shape[-1])
+    lse = torch.empty(q.shape[0], docs.total)
+    for s in range(len(docs)):
+        r = docs.seq_rows(s)
+        qs, ks, vs = q[:, r].float(), k[:, r].float().repeat_interleave(g, 0), v[:, r].float().repeat_interleave(g, 0)
+        n = qs.shape[1]
+        scores = (qs @ ks.transpose(1, 2) * scale).masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(),
+                                                              float("-inf"))
+        out[r] = (torch.softmax(scores, -1) @ vs).transpose(0, 1)
+        lse[:, r] = torch.logsumexp(scores, -1)
+    return out, lse
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_attention_forward_of_a_pack_attends_within_each_sequence(dtype):
+    docs, q, k, v = _pack(1, LENGTHS, dtype=dtype, seed=3)
+    plan = pk.plan_pack(docs, head_dim=32, dtype=dtype, device="cpu", configs=(SMALL, SMALL), fwd_config=SMALL)
+    out, lse2 = pk.attention_packed(q, k, v, plan, scale=ARGS["scale"])
+    ref_out, ref_lse = _dense_attention(q, k, v, docs, ARGS["scale"])
+    assert out.shape == (docs.total, 4, 32) and out.dtype == dtype
+    out_err = (out.float() - ref_out).abs().max().item()
+    lse_err = (lse2 / math.log2(math.e) - ref_lse).abs().max().item()
+    print(f"\n{dtype}: output max abs err {out_err:.3g}, lse max abs err {lse_err:.3g}")
+    # The lse is accumulated in fp32 either way: a few ulps of |lse| (< 10 here). The output is rounded once to
+    # the dtype, and in fp16 the probabilities are rounded to fp16 before P V (as flash attention does): 2^-10
+    # relative on each term, a few of them for |v| ~ 1 over at most 47 keys.
+    assert lse_err <= 1e-5
+    assert out_err <= (1e-5 if dtype == torch.float32 else 4e-3)
+
+
+def test_reference_pack_equals_each_document_alone():
+    docs, q, k, v = _pack(2, LENGTHS + (64,), hq=6, hkv=3, seed=1)
+    la = torch.zeros(6, docs.la_total, dtype=torch.uint8)
+    ca = torch.zeros(6, docs.ca_total, dtype=torch.uint8)
+    out = profile_packed_ref(q, k, docs, la_out=la, ca_out=ca, v=v, dense_heads=(4,), **ARGS)
+    for s in range(len(docs)):
+        rows = docs.seq_rows(s)
+        bits, o = profile_layer_ref(q[:, rows], k[:, rows], v=v[:, rows], n_prefix=2, tile=16, dense_heads=(4,),
+                                    **ARGS)
+        assert torch.equal(la[:, docs.la_bytes(s)], bits.la) and torch.equal(ca[:, docs.ca_bytes(s)], bits.ca)
+        assert torch.equal(out[:, rows], o)
+        assert bits.la.shape[1] == la_nbytes(docs.lengths[s], 16) and bits.ca.shape[1] == ca_nbytes(docs.lengths[s], 16)
+
+
+def test_pack_buffers_are_checked():
+    docs, q, k, _ = _pack(1, (3, 4))
+    la = torch.zeros(4, docs.la_total, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="ca_out must be a uint8"):
+        profile_packed_ref(q, k, docs, la_out=la, ca_out=torch.zeros(4, 5, dtype=torch.uint8), **ARGS)
+    with pytest.raises(ValueError, match="pack's T="):
+        profile_packed_ref(q[:, :5], k[:, :5], docs, la_out=la, ca_out=la, **ARGS)
