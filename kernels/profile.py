@@ -502,6 +502,7 @@ class PackPlan:
     stats_cfg: ProfileKernelConfig
     fwd_cfg: ProfileKernelConfig
     seq0: torch.Tensor
+    cu_seqlens: torch.Tensor    # [B + 1] sequence boundaries (varlen attention's offsets)
     doc_len: torch.Tensor
     tmax_off: torch.Tensor
     la_off: torch.Tensor
@@ -571,8 +572,8 @@ def plan_pack(docs: PackedDocs, *, head_dim: int, dtype: torch.dtype, device,
     ca_per_program = max(1, 512 // docs.tile)  # 4096 keys a program
     la_progs = _blocks(zeros, np.asarray(docs.la_nbytes, dtype=np.int64), LA_BYTES_PER_PROGRAM)
     ca_progs = _blocks(zeros, np.asarray(docs.ca_nbytes, dtype=np.int64), ca_per_program)
-    per_doc = [np.asarray(docs.starts), lengths, np.cumsum(squares) - squares, np.asarray(docs.la_offsets),
-               np.asarray(docs.ca_offsets)]
+    per_doc = [np.asarray(docs.starts), np.asarray(docs.cu_seqlens), lengths, np.cumsum(squares) - squares,
+               np.asarray(docs.la_offsets), np.asarray(docs.ca_offsets)]
     tables = [lse_blocks, fwd_blocks, stats_blocks, np.concatenate([la_progs, ca_progs])]
     flat = np.concatenate([a.reshape(-1) for a in per_doc + tables]).astype(np.int32)
     host = torch.from_numpy(flat)
