@@ -91,7 +91,7 @@ def read_index(path: str) -> tuple[IndexReader, pa.Table, IndexDensity]:
 
 class _ProgressBar:
     """Profiling progress as one bar on a terminal: tokens (the work) with their rate and the ETA, and
-    documents with theirs. The same three calls as `ProgressLines`."""
+    documents with theirs. The same calls as `ProgressLines`."""
 
     FORMAT = "{desc} {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} tokens [{elapsed}<{remaining}, {rate_fmt}{postfix}]"
 
@@ -101,6 +101,13 @@ class _ProgressBar:
         self.documents, self.done = documents, 0
         self.bar = tqdm(total=tokens, desc=f"profiled 0/{documents} documents", unit=" tokens", unit_scale=True,
                         bar_format=self.FORMAT, file=sys.stderr, dynamic_ncols=True)
+
+    def total(self, documents: int, tokens: int, final: bool) -> None:
+        """The documents found to profile so far (final: the corpus is read)."""
+        self.documents = documents
+        self.bar.total = tokens
+        self.bar.set_description_str(f"profiled {self.done}/{documents} documents", refresh=False)
+        self.bar.refresh()
 
     def shard(self, documents: int, tokens: int) -> None:
         self.done += documents

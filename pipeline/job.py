@@ -1,8 +1,12 @@
-"""The builder's Ray job: plan -> profile -> commit, under the index's writer lock.
+"""The builder's Ray job: read, tokenise and profile as one stream, then commit, under the index's writer lock.
 
-    plan     (`plan.py`) read + tokenise (Ray tasks), duplicates, error rows, what to reuse -> `BuildPlan`
-    profile  the documents to profile, on a pool of `ProfileShardWriter` actors (GPU, or CPU), one immutable
-             Parquet shard per batch -> `Profiled`
+    plan     (`plan.py`) the target and the reusable rows; then read + tokenise as Ray tasks streaming records in
+             corpus order to the driver, which decides per record: error row, reused row, or to profile
+    profile  the documents to profile, gathered into shards (`build.shard_tokens` / `shard_rows`) as they arrive
+             and handed to a pool of `ProfileShardWriter` actors (one per GPU, or CPU actors; the model loaded
+             once per actor, while the first records are read); each actor packs a shard into forwards of
+             `build.batch_tokens` and writes it as one immutable Parquet shard off its GPU's critical path
+             -> `Profiled`
     commit   the reused rows assembled into shards, the errors table, the `Manifest`, its atomic commit, and
              the deletion of files no generation lists -> `BuildStats`
 
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,8 +38,8 @@ from sift.storage import Location, is_uri, redact
 
 from . import index as idx
 from .config import BuildConfig
-from .corpus import list_sources
-from .plan import BuildPlan, ErrorRow, Pair, plan, resolve_target
+from .corpus import corpus_name, list_sources
+from .plan import BuildPlan, ErrorRow, Pair, Planner, Todo, resolve_target, reusable, tokenised
 
 
 @dataclass(frozen=True)
@@ -50,24 +55,36 @@ class BuildStats:
     errors: int = 0
     tokens_profiled: int = 0
     seconds: float = 0.0
-    profile_seconds: float = 0.0   # wall time of the profiling stage (actor start-up included)
+    profile_seconds: float = 0.0   # wall time of the read + profile stream (actor start-up included)
     actor_seconds: float = 0.0     # summed time the actors spent profiling documents
     backends: list[str] = field(default_factory=list)
     note: str = ""
+    # The fixed cost before the first profiled shard, seconds: "ray" (start or join), "plan" (previous generation,
+    # model identity, reusable rows), "model_load" (the slowest actor's model load and set-up), "first_records"
+    # (build start to the first tokenised records), "first_shard" (build start to the first shard profiled),
+    # "first_shard_compute" (that shard's profiling, warm-up included).
+    startup: dict = field(default_factory=dict)
+    # Ray node id -> {"shards": [paths], "documents", "tokens", "seconds"}: where each shard was profiled.
+    nodes: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Profile (Ray actors: heavy setup once, then a pure call per batch)
+# Profile (Ray actors: heavy setup once, then a pure call per shard)
 
 
 class ProfileShardWriter:
-    """Profiles a batch of documents and writes them as one immutable shard; returns the shard's description
-    and one error row per document that failed (a failure never stops the batch)."""
+    """Profiles a shard of documents and writes it as one immutable Parquet shard; returns the shard's
+    description and one error row per document that failed (a failure never stops the shard).
+
+    Runs two calls at once (a threaded actor): one profiles on the device while the other writes the shard it
+    profiled, so writing never holds the device; the device itself runs one call at a time."""
 
     def __init__(self, *, model: str, cfg_dict: dict, index: str, profile_key: str, threads: int):
+        t0 = time.perf_counter()
+        import ray
         import torch
 
         from sift.model import load_model
@@ -84,24 +101,28 @@ class ProfileShardWriter:
         if backend == "triton" and device != "cuda":
             raise SiftError("build.backend = 'triton' needs a GPU actor: use 'auto' or 'torch' on CPU")
         model_obj, tokenizer, _ = load_model(model, dtype=cfg.profile.dtype, device=device)
-        self.profiler = Profiler(model_obj, tokenizer, cfg.profile, backend)
-        self.backend = backend
+        self.profiler = Profiler(model_obj, tokenizer, cfg.profile, backend, batch_tokens=cfg.build.batch_tokens)
         self.index = Location.of(index)  # `index` is the location's spec: a local path or a URI
         self.profile_key = profile_key
+        self.node = ray.get_runtime_context().get_node_id()
+        self.device_lock = threading.Lock()
+        self.load_seconds = time.perf_counter() - t0
 
-    def __call__(self, batch: dict) -> dict:
+    def profile_shard(self, shard: dict) -> dict:
+        """shard: {"doc_id", "source", "content_hash": lists, "token_ids": list of int arrays} -> the written
+        shard's `ShardInfo` dict (None when every document failed), its doc_ids and tokens, error rows, timings."""
+        with self.device_lock:
+            t0 = time.perf_counter()
+            results = self.profiler.profile_batch(shard["token_ids"])
+            seconds = time.perf_counter() - t0
+            backend = self.profiler.backend_label
         rows = {name: [] for name in fmt.DOCS_SCHEMA.names}
-        err_ids, err_sources, err_reasons = [], [], []
-        t0 = time.perf_counter()
-        for doc_id, source, ids, digest in zip(batch["doc_id"], batch["source"], batch["token_ids"],
-                                               batch["content_hash"]):
-            ids = [int(t) for t in ids]
-            try:
-                bits = self.profiler.profile(ids)
-            except Exception as e:  # one bad document never stops the job: it becomes an errors-table row
-                err_ids.append(doc_id)
-                err_sources.append(source)
-                err_reasons.append(f"profiling failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+        errors = []
+        for doc_id, source, digest, ids, bits in zip(shard["doc_id"], shard["source"], shard["content_hash"],
+                                                     shard["token_ids"], results):
+            if isinstance(bits, Exception):  # one bad document never stops the job: it becomes an error row
+                errors.append((doc_id, source, f"profiling failed: {type(bits).__name__}: "
+                                               f"{(str(bits).splitlines() or [''])[0][:200]}"))
                 continue
             rows["doc_id"].append(doc_id)
             rows["content_hash"].append(digest)
@@ -114,28 +135,10 @@ class ProfileShardWriter:
         info = None
         if rows["doc_id"]:
             table = pa.Table.from_pydict(rows, schema=fmt.DOCS_SCHEMA)
-            info = idx.write_table(self.index, table, kind="part", profile_key=self.profile_key,
-                                   backend=self.profiler.backend_label)
-        return {
-            "shard": [info.to_dict() if info else None],
-            "doc_ids": [rows["doc_id"]],
-            "tokens": [sum(rows["n_tokens"])],
-            "seconds": [time.perf_counter() - t0],
-            "err_ids": [err_ids], "err_sources": [err_sources], "err_reasons": [err_reasons],
-        }
-
-
-class _KeyFilter:
-    """Picklable batch function: the rows whose listing key is to be profiled, with the columns profiling needs."""
-
-    COLUMNS = ("doc_id", "source", "token_ids", "content_hash")
-
-    def __init__(self, keys: frozenset[str]):
-        self.keys = keys
-
-    def __call__(self, batch: dict) -> dict:
-        keep = [i for i, key in enumerate(batch["key"]) if key in self.keys]
-        return {c: batch[c][keep] for c in self.COLUMNS}
+            info = idx.write_table(self.index, table, kind="part", profile_key=self.profile_key, backend=backend)
+        return {"shard": info.to_dict() if info else None, "documents": len(rows["doc_id"]),
+                "tokens": sum(rows["n_tokens"]), "seconds": seconds, "errors": errors, "node": self.node,
+                "load_seconds": self.load_seconds}
 
 
 @dataclass(frozen=True)
@@ -147,16 +150,20 @@ class _ActorPool:
 
 
 def _actor_pool(ray, cfg: BuildConfig) -> _ActorPool:
-    """Size the profiling actor pool from the resources Ray reports (never 2 CPU actors on a 2-core box)."""
+    """Size the profiling actor pool from the resources Ray reports: one actor per GPU, else CPU actors that
+    each leave a core of their node to Ray and the reading tasks (never 2 CPU actors on a 2-core box)."""
     res = ray.cluster_resources()
-    gpus, cpus = int(res.get("GPU", 0)), int(res.get("CPU", 1))
+    gpus = int(res.get("GPU", 0))
     if gpus and cfg.build.backend != "torch":
         n = cfg.build.actors or gpus
-        return _ActorPool(size=n, resources={"num_gpus": 1}, threads=max(1, cpus // n - 1), kind="gpu")
-    per_actor = min(8, max(1, cpus - 1))  # leave a core for Ray itself and the reading tasks
-    n = cfg.build.actors or max(1, (cpus - 1) // per_actor)
-    # A lone actor may use every core: the reading stage has finished by the time profiling starts.
-    threads = cpus if n == 1 else per_actor
+        return _ActorPool(size=n, resources={"num_gpus": 1}, threads=max(1, int(res.get("CPU", 1)) // n - 1),
+                          kind="gpu")
+    node_cpus = [int(node["Resources"].get("CPU", 0)) for node in ray.nodes() if node.get("Alive")]
+    node_cpus = [c for c in node_cpus if c > 0] or [1]
+    per_actor = min(8, max(1, min(node_cpus) - 1))
+    n = cfg.build.actors or sum(max(1, (c - 1) // per_actor) for c in node_cpus)
+    # An actor alone on its node may use the node's cores: reading is a small share of a build's CPU time.
+    threads = max(node_cpus) if n <= len(node_cpus) else per_actor
     return _ActorPool(size=n, resources={"num_cpus": per_actor}, threads=threads, kind="cpu")
 
 
@@ -169,23 +176,30 @@ class Profiled:
     tokens: int = 0                     # tokens of the documents profiled
     seconds: float = 0.0                # wall time of the stage (actor start-up included)
     actor_seconds: float = 0.0          # summed time the actors spent profiling documents
+    startup: dict = field(default_factory=dict)
+    nodes: dict = field(default_factory=dict)
 
 
 class ProgressLines:
     """Profiling progress as one line per shard written, through `echo`: what a log file shows (the CLI draws one
-    bar instead when stderr is a terminal). `start` once, `shard` per shard, `close` at the end."""
+    bar instead when stderr is a terminal). `start` once, `total` as the stream finds documents to profile,
+    `shard` per shard, `close` at the end. While the corpus is still being read the totals are those found so
+    far and the ETA is "-"."""
 
     def __init__(self, echo):
         self.echo = echo
 
     def start(self, documents: int, tokens: int) -> None:
-        self.total, self.done, self.t0 = (documents, tokens), [0, 0], time.perf_counter()
+        self.total_, self.done, self.final, self.t0 = (documents, tokens), [0, 0], True, time.perf_counter()
+
+    def total(self, documents: int, tokens: int, final: bool) -> None:
+        self.total_, self.final = (documents, tokens), final
 
     def shard(self, documents: int, tokens: int) -> None:
         self.done = [self.done[0] + documents, self.done[1] + tokens]
         seconds = max(time.perf_counter() - self.t0, 1e-9)
-        (docs, toks), (n_docs, n_toks) = self.done, self.total
-        eta = _clock((n_toks - toks) * seconds / toks) if toks else "-"
+        (docs, toks), (n_docs, n_toks) = self.done, self.total_
+        eta = _clock((n_toks - toks) * seconds / toks) if toks and self.final else "-"
         self.echo(f"sift-build: profiled {docs}/{n_docs} documents, {toks}/{n_toks} tokens "
                   f"({docs / seconds:.2f} docs/s, {toks / seconds:.0f} tokens/s, ETA {eta})")
 
@@ -198,48 +212,150 @@ def _clock(seconds: float) -> str:
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
-def profile(build: BuildPlan, index: Location, cfg: BuildConfig, echo, progress) -> Profiled:
-    """Profile the plan's `todo` documents, `cfg.build.shard_rows` per shard, on a pool of actors."""
-    if not build.todo:
-        return Profiled()
-    import ray
-    import ray.data
+class _Shards:
+    """Gathers the documents to profile into shards of at most `rows` documents and `tokens` tokens (a longer
+    document is a shard of its own)."""
 
-    pool = _actor_pool(ray, cfg)
-    echo(f"sift-build: profiling on {pool.size} {pool.kind.upper()} actor(s)")
-    todo = build.docs.map_batches(_KeyFilter(build.todo), batch_format="numpy")
+    def __init__(self, rows: int, tokens: int):
+        self.max_rows, self.max_tokens = rows, tokens
+        self.docs: list[Todo] = []
+        self.tokens = 0
+
+    def add(self, doc: Todo) -> dict | None:
+        """Add a document; returns the shard it closed, if any."""
+        closed = None
+        if self.docs and (len(self.docs) >= self.max_rows or self.tokens + len(doc.token_ids) > self.max_tokens):
+            closed = self.take()
+        self.docs.append(doc)
+        self.tokens += len(doc.token_ids)
+        return closed
+
+    def take(self) -> dict | None:
+        if not self.docs:
+            return None
+        docs, self.docs, self.tokens = self.docs, [], 0
+        return {"doc_id": [d.doc_id for d in docs], "source": [d.source for d in docs],
+                "content_hash": [d.content_hash for d in docs], "token_ids": [d.token_ids for d in docs]}
+
+
+class _Pool:
+    """The profiling actors, created on first use, with at most `depth` shards queued on each (one profiling,
+    one waiting or being written), so the device never waits for the driver; results are handed to `done`."""
+
+    DEPTH = 2
+
+    def __init__(self, make_actor, size: int, done):
+        self.make_actor, self.size, self.done = make_actor, size, done
+        self.actors: list = []
+        self.load: list[int] = []
+        self.in_flight: dict = {}
+
+    def start(self) -> None:
+        if not self.actors:
+            self.actors = [self.make_actor() for _ in range(self.size)]
+            self.load = [0] * self.size
+
+    def submit(self, shard: dict) -> None:
+        self.start()
+        while min(self.load) >= self.DEPTH:
+            self.collect(block=True)
+        i = self.load.index(min(self.load))
+        self.in_flight[self.actors[i].profile_shard.remote(shard)] = i
+        self.load[i] += 1
+
+    def collect(self, block: bool) -> None:
+        """Hand finished shards to `done`; with block, wait for at least one."""
+        import ray
+
+        while self.in_flight:
+            ready, _ = ray.wait(list(self.in_flight), num_returns=1, timeout=None if block else 0)
+            if not ready:
+                return
+            self.load[self.in_flight.pop(ready[0])] -= 1
+            self.done(ray.get(ready[0]))
+            block = False
+
+    def drain(self) -> None:
+        while self.in_flight:
+            self.collect(block=True)
+
+
+def profile(records, planner: Planner, index: Location, cfg: BuildConfig, echo, progress, t_start: float,
+            eager: bool) -> Profiled:
+    """Stream `records` (the tokenised corpus) through `planner` and profile what it hands on, shard by shard, on
+    a pool of actors. eager: start the actors (load the model) before the first document to profile is known,
+    as when nothing can be reused."""
+    import ray
+
+    target = planner.target
+    pool_spec = _actor_pool(ray, cfg)
     # Everything handed to the actors is absolute: they run in their own working directory, on other machines.
     assert not index.local or index.local_path.is_absolute(), index.uri
-    results = todo.map_batches(
-        ProfileShardWriter, batch_size=cfg.build.shard_rows, batch_format="numpy",
-        fn_constructor_kwargs=dict(model=build.target.model.name, cfg_dict=cfg.to_dict(), index=index.spec,
-                                   profile_key=build.target.profile_key, threads=pool.threads),
-        compute=ray.data.ActorPoolStrategy(size=pool.size), **pool.resources)
-    progress.start(len(build.todo), build.todo_tokens)
+    actor_class = ray.remote(ProfileShardWriter).options(
+        max_concurrency=_Pool.DEPTH, max_restarts=2, max_task_retries=2, scheduling_strategy="SPREAD",
+        **pool_spec.resources)
+    kwargs = dict(model=target.model.name, cfg_dict=cfg.to_dict(), index=index.spec,
+                  profile_key=target.profile_key, threads=pool_spec.threads)
+    shards, errors, nodes, startup = [], [], {}, {}
+    totals = {"tokens": 0, "actor_seconds": 0.0}
+
+    def done(result: dict) -> None:
+        if not shards and not errors:
+            startup.update(first_shard=time.perf_counter() - t_start, first_shard_compute=result["seconds"])
+        startup["model_load"] = max(startup.get("model_load", 0.0), result["load_seconds"])
+        node = nodes.setdefault(result["node"], {"shards": [], "documents": 0, "tokens": 0, "seconds": 0.0})
+        if result["shard"] is not None:
+            info = ShardInfo(**result["shard"])
+            shards.append(info)
+            node["shards"].append(info.path)
+        node["documents"] += result["documents"]
+        node["tokens"] += result["tokens"]
+        node["seconds"] += result["seconds"]
+        totals["tokens"] += result["tokens"]
+        totals["actor_seconds"] += result["seconds"]
+        errors.extend(tuple(e) for e in result["errors"])
+        progress.shard(result["documents"] + len(result["errors"]), result["tokens"])
+
+    pool = _Pool(lambda: actor_class.remote(**kwargs), pool_spec.size, done)
+    batching = _Shards(cfg.build.shard_rows, cfg.build.shard_tokens)
+    t0 = time.perf_counter()
+    progress.start(0, 0)
+
+    def start_actors() -> None:
+        echo(f"sift-build: profiling on {pool_spec.size} {pool_spec.kind.upper()} actor(s)")
+        pool.start()
+
     try:
-        return _collect(results, progress)
-    except Exception as e:  # an actor's error arrives wrapped in Ray's; the user gets the one line behind it
+        if eager:
+            start_actors()
+        for batch in records:
+            startup.setdefault("first_records", time.perf_counter() - t_start)
+            for doc in planner.admit(batch):
+                if not pool.actors:  # the model loads while the corpus is still being read
+                    start_actors()
+                shard = batching.add(doc)
+                if shard is not None:
+                    pool.submit(shard)
+            progress.total(planner.todo, planner.todo_tokens, final=False)
+            pool.collect(block=False)
+        shard = batching.take()
+        if shard is not None:
+            pool.submit(shard)
+        progress.total(planner.todo, planner.todo_tokens, final=True)
+        echo(planner.summary())
+        pool.drain()
+    except Exception as e:  # an actor's or a task's error arrives wrapped in Ray's; the user gets the line behind it
+        if isinstance(e, SiftError):
+            raise
         if isinstance(root_cause(e), SiftError):
             raise SiftError(one_line(e)) from e
         raise SiftError(f"profiling stopped: {one_line(e)} (nothing was committed; the next sift-build reuses "
                         f"the shards already written)") from e
     finally:
         progress.close()
-
-
-def _collect(results, progress) -> Profiled:
-    """Run the lazy `results` dataset to the end, reporting progress per shard."""
-    t0 = time.perf_counter()
-    shards, errors, tokens, actor_seconds = [], [], 0, 0.0
-    for row in results.iter_rows():
-        if row["shard"] is not None:
-            shards.append(ShardInfo(**row["shard"]))
-            tokens += int(row["tokens"])
-        actor_seconds += float(row["seconds"])
-        errors += zip(row["err_ids"], row["err_sources"], row["err_reasons"])
-        progress.shard(len(row["doc_ids"]) + len(row["err_ids"]), int(row["tokens"]))
-    return Profiled(shards=tuple(shards), errors=tuple(errors), tokens=tokens,
-                    seconds=time.perf_counter() - t0, actor_seconds=actor_seconds)
+    return Profiled(shards=tuple(shards), errors=tuple(errors), tokens=totals["tokens"],
+                    seconds=time.perf_counter() - t0, actor_seconds=totals["actor_seconds"], startup=startup,
+                    nodes=nodes)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -305,9 +421,11 @@ def _manifest(build: BuildPlan, cfg: BuildConfig, stats: BuildStats, shards: lis
 
 
 def commit(build: BuildPlan, profiled: Profiled, index: Location, cfg: BuildConfig, t_start: float,
-           lock) -> BuildStats:
+           lock, startup: dict) -> BuildStats:
     """Assemble and commit the new generation, then delete the files neither it nor the previous one lists.
-    lock: what `idx.build_lock` yielded, checked just before the commit (a lease on an object store can be lost)."""
+    lock: what `idx.build_lock` yielded, checked just before the commit (a lease on an object store can be lost);
+    startup: the fixed costs measured before profiling (`BuildStats.startup`)."""
+    startup = {**startup, **profiled.startup}
     previous = build.target.previous
     shards = _assemble(index, build.reuse, build.target.profile_key) + list(profiled.shards)
     errors = _write_errors(index, build.errors + profiled.errors)
@@ -317,7 +435,7 @@ def commit(build: BuildPlan, profiled: Profiled, index: Location, cfg: BuildConf
         deleted=build.deleted, errors=errors.rows if errors else 0, tokens_profiled=profiled.tokens,
         profile_seconds=profiled.seconds, actor_seconds=profiled.actor_seconds,
         backends=sorted({s.backend for s in shards if s.backend}), note=build.note,
-        seconds=time.perf_counter() - t_start)
+        seconds=time.perf_counter() - t_start, startup=startup, nodes=profiled.nodes)
     manifest = _manifest(build, cfg, stats, shards, errors, index)
     lock.check()
     idx.commit_manifest(index, manifest)
@@ -373,10 +491,18 @@ def run_build(corpus: str | Path, out: str | Path, cfg: BuildConfig, *, ray_addr
     model_dir = resolve_model_dir(cfg.model)
     idx.prepare_dir(index)
     with idx.build_lock(index) as lock:
+        t0 = time.perf_counter()
         target = resolve_target(cfg, model_dir, index)
+        t1 = time.perf_counter()
         _start_ray(ray_address, verbose)
+        t2 = time.perf_counter()
         shown = redact(corpus) if is_uri(corpus) else corpus
         echo(f"sift-build: {len(sources)} source(s) in {shown}, model {target.model.name}, tile {cfg.profile.tile}")
-        build = plan(corpus, sources, model_dir, index, cfg, target, echo)
-        profiled = profile(build, index, cfg, echo, progress or ProgressLines(echo))
-        return commit(build, profiled, index, cfg, t_start, lock)
+        reuse = reusable(index, target)
+        startup = {"ray": t2 - t1, "plan": (t1 - t0) + (time.perf_counter() - t2)}
+        planner = Planner(target, reuse, corpus_name(corpus))
+        records = tokenised(sources, model_dir, cfg, target.max_tokens).iter_batches(
+            batch_size=None, batch_format="numpy", prefetch_batches=4)
+        eager = not (reuse.previous or reuse.orphans)  # nothing can be reused: load the model while reading
+        profiled = profile(records, planner, index, cfg, echo, progress or ProgressLines(echo), t_start, eager)
+        return commit(planner.finish(index), profiled, index, cfg, t_start, lock, startup)
