@@ -33,7 +33,7 @@ import pyarrow.parquet as pq
 from sift import format as fmt
 from sift.errors import SiftError, one_line, root_cause
 from sift.format import Manifest, ShardInfo
-from sift.model import resolve_model_dir
+from sift.model import DEFAULT_MODEL, resolve_model_dir
 from sift.storage import Location, is_uri, redact
 
 from . import index as idx
@@ -64,7 +64,8 @@ class BuildStats:
     # (build start to the first tokenised records), "first_shard" (build start to the first shard profiled),
     # "first_shard_compute" (that shard's profiling, warm-up included).
     startup: dict = field(default_factory=dict)
-    # Ray node id -> {"shards": [paths], "documents", "tokens", "seconds"}: where each shard was profiled.
+    # Ray node id -> {"shards": [paths], "documents", "tokens", "seconds", "peak_memory_gib" (GPU actors)}: where
+    # each shard was profiled.
     nodes: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -82,7 +83,7 @@ class ProfileShardWriter:
     Runs two calls at once (a threaded actor): one profiles on the device while the other writes the shard it
     profiled, so writing never holds the device; the device itself runs one call at a time."""
 
-    def __init__(self, *, model: str, cfg_dict: dict, index: str, profile_key: str, threads: int):
+    def __init__(self, *, model: str, cfg_dict: dict, index: str, threads: int):
         t0 = time.perf_counter()
         import ray
         import torch
@@ -103,14 +104,14 @@ class ProfileShardWriter:
         model_obj, tokenizer, _ = load_model(model, dtype=cfg.profile.dtype, device=device)
         self.profiler = Profiler(model_obj, tokenizer, cfg.profile, backend, batch_tokens=cfg.build.batch_tokens)
         self.index = Location.of(index)  # `index` is the location's spec: a local path or a URI
-        self.profile_key = profile_key
         self.node = ray.get_runtime_context().get_node_id()
         self.device_lock = threading.Lock()
         self.load_seconds = time.perf_counter() - t0
 
-    def profile_shard(self, shard: dict) -> dict:
-        """shard: {"doc_id", "source", "content_hash": lists, "token_ids": list of int arrays} -> the written
-        shard's `ShardInfo` dict (None when every document failed), its doc_ids and tokens, error rows, timings."""
+    def profile_shard(self, shard: dict, profile_key: str) -> dict:
+        """shard: {"doc_id", "source", "content_hash": lists, "token_ids": list of int arrays}; profile_key: the
+        build's, written into the shard -> the shard's `ShardInfo` dict (None when every document failed), its
+        documents and tokens, error rows, timings and where it ran."""
         with self.device_lock:
             t0 = time.perf_counter()
             results = self.profiler.profile_batch(shard["token_ids"])
@@ -135,10 +136,16 @@ class ProfileShardWriter:
         info = None
         if rows["doc_id"]:
             table = pa.Table.from_pydict(rows, schema=fmt.DOCS_SCHEMA)
-            info = idx.write_table(self.index, table, kind="part", profile_key=self.profile_key, backend=backend)
+            info = idx.write_table(self.index, table, kind="part", profile_key=profile_key, backend=backend)
         return {"shard": info.to_dict() if info else None, "documents": len(rows["doc_id"]),
                 "tokens": sum(rows["n_tokens"]), "seconds": seconds, "errors": errors, "node": self.node,
-                "load_seconds": self.load_seconds}
+                "load_seconds": self.load_seconds, "peak_memory_gib": self._peak_gib()}
+
+    @staticmethod
+    def _peak_gib() -> float | None:
+        import torch
+
+        return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
 
 
 @dataclass(frozen=True)
@@ -239,31 +246,38 @@ class _Shards:
 
 
 class _Pool:
-    """The profiling actors, created on first use, with at most `depth` shards queued on each (one profiling,
-    one waiting or being written), so the device never waits for the driver; results are handed to `done`."""
+    """The profiling actors: made by `start` (as soon as the build knows it will profile, so the model loads while
+    the rest is planned and the corpus read), with at most DEPTH shards queued on each (one profiling, one
+    waiting or being written), so the device never waits for the driver."""
 
     DEPTH = 2
 
-    def __init__(self, make_actor, size: int, done):
-        self.make_actor, self.size, self.done = make_actor, size, done
+    def __init__(self, ray, cfg: BuildConfig, index: Location, model: str):
+        # Everything handed to the actors is absolute: they run in their own working directory, on other machines.
+        assert not index.local or index.local_path.is_absolute(), index.uri
+        self.spec = _actor_pool(ray, cfg)
+        self.actor_class = ray.remote(ProfileShardWriter).options(
+            max_concurrency=self.DEPTH, max_restarts=2, max_task_retries=2, scheduling_strategy="SPREAD",
+            **self.spec.resources)
+        self.kwargs = dict(model=model, cfg_dict=cfg.to_dict(), index=index.spec, threads=self.spec.threads)
         self.actors: list = []
         self.load: list[int] = []
         self.in_flight: dict = {}
 
-    def start(self) -> None:
+    def start(self, echo) -> None:
         if not self.actors:
-            self.actors = [self.make_actor() for _ in range(self.size)]
-            self.load = [0] * self.size
+            echo(f"sift-build: profiling on {self.spec.size} {self.spec.kind.upper()} actor(s)")
+            self.actors = [self.actor_class.remote(**self.kwargs) for _ in range(self.spec.size)]
+            self.load = [0] * self.spec.size
 
-    def submit(self, shard: dict) -> None:
-        self.start()
+    def submit(self, shard: dict, profile_key: str, done) -> None:
         while min(self.load) >= self.DEPTH:
-            self.collect(block=True)
+            self.collect(done, block=True)
         i = self.load.index(min(self.load))
-        self.in_flight[self.actors[i].profile_shard.remote(shard)] = i
+        self.in_flight[self.actors[i].profile_shard.remote(shard, profile_key)] = i
         self.load[i] += 1
 
-    def collect(self, block: bool) -> None:
+    def collect(self, done, block: bool) -> None:
         """Hand finished shards to `done`; with block, wait for at least one."""
         import ray
 
@@ -272,78 +286,70 @@ class _Pool:
             if not ready:
                 return
             self.load[self.in_flight.pop(ready[0])] -= 1
-            self.done(ray.get(ready[0]))
+            done(ray.get(ready[0]))
             block = False
 
-    def drain(self) -> None:
+    def drain(self, done) -> None:
         while self.in_flight:
-            self.collect(block=True)
+            self.collect(done, block=True)
 
 
-def profile(records, planner: Planner, index: Location, cfg: BuildConfig, echo, progress, t_start: float,
-            eager: bool) -> Profiled:
-    """Stream `records` (the tokenised corpus) through `planner` and profile what it hands on, shard by shard, on
-    a pool of actors. eager: start the actors (load the model) before the first document to profile is known,
-    as when nothing can be reused."""
-    import ray
+class _Results:
+    """What the actors report, gathered shard by shard as they finish."""
 
-    target = planner.target
-    pool_spec = _actor_pool(ray, cfg)
-    # Everything handed to the actors is absolute: they run in their own working directory, on other machines.
-    assert not index.local or index.local_path.is_absolute(), index.uri
-    actor_class = ray.remote(ProfileShardWriter).options(
-        max_concurrency=_Pool.DEPTH, max_restarts=2, max_task_retries=2, scheduling_strategy="SPREAD",
-        **pool_spec.resources)
-    kwargs = dict(model=target.model.name, cfg_dict=cfg.to_dict(), index=index.spec,
-                  profile_key=target.profile_key, threads=pool_spec.threads)
-    shards, errors, nodes, startup = [], [], {}, {}
-    totals = {"tokens": 0, "actor_seconds": 0.0}
+    def __init__(self, progress, t_start: float):
+        self.progress, self.t_start = progress, t_start
+        self.shards: list[ShardInfo] = []
+        self.errors: list[ErrorRow] = []
+        self.nodes: dict = {}
+        self.startup: dict = {}
+        self.tokens, self.actor_seconds = 0, 0.0
 
-    def done(result: dict) -> None:
-        if not shards and not errors:
-            startup.update(first_shard=time.perf_counter() - t_start, first_shard_compute=result["seconds"])
-        startup["model_load"] = max(startup.get("model_load", 0.0), result["load_seconds"])
-        node = nodes.setdefault(result["node"], {"shards": [], "documents": 0, "tokens": 0, "seconds": 0.0})
+    def __call__(self, result: dict) -> None:
+        if "first_shard" not in self.startup:
+            self.startup.update(first_shard=time.perf_counter() - self.t_start,
+                                first_shard_compute=result["seconds"])
+        self.startup["model_load"] = max(self.startup.get("model_load", 0.0), result["load_seconds"])
+        node = self.nodes.setdefault(result["node"], {"shards": [], "documents": 0, "tokens": 0, "seconds": 0.0})
         if result["shard"] is not None:
             info = ShardInfo(**result["shard"])
-            shards.append(info)
+            self.shards.append(info)
             node["shards"].append(info.path)
         node["documents"] += result["documents"]
         node["tokens"] += result["tokens"]
         node["seconds"] += result["seconds"]
-        totals["tokens"] += result["tokens"]
-        totals["actor_seconds"] += result["seconds"]
-        errors.extend(tuple(e) for e in result["errors"])
-        progress.shard(result["documents"] + len(result["errors"]), result["tokens"])
+        if result["peak_memory_gib"] is not None:
+            node["peak_memory_gib"] = max(node.get("peak_memory_gib", 0.0), result["peak_memory_gib"])
+        self.tokens += result["tokens"]
+        self.actor_seconds += result["seconds"]
+        self.errors.extend(tuple(e) for e in result["errors"])
+        self.progress.shard(result["documents"] + len(result["errors"]), result["tokens"])
 
-    pool = _Pool(lambda: actor_class.remote(**kwargs), pool_spec.size, done)
+
+def profile(records, planner: Planner, pool: _Pool, cfg: BuildConfig, echo, progress, t_start: float) -> Profiled:
+    """Stream `records` (the tokenised corpus) through `planner` and profile what it hands on, shard by shard, on
+    the pool's actors (started here at the first document to profile, unless already started)."""
+    profile_key = planner.target.profile_key
+    results = _Results(progress, t_start)
     batching = _Shards(cfg.build.shard_rows, cfg.build.shard_tokens)
     t0 = time.perf_counter()
     progress.start(0, 0)
-
-    def start_actors() -> None:
-        echo(f"sift-build: profiling on {pool_spec.size} {pool_spec.kind.upper()} actor(s)")
-        pool.start()
-
     try:
-        if eager:
-            start_actors()
         for batch in records:
-            startup.setdefault("first_records", time.perf_counter() - t_start)
+            results.startup.setdefault("first_records", time.perf_counter() - t_start)
             for doc in planner.admit(batch):
-                if not pool.actors:  # the model loads while the corpus is still being read
-                    start_actors()
+                pool.start(echo)  # the model loads while the corpus is still being read
                 shard = batching.add(doc)
                 if shard is not None:
-                    pool.submit(shard)
+                    pool.submit(shard, profile_key, results)
             progress.total(planner.todo, planner.todo_tokens, final=False)
-            pool.collect(block=False)
+            pool.collect(results, block=False)
         shard = batching.take()
         if shard is not None:
-            pool.submit(shard)
+            pool.submit(shard, profile_key, results)
         progress.total(planner.todo, planner.todo_tokens, final=True)
         echo(planner.summary())
-        pool.drain()
+        pool.drain(results)
     except Exception as e:  # an actor's or a task's error arrives wrapped in Ray's; the user gets the line behind it
         if isinstance(e, SiftError):
             raise
@@ -353,9 +359,9 @@ def profile(records, planner: Planner, index: Location, cfg: BuildConfig, echo, 
                         f"the shards already written)") from e
     finally:
         progress.close()
-    return Profiled(shards=tuple(shards), errors=tuple(errors), tokens=totals["tokens"],
-                    seconds=time.perf_counter() - t0, actor_seconds=totals["actor_seconds"], startup=startup,
-                    nodes=nodes)
+    return Profiled(shards=tuple(results.shards), errors=tuple(results.errors), tokens=results.tokens,
+                    seconds=time.perf_counter() - t0, actor_seconds=results.actor_seconds, startup=results.startup,
+                    nodes=results.nodes)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -492,17 +498,22 @@ def run_build(corpus: str | Path, out: str | Path, cfg: BuildConfig, *, ray_addr
     idx.prepare_dir(index)
     with idx.build_lock(index) as lock:
         t0 = time.perf_counter()
-        target = resolve_target(cfg, model_dir, index)
-        t1 = time.perf_counter()
         _start_ray(ray_address, verbose)
-        t2 = time.perf_counter()
+        t1 = time.perf_counter()
+        import ray
+
+        pool = _Pool(ray, cfg, index, DEFAULT_MODEL if cfg.model == DEFAULT_MODEL else str(model_dir))
+        if not (index.exists(fmt.MANIFEST) or fmt.history(index)):  # a first build profiles: load the model now
+            pool.start(echo)
+        target = resolve_target(cfg, model_dir, index)
         shown = redact(corpus) if is_uri(corpus) else corpus
         echo(f"sift-build: {len(sources)} source(s) in {shown}, model {target.model.name}, tile {cfg.profile.tile}")
         reuse = reusable(index, target)
-        startup = {"ray": t2 - t1, "plan": (t1 - t0) + (time.perf_counter() - t2)}
+        if not (reuse.previous or reuse.orphans):  # nothing to reuse: everything is profiled
+            pool.start(echo)
+        startup = {"ray": t1 - t0, "plan": time.perf_counter() - t1}
         planner = Planner(target, reuse, corpus_name(corpus))
         records = tokenised(sources, model_dir, cfg, target.max_tokens).iter_batches(
             batch_size=None, batch_format="numpy", prefetch_batches=4)
-        eager = not (reuse.previous or reuse.orphans)  # nothing can be reused: load the model while reading
-        profiled = profile(records, planner, index, cfg, echo, progress or ProgressLines(echo), t_start, eager)
+        profiled = profile(records, planner, pool, cfg, echo, progress or ProgressLines(echo), t_start)
         return commit(planner.finish(index), profiled, index, cfg, t_start, lock, startup)
