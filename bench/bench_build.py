@@ -38,7 +38,7 @@ from common import parser, smoke_env
 smoke_env()  # before anything imports triton
 
 import torch  # noqa: E402
-from common import RESULTS, write_result  # noqa: E402
+from common import out_dir, write_result  # noqa: E402
 
 from sift.format import IndexReader  # noqa: E402
 from sift.model import DEFAULT_MODEL, default_model_dir, fingerprint, load_model  # noqa: E402
@@ -299,7 +299,7 @@ def main() -> None:
               "model_folder": model_cost, "cold_build": cold, "corpora": results,
               "args": {k: str(v) for k, v in vars(args).items()}}
     name = "build" if gpu else "build-cpu"
-    path = write_result(name, result, args.out / "smoke" if args.smoke and args.out == RESULTS else args.out)
+    path = write_result(name, result, out_dir(args))
     print_table(json.loads(path.read_text()))
     if args.work is None:
         shutil.rmtree(work, ignore_errors=True)

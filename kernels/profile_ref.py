@@ -1,9 +1,9 @@
 """Torch reference of SIFT profiling (SPEC section 2): one layer's q/k -> packed LA and CA bits.
 
-This is the CPU backend of the builder and the reference twin of the Triton kernel in `profile.py`; both
-take the same arguments. It never holds an L x L matrix: queries are processed in blocks of whole tiles,
-each block against the full key row (so each row's softmax reduces over exactly the keys the model's eager
-attention reduces over).
+This is the CPU backend of the builder and the reference twin of the Triton kernels in `profile.py`; both
+take the same arguments. It never holds an L x L matrix: queries are processed in blocks of whole tiles, each
+block against the keys up to its last row (every key any of its rows attends to; the rest of the row is masked
+anyway, so each row's softmax covers exactly its causal keys, as the model's eager attention does).
 
 Thresholds are compared in float32 (alpha, beta, gamma are rounded to float32 first), as the GPU kernel does.
 
@@ -30,6 +30,7 @@ from .bits import pack_msb, square_to_tril
 from .packing import PackedDocs
 
 CA_NORMALIZE = ("causal", "key_index")
+BLOCK_ROWS = 256  # document rows per block of `profile_layer_ref` (at most; fewer where block_bytes says so)
 CRITERIA = ("threshold", "mass")
 
 
@@ -58,18 +59,6 @@ def validate_profile_args(q, k, *, n_prefix, tile, alpha, beta, gamma, ca_normal
             raise ValueError(f"{name}={value} must lie in [0, 1]")
     if ca_normalize not in CA_NORMALIZE:
         raise ValueError(f"ca_normalize={ca_normalize!r} must be one of {CA_NORMALIZE}")
-
-
-def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    # Same expansion as the models' eager path, so each score is the same dot product.
-    return x if groups == 1 else x.repeat_interleave(groups, dim=0)
-
-
-def _scores(q_blk: torch.Tensor, k_rep: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor:
-    s = torch.matmul(q_blk, k_rep.transpose(-1, -2)) * scale
-    if softcap is not None:
-        s = torch.tanh(s / softcap) * softcap
-    return s
 
 
 def finish_bits(
@@ -164,12 +153,13 @@ def profile_layer_ref(
         raise ValueError(f"criterion={criterion!r} must be one of {CRITERIA}")
     if not 0.0 < coverage <= 1.0:
         raise ValueError(f"coverage={coverage} must lie in (0, 1]")
-    hq, lp, _ = q.shape
-    groups = hq // k.shape[0]
+    hq, lp, d = q.shape
+    hkv = k.shape[0]
+    groups = hq // hkv
     n_doc = lp - n_prefix
     p = n_pages(n_doc, tile)
-    k_rep = _repeat_kv(k, groups)
-    v_rep = _repeat_kv(v, groups) if v is not None else None
+    # Query head h reads key head h // groups: q as [Hkv, groups * rows, D] against K / V as they are (no copy).
+    q_grouped = q.reshape(hkv, groups, lp, d)
     out = torch.empty(hq, lp, v.shape[-1], dtype=v.dtype, device=v.device) if v is not None else None
     beta32 = torch.tensor(beta, dtype=torch.float32, device=q.device)
 
@@ -177,31 +167,37 @@ def profile_layer_ref(
     key_counts = torch.zeros(hq, n_doc, dtype=torch.int64, device=q.device)
     kept = torch.zeros(hq, p, p, dtype=torch.bool, device=q.device) if criterion == "mass" else None
     key_pos = torch.arange(lp, device=q.device)
-    rows_per_block = max(tile, (block_bytes // (hq * lp * 4)) // tile * tile)
-
-    # Block starts: the prefix rows (output only), then document rows in whole tiles.
-    starts = list(range(0, n_prefix, rows_per_block)) + list(range(n_prefix, lp, rows_per_block))
-    ends = starts[1:] + [lp]
-    ends = [min(e, n_prefix) if s < n_prefix else e for s, e in zip(starts, ends)]
-    for r0, r1 in zip(starts, ends):
-        s = _scores(q[:, r0:r1], k_rep, scale, softcap)
-        causal = key_pos[None, :] <= torch.arange(r0, r1, device=q.device)[:, None]
-        s = s.masked_fill(~causal, float("-inf"))
+    # Blocks of whole tiles of document rows (the first one also carries the prefix rows), each against the keys
+    # up to its last row only: the causal half of the work, in scratch of at most block_bytes.
+    rows_per_block = max(tile, min(BLOCK_ROWS, block_bytes // (hq * lp * 4)) // tile * tile)
+    for m0 in range(0, n_doc, rows_per_block):
+        m1 = min(m0 + rows_per_block, n_doc)
+        r0, r1 = (0 if m0 == 0 else n_prefix + m0), n_prefix + m1  # pack rows of the block; keys [0, r1)
+        rows = r1 - r0
+        qb = q_grouped[:, :, r0:r1].reshape(hkv, groups * rows, d)
+        s = torch.matmul(qb, k[:, :r1].transpose(-1, -2)).view(hq, rows, r1).mul_(scale)
+        if softcap is not None:
+            s.div_(softcap).tanh_().mul_(softcap)
+        causal = key_pos[None, :r1] <= key_pos[r0:r1, None]
+        s.masked_fill_(~causal, float("-inf"))
         a = torch.softmax(s, dim=-1, dtype=torch.float32)
         if out is not None:
-            out[:, r0:r1] = torch.matmul(a.to(v.dtype), v_rep)
-        if r0 < n_prefix:
-            continue
-        ad = a[:, :, n_prefix:]  # [Hq, rows, L]: document keys
-        key_counts += ((ad >= beta32) & causal[None, :, n_prefix:]).sum(dim=1)
-        rows = r1 - r0
-        row_tiles = -(-rows // tile)
-        padded = torch.nn.functional.pad(ad, (0, p * tile - n_doc, 0, row_tiles * tile - rows))
-        tmax = padded.reshape(hq, row_tiles, tile, p, tile).amax(dim=(2, 4))
-        i0 = (r0 - n_prefix) // tile
-        tile_max[:, i0:i0 + row_tiles] = tmax
+            pv = torch.matmul(a.to(v.dtype).view(hkv, groups * rows, r1), v[:, :r1])
+            out[:, r0:r1] = pv.view(hq, rows, -1)
+        ad = a[:, r1 - r0 - (m1 - m0):, n_prefix:]  # [Hq, block's document rows, document keys < m1]
+        hits = ad >= beta32  # a masked cell is 0: below any beta > 0
+        if beta32 <= 0:
+            hits &= causal[None, r1 - r0 - (m1 - m0):, n_prefix:]
+        key_counts[:, :m1] += hits.sum(dim=1)
+        row_tiles = -(-(m1 - m0) // tile)
+        col_tiles = -(-m1 // tile)
+        padded = torch.nn.functional.pad(ad, (0, col_tiles * tile - m1, 0, row_tiles * tile - (m1 - m0)))
+        i0 = m0 // tile
+        tile_max[:, i0:i0 + row_tiles, :col_tiles] = padded.reshape(hq, row_tiles, tile, col_tiles, tile).amax(
+            dim=(2, 4))
         if kept is not None:
-            kept[:, i0:i0 + row_tiles] = mass_tiles(ad, tile=tile, p=p, coverage=coverage)
+            whole = torch.nn.functional.pad(ad, (0, n_doc - m1))
+            kept[:, i0:i0 + row_tiles] = mass_tiles(whole, tile=tile, p=p, coverage=coverage)
 
     bits = finish_bits(tile_max, key_counts, n_doc, tile=tile, alpha=alpha, gamma=gamma,
                        ca_normalize=ca_normalize, force_sink_page=force_sink_page, dense_heads=dense_heads,
