@@ -16,9 +16,10 @@ over its extra seconds, so it excludes the fixed start-up; the fixed cost is the
 tokens at that rate, and each build's own breakdown (`last_build.startup` in the manifest) is kept. A first small
 build before them fills Triton's kernel cache (reported as "cold"). Then, in this process, the same model on the
 same device runs, on the same documents (profiling prefix + document): a batch-1 forward (on GPU a subset, its
-rate extrapolated), and a padded batched forward (length-sorted, at most --batch-tokens padded tokens per batch,
-attention mask, SDPA). The FLOP floor is 2 x non-embedding parameters x tokens + causal attention, at
---peak-tflops. Prints a table last.
+rate extrapolated), a padded batched forward (length-sorted, at most --batch-tokens padded tokens per batch,
+attention mask, SDPA) before and after the build's own profiler on the same documents (the builder's steady
+state without Ray, at the same moment and threads: on a shared machine the ratio to trust). The FLOP floor is
+2 x non-embedding parameters x tokens + causal attention, at --peak-tflops. Prints a table last.
 """
 from __future__ import annotations
 
@@ -216,6 +217,26 @@ def padded_forward(model, seqs: list[list[int]], device: str, budget: int) -> di
     return out
 
 
+def profile_in_process(model, tokenizer, ids: list[list[int]], dtype: str, device: str, batch_tokens: int) -> dict:
+    """The build's profiler (packs of batch_tokens, the backend a build picks) over the documents, timed after a
+    warm-up pack."""
+    from sift.pipeline.config import ProfileConfig
+    from sift.pipeline.profiler import Profiler
+
+    profiler = Profiler(model, tokenizer, ProfileConfig(dtype=dtype), "triton" if device == "cuda" else "torch",
+                        batch_tokens=batch_tokens)
+    profiler.profile_batch(ids[:4])
+    _sync(device)
+    t0 = time.perf_counter()
+    results = profiler.profile_batch(ids)
+    _sync(device)
+    seconds = time.perf_counter() - t0
+    failed = sum(isinstance(r, Exception) for r in results)
+    tokens = sum(len(i) for i in ids)
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "failed": failed,
+            "backend": profiler.backend_label}
+
+
 def flop_floor(model, seqs: list[list[int]], peak_tflops: float) -> dict:
     """2 x non-embedding parameters per token (the base model: no LM head) + causal attention (QK^T and PV)."""
     cfg = model.config
@@ -236,12 +257,14 @@ def print_table(result: dict) -> None:
     print(f"\n{result['device']}  {result['model']}  dtype {result['dtype']}  backend {result['backend']}  "
           f"batch_tokens {result['batch_tokens']}")
     print(f"{'corpus':10s}{'docs':>6s}{'tokens':>9s}{'e2e s':>8s}{'e2e t/s':>9s}{'steady t/s':>11s}{'fixed s':>8s}"
-          f"{'padded t/s':>11s}{'steady/pad':>11s}{'batch-1 t/s':>12s}{'floor s':>8s}{'peak GiB':>9s}")
+          f"{'padded t/s':>11s}{'steady/pad':>11s}{'prof/pad':>9s}{'batch-1 t/s':>12s}{'floor s':>8s}"
+          f"{'peak GiB':>9s}")
     for name, c in result["corpora"].items():
         peak = c["build_peak_memory_gib"]
         print(f"{name:10s}{c['documents']:6d}{c['tokens']:9d}{c['e2e_seconds']:8.1f}{c['e2e_tokens_per_s']:9.0f}"
               f"{c['steady_tokens_per_s']:11.0f}{c['fixed_seconds']:8.1f}{c['padded_forward']['tokens_per_s']:11.0f}"
-              f"{c['steady_over_padded']:11.2f}{c['batch1_forward']['tokens_per_s']:12.0f}"
+              f"{c['steady_over_padded']:11.2f}{c['profiler_over_padded']:9.2f}"
+              f"{c['batch1_forward']['tokens_per_s']:12.0f}"
               f"{c['flop_floor']['seconds']:8.1f}{peak if peak is not None else float('nan'):9.1f}")
         start = c["build_whole"]["last_build"].get("startup", {})
         print(f"{'':10s}start-up of the whole build: " + ", ".join(f"{k} {v:.1f} s" for k, v in start.items()))
@@ -259,8 +282,11 @@ def main() -> None:
     ap.add_argument("--peak-tflops", type=float, default=790.0, help="the device's dense bf16 rate, for the floor")
     ap.add_argument("--build-timeout", type=float, default=300.0, help="seconds one sift-build may take")
     ap.add_argument("--work", type=Path, default=None, help="folder for the model, corpora and indexes (a temp one)")
+    ap.add_argument("--threads", type=int, default=None, help="CPU: torch threads of this process's forwards")
     args = ap.parse_args()
     device = "cpu" if args.smoke else args.device
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no GPU visible: use --device cpu or --smoke")
     kind = "tiny" if args.smoke else args.model or ("8b" if device == "cuda" else "smollm2")
@@ -321,14 +347,24 @@ def run_corpus(name, docs, args, work, config, model, dtype, device, prefix, tok
                e2e_tokens_per_s=w["tokens"] / w["wall_seconds"], steady_tokens_per_s=steady,
                fixed_seconds=w["wall_seconds"] - w["tokens"] / steady,
                actor_tokens_per_s=w["tokens"] / max(w["last_build"]["actor_seconds"], 1e-9))
-    model_obj = load_model(model, dtype=dtype, device=device, attn_implementation="sdpa")[0]
-    seqs = [prefix + tokenizer(d, add_special_tokens=False).input_ids for d in docs]
+    model_obj, tok, _ = load_model(model, dtype=dtype, device=device, attn_implementation="sdpa")
+    ids = [tokenizer(d, add_special_tokens=False).input_ids for d in docs]
+    seqs = [prefix + i for i in ids]
     subset = seqs[: args.batch1_docs.get(name, len(seqs))]
     b1 = batch1_forward(model_obj, subset, device)
     b1["whole_corpus_seconds_extrapolated"] = sum(len(s) for s in seqs) / b1["tokens_per_s"]
     out["batch1_forward"] = b1
-    out["padded_forward"] = padded_forward(model_obj, seqs, device, args.batch_tokens)
+    # The builder's steady state without Ray: its profiler on the same documents in this process, between two
+    # padded forwards (the same threads, the same moment), so load on the machine moves both alike.
+    padded = [padded_forward(model_obj, seqs, device, args.batch_tokens)]
+    out["profiler_in_process"] = profile_in_process(model_obj, tok, ids, dtype, device, args.batch_tokens)
+    model_obj.set_attn_implementation("sdpa")
+    padded.append(padded_forward(model_obj, seqs, device, args.batch_tokens))
+    out["padded_forward"] = min(padded, key=lambda r: r["seconds"])
+    out["padded_forward"]["runs_tokens_per_s"] = [r["tokens_per_s"] for r in padded]
     out["steady_over_padded"] = steady / out["padded_forward"]["tokens_per_s"]
+    out["profiler_over_padded"] = (out["profiler_in_process"]["tokens_per_s"]
+                                   / out["padded_forward"]["tokens_per_s"])
     out["flop_floor"] = flop_floor(model_obj, seqs, args.peak_tflops)
     peaks = [n.get("peak_memory_gib", 0.0) for n in w["last_build"]["nodes"].values()]
     out["build_peak_memory_gib"] = max(peaks) if peaks else None

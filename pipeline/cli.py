@@ -165,7 +165,9 @@ def _last_build(last: dict) -> dict:
     return {"profiled": last.get("profiled", 0), "reused": last.get("reused", 0) + last.get("reused_orphans", 0),
             "deleted": last.get("deleted", 0), "errors": last.get("errors", 0),
             "seconds": round(last.get("seconds", 0.0), 2), "tokens_profiled": last.get("tokens_profiled", 0),
-            "profile_seconds": round(last.get("profile_seconds", 0.0), 2)}
+            "profile_seconds": round(last.get("profile_seconds", 0.0), 2),
+            "startup": {k: round(v, 2) for k, v in last.get("startup", {}).items()},
+            "nodes": len(last.get("nodes", {}))}
 
 
 def _human(n: float) -> str:
@@ -240,7 +242,10 @@ def _describe(s: dict) -> str:
         f"{s['page_fraction']:.1%} of CA pages",
         f"errors      {s['errors']}",
         f"last build  profiled {lb['profiled']}, reused {lb['reused']}, deleted {lb['deleted']}, "
-        f"{lb['seconds']} s",
+        f"{lb['seconds']} s" + (f" on {lb['nodes']} node(s); first shard after {lb['startup']['first_shard']} s "
+                                f"(Ray {lb['startup'].get('ray', 0)} s, plan {lb['startup'].get('plan', 0)} s, "
+                                f"model load {lb['startup'].get('model_load', 0)} s)"
+                                if "first_shard" in lb["startup"] else ""),
         "layer   LA density   CA density",
     ]
     for i, (la, ca) in enumerate(zip(s["la_density_per_layer"], s["ca_density_per_layer"])):

@@ -167,10 +167,12 @@ def _actor_pool(ray, cfg: BuildConfig) -> _ActorPool:
                           kind="gpu")
     node_cpus = [int(node["Resources"].get("CPU", 0)) for node in ray.nodes() if node.get("Alive")]
     node_cpus = [c for c in node_cpus if c > 0] or [1]
-    per_actor = min(8, max(1, min(node_cpus) - 1))
-    n = cfg.build.actors or sum(max(1, (c - 1) // per_actor) for c in node_cpus)
+    # A CPU actor reserves all but one core of its node, so the reading tasks always have one (on a 1-core node
+    # it reserves none: it would otherwise wait for records that cannot be read).
+    per_actor = min(8, min(node_cpus) - 1)
+    n = cfg.build.actors or sum(max(1, (c - 1) // max(per_actor, 1)) for c in node_cpus)
     # An actor alone on its node may use the node's cores: reading is a small share of a build's CPU time.
-    threads = max(node_cpus) if n <= len(node_cpus) else per_actor
+    threads = max(node_cpus) if n <= len(node_cpus) else max(per_actor, 1)
     return _ActorPool(size=n, resources={"num_cpus": per_actor}, threads=threads, kind="cpu")
 
 

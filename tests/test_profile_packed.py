@@ -116,15 +116,17 @@ def test_attention_forward_of_a_pack_attends_within_each_sequence(dtype):
     assert out_err <= (1e-5 if dtype == torch.float32 else 4e-3)
 
 
-def test_reference_pack_equals_each_document_alone():
+@pytest.mark.parametrize("criterion", ["threshold", "mass"])
+def test_reference_pack_equals_each_document_alone(criterion):
     docs, q, k, v = _pack(2, LENGTHS + (64,), hq=6, hkv=3, seed=1)
     la = torch.zeros(6, docs.la_total, dtype=torch.uint8)
     ca = torch.zeros(6, docs.ca_total, dtype=torch.uint8)
-    out = profile_packed_ref(q, k, docs, la_out=la, ca_out=ca, v=v, dense_heads=(4,), **ARGS)
+    out = profile_packed_ref(q, k, docs, la_out=la, ca_out=ca, v=v, dense_heads=(4,), criterion=criterion,
+                             coverage=0.9, **ARGS)
     for s in range(len(docs)):
         rows = docs.seq_rows(s)
         bits, o = profile_layer_ref(q[:, rows], k[:, rows], v=v[:, rows], n_prefix=2, tile=16, dense_heads=(4,),
-                                    **ARGS)
+                                    criterion=criterion, coverage=0.9, **ARGS)
         assert torch.equal(la[:, docs.la_bytes(s)], bits.la) and torch.equal(ca[:, docs.ca_bytes(s)], bits.ca)
         assert torch.equal(out[:, rows], o)
         assert bits.la.shape[1] == la_nbytes(docs.lengths[s], 16) and bits.ca.shape[1] == ca_nbytes(docs.lengths[s], 16)
@@ -199,3 +201,34 @@ def _packed_against_alone(model, tok, prefix_text) -> int:
         assert got.la_density == pytest.approx(alone.la_density, abs=1e-3)
     return flips
 
+
+
+@pytest.mark.parametrize("normalize,sink,dense", [("causal", True, ()), ("key_index", False, (0, 2))])
+def test_finish_packed_equals_finish_bits_per_document(normalize, sink, dense):
+    """The pack's one finish against `finish_bits` document by document, on statistics placed on and one ulp either
+    side of the thresholds (alpha 0.001, gamma 1/4 exactly representable), mixed lengths and tiles of 16."""
+    from sift.kernels.profile_ref import finish_bits, finish_packed
+
+    docs = PackedDocs(1, (1, 16, 17, 300, 5), 16)
+    hq, alpha, gamma = 3, 0.001, 0.25
+    g = torch.Generator().manual_seed(7)
+    a32 = torch.tensor(alpha, dtype=torch.float32)
+    around = torch.stack([a32, torch.nextafter(a32, torch.tensor(0.0)), torch.nextafter(a32, torch.tensor(1.0))])
+    maxima, counts = [], []
+    for n, p in zip(docs.lengths, docs.pages):
+        tm = torch.rand(hq, p, p, generator=g) * 0.002
+        pick = torch.rand(hq, p, p, generator=g) < 0.3
+        tm[pick] = around[torch.randint(0, 3, (int(pick.sum()),), generator=g)]
+        maxima.append(tm.masked_fill(torch.ones(p, p, dtype=torch.bool).triu(1), 7.0))  # never read
+        keys = torch.arange(n)
+        denom = (n - keys) if normalize == "causal" else (keys + 1)
+        c = (denom.float() * gamma).floor().long() + torch.randint(-1, 2, (hq, n), generator=g)
+        counts.append(c.clamp(0).minimum(denom))
+    la = torch.full((hq, docs.la_total), 0xAA, dtype=torch.uint8)
+    ca = torch.full((hq, docs.ca_total), 0xAA, dtype=torch.uint8)
+    finish_packed(torch.cat([m.reshape(hq, -1) for m in maxima], 1), torch.cat(counts, 1), docs, la_out=la,
+                  ca_out=ca, alpha=alpha, gamma=gamma, ca_normalize=normalize, force_sink_page=sink, dense_heads=dense)
+    for s, (n, tm, c) in enumerate(zip(docs.lengths, maxima, counts)):
+        ref = finish_bits(tm, c, n, tile=16, alpha=alpha, gamma=gamma, ca_normalize=normalize,
+                          force_sink_page=sink, dense_heads=dense)
+        assert torch.equal(la[:, docs.la_bytes(s)], ref.la) and torch.equal(ca[:, docs.ca_bytes(s)], ref.ca), s
