@@ -131,9 +131,9 @@ def write_corpus(folder: Path, texts: list[str], files: int = 8) -> Path:
 # ------------------------------------------------------------------------------------------------ builds
 
 
-def write_config(path: Path, model: str, dtype: str, backend: str, batch_tokens: int) -> Path:
+def write_config(path: Path, model: str, dtype: str, backend: str, batch_tokens: int, threads: int) -> Path:
     path.write_text(f'model = "{model}"\n[profile]\ntile = 64\ndtype = "{dtype}"\n[corpus]\ntoo_long = "split"\n'
-                    f'[build]\nbackend = "{backend}"\nbatch_tokens = {batch_tokens}\n')
+                    f'[build]\nbackend = "{backend}"\nbatch_tokens = {batch_tokens}\nthreads = {threads}\n')
     return path
 
 
@@ -282,7 +282,8 @@ def main() -> None:
     ap.add_argument("--peak-tflops", type=float, default=790.0, help="the device's dense bf16 rate, for the floor")
     ap.add_argument("--build-timeout", type=float, default=300.0, help="seconds one sift-build may take")
     ap.add_argument("--work", type=Path, default=None, help="folder for the model, corpora and indexes (a temp one)")
-    ap.add_argument("--threads", type=int, default=None, help="CPU: torch threads of this process's forwards")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="CPU: torch threads of the builds' actors (build.threads) and of this process's forwards")
     args = ap.parse_args()
     device = "cpu" if args.smoke else args.device
     if args.threads:
@@ -300,7 +301,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
 
     model, model_cost = make_model(kind, device, work / "model")
-    config = write_config(work / "build.toml", model, dtype, backend, args.batch_tokens)
+    config = write_config(work / "build.toml", model, dtype, backend, args.batch_tokens, args.threads or 0)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir() if model == DEFAULT_MODEL else model)

@@ -8,7 +8,7 @@ boundary (unknown keys are an error), hashed, and written into the index it prod
                 follow_symlinks (read files whose symlink leads outside the corpus folder)
     [build]     batch_tokens (tokens of one forward: documents packed back to back), shard_tokens and
                 shard_rows (what one shard holds at most), backend ("auto" | "torch" | "triton"), actors (0:
-                sized from Ray's resources)
+                sized from Ray's resources), threads (torch threads of a CPU actor; 0: from its node's cores)
 
 [build] decides how the work is cut, never the bits: it does not enter the profile key.
 """
@@ -114,8 +114,11 @@ class RunConfig:
     shard_rows: int = 4096  # documents of one shard at most
     backend: str = "auto"  # auto: triton on a GPU actor, torch on a CPU actor
     actors: int = 0        # 0: one per GPU, or sized from the CPUs Ray reports
+    threads: int = 0       # torch threads of a CPU actor; 0: its node's cores when alone there, else its share
 
     def __post_init__(self):
+        if not isinstance(self.threads, int) or isinstance(self.threads, bool) or self.threads < 0:
+            raise SiftError(f"build.threads = {self.threads!r} must be an integer >= 0 (0: from the node's cores)")
         for key in ("batch_tokens", "shard_tokens", "shard_rows"):
             value = getattr(self, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

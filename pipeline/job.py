@@ -172,7 +172,7 @@ def _actor_pool(ray, cfg: BuildConfig) -> _ActorPool:
     per_actor = min(8, min(node_cpus) - 1)
     n = cfg.build.actors or sum(max(1, (c - 1) // max(per_actor, 1)) for c in node_cpus)
     # An actor alone on its node may use the node's cores: reading is a small share of a build's CPU time.
-    threads = max(node_cpus) if n <= len(node_cpus) else max(per_actor, 1)
+    threads = cfg.build.threads or (max(node_cpus) if n <= len(node_cpus) else max(per_actor, 1))
     return _ActorPool(size=n, resources={"num_cpus": per_actor}, threads=threads, kind="cpu")
 
 
