@@ -515,7 +515,6 @@ def run_build(corpus: str | Path, out: str | Path, cfg: BuildConfig, *, ray_addr
             pool.start(echo)
         startup = {"ray": t1 - t0, "plan": time.perf_counter() - t1}
         planner = Planner(target, reuse, corpus_name(corpus))
-        records = tokenised(sources, model_dir, cfg, target.max_tokens).iter_batches(
-            batch_size=None, batch_format="numpy", prefetch_batches=4)
+        records = tokenised(sources, model_dir, cfg, target.max_tokens)
         profiled = profile(records, planner, pool, cfg, echo, progress or ProgressLines(echo), t_start)
         return commit(planner.finish(index), profiled, index, cfg, t_start, lock, startup)

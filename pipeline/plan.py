@@ -178,16 +178,52 @@ def read_and_tokenize(batch: dict, *, model_dir: str, id_field: str, text_field:
 
 
 def tokenised(sources: list[Source], model_dir: Path, cfg: BuildConfig, max_tokens: int):
-    """Every record of every source, tokenised by Ray tasks (one source per call), as a lazy Dataset: iterating it
-    streams the records in corpus order while later sources are still being read."""
+    """Every record of every source, tokenised, as batches in corpus order (`read_and_tokenize` rows).
+
+    The driver reads the first source itself (its tokenizer is loaded already), so the first records are there
+    at once; Ray tasks (Ray Data, one source per call) read the others, started at the same moment in the
+    background, so they stream in while the first ones are profiled."""
     import ray.data
 
-    src_rows = [{"index": i, "source": dict(s.__dict__)} for i, s in enumerate(sources)]
-    return ray.data.from_items(src_rows, override_num_blocks=max(1, min(len(src_rows), 256))).map_batches(
-        read_and_tokenize, batch_size=1, fn_kwargs=dict(
-            model_dir=str(model_dir), id_field=cfg.corpus.id_field, text_field=cfg.corpus.text_field,
-            max_tokens=max_tokens, too_long=cfg.corpus.too_long,
-            follow_symlinks=cfg.corpus.follow_symlinks))
+    kwargs = dict(model_dir=str(model_dir), id_field=cfg.corpus.id_field, text_field=cfg.corpus.text_field,
+                  max_tokens=max_tokens, too_long=cfg.corpus.too_long, follow_symlinks=cfg.corpus.follow_symlinks)
+    rows = [{"index": i, "source": dict(s.__dict__)} for i, s in enumerate(sources)]
+    rest = None
+    if len(rows) > 1:
+        rest = _Ahead(ray.data.from_items(rows[1:], override_num_blocks=max(1, min(len(rows) - 1, 256))).map_batches(
+            read_and_tokenize, batch_size=1, fn_kwargs=kwargs).iter_batches(batch_size=None, batch_format="numpy",
+                                                                             prefetch_batches=4))
+    yield read_and_tokenize({"index": [0], "source": [rows[0]["source"]]}, **kwargs)
+    if rest is not None:
+        yield from rest
+
+
+class _Ahead:
+    """Iterates `batches` on a thread of its own from the moment it is made (up to `depth` batches ahead), so the
+    work behind them starts before the first one is asked for; an error is raised where the batch would be."""
+
+    _END = object()
+
+    def __init__(self, batches, depth: int = 8):
+        import queue
+        import threading
+
+        self.queue = queue.Queue(depth)
+        threading.Thread(target=self._pull, args=(batches,), daemon=True, name="sift-records").start()
+
+    def _pull(self, batches) -> None:
+        try:
+            for batch in batches:
+                self.queue.put(batch)
+            self.queue.put(self._END)
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            self.queue.put(e)
+
+    def __iter__(self):
+        while (item := self.queue.get()) is not self._END:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
 
 
 # ------------------------------------------------------------------------------------------------------------
