@@ -318,8 +318,11 @@ def main() -> None:
     # The first build on a machine compiles the Triton kernels into Triton's cache; later builds find them there.
     cold = build(write_corpus(work / "cold", corpora["passages"][:16]), work / "index-cold", config,
                  args.build_timeout)
-    results = {name: run_corpus(name, docs, args, work, config, model, dtype, device, prefix, tokenizer)
-               for name, docs in corpora.items()}
+    results = {name: run_builds(name, docs, args, work, config) for name, docs in corpora.items()}
+    # Then the forwards, the builds' actors gone: the same model loaded once in this process.
+    model_obj, tok, _ = load_model(model, dtype=dtype, device=device, attn_implementation="sdpa")
+    for name, docs in corpora.items():
+        run_forwards(results[name], name, docs, model_obj, tok, args, dtype, device, prefix)
     result = {"smoke": args.smoke, "model": model if kind == "smollm2" else f"{kind}: Llama shape, random {dtype} "
               f"weights, SmolLM2 tokenizer", "model_kind": kind, "dtype": dtype, "backend": backend,
               "batch_tokens": args.batch_tokens, "tile": 64, "peak_tflops": args.peak_tflops,
@@ -332,48 +335,47 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
 
 
-def run_corpus(name, docs, args, work, config, model, dtype, device, prefix, tokenizer):
-    """The corpus's two builds, then the forwards of the same documents in this process (the builds' actors have
-    exited: the device is free)."""
-    half = docs[: len(docs) // 2]
+def run_builds(name: str, docs: list[str], args, work: Path, config: Path) -> dict:
+    """The corpus built twice by `sift-build`, its first half and whole: end-to-end and steady-state rates."""
     out = {"documents": len(docs)}
-    out["build_half"] = build(write_corpus(work / name / "half", half), work / name / "index-half", config,
-                              args.build_timeout)
+    out["build_half"] = build(write_corpus(work / name / "half", docs[: len(docs) // 2]), work / name / "index-half",
+                              config, args.build_timeout)
     out["build_whole"] = build(write_corpus(work / name / "whole", docs), work / name / "index-whole", config,
                                args.build_timeout)
     w, h = out["build_whole"], out["build_half"]
     extra_tokens, extra_seconds = w["tokens"] - h["tokens"], w["wall_seconds"] - h["wall_seconds"]
     steady = extra_tokens / extra_seconds if extra_seconds > 0 else float("nan")
+    peaks = [n["peak_memory_gib"] for n in w["last_build"]["nodes"].values() if "peak_memory_gib" in n]
     out.update(tokens=w["tokens"], mean_tokens=w["tokens"] / len(docs), e2e_seconds=w["wall_seconds"],
                e2e_tokens_per_s=w["tokens"] / w["wall_seconds"], steady_tokens_per_s=steady,
                fixed_seconds=w["wall_seconds"] - w["tokens"] / steady,
-               actor_tokens_per_s=w["tokens"] / max(w["last_build"]["actor_seconds"], 1e-9))
-    model_obj, tok, _ = load_model(model, dtype=dtype, device=device, attn_implementation="sdpa")
-    ids = [tokenizer(d, add_special_tokens=False).input_ids for d in docs]
+               actor_tokens_per_s=w["tokens"] / max(w["last_build"]["actor_seconds"], 1e-9),
+               build_peak_memory_gib=max(peaks) if peaks else None)
+    return out
+
+
+def run_forwards(out: dict, name: str, docs: list[str], model_obj, tok, args, dtype, device, prefix) -> None:
+    """The same documents through the same model in this process (no build running: the device is free)."""
+    ids = [tok(d, add_special_tokens=False).input_ids for d in docs]
     seqs = [prefix + i for i in ids]
-    subset = seqs[: args.batch1_docs.get(name, len(seqs))]
-    b1 = batch1_forward(model_obj, subset, device)
+    model_obj.set_attn_implementation("sdpa")
+    b1 = batch1_forward(model_obj, seqs[: args.batch1_docs.get(name, len(seqs))], device)
     b1["whole_corpus_seconds_extrapolated"] = sum(len(s) for s in seqs) / b1["tokens_per_s"]
     out["batch1_forward"] = b1
-    # The builder's steady state without Ray: its profiler on the same documents in this process, between two
-    # padded forwards (the same threads, the same moment), so load on the machine moves both alike.
+    # The builder's steady state without Ray: its profiler on the same documents in this process, after a padded
+    # forward and, on a CPU (a machine others may share), before another one, so load moves both alike.
     padded = [padded_forward(model_obj, seqs, device, args.batch_tokens)]
     out["profiler_in_process"] = profile_in_process(model_obj, tok, ids, dtype, device, args.batch_tokens)
-    model_obj.set_attn_implementation("sdpa")
-    padded.append(padded_forward(model_obj, seqs, device, args.batch_tokens))
+    if device == "cpu":
+        model_obj.set_attn_implementation("sdpa")
+        padded.append(padded_forward(model_obj, seqs, device, args.batch_tokens))
     out["padded_forward"] = min(padded, key=lambda r: r["seconds"])
     out["padded_forward"]["runs_tokens_per_s"] = [r["tokens_per_s"] for r in padded]
-    out["steady_over_padded"] = steady / out["padded_forward"]["tokens_per_s"]
+    out["steady_over_padded"] = out["steady_tokens_per_s"] / out["padded_forward"]["tokens_per_s"]
     out["profiler_over_padded"] = (out["profiler_in_process"]["tokens_per_s"]
                                    / out["padded_forward"]["tokens_per_s"])
     out["flop_floor"] = flop_floor(model_obj, seqs, args.peak_tflops)
-    peaks = [n.get("peak_memory_gib", 0.0) for n in w["last_build"]["nodes"].values()]
-    out["build_peak_memory_gib"] = max(peaks) if peaks else None
-    del model_obj
-    if device == "cuda":
-        torch.cuda.empty_cache()
     print(f"{name}: {json.dumps({k: v for k, v in out.items() if not isinstance(v, dict)})}", flush=True)
-    return out
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 
     plan     (`plan.py`) the target and the reusable rows; then read + tokenise as Ray tasks streaming records in
              corpus order to the driver, which decides per record: error row, reused row, or to profile
-    profile  the documents to profile, gathered into shards (`build.shard_tokens` / `shard_rows`) as they arrive
-             and handed to a pool of `ProfileShardWriter` actors (one per GPU, or CPU actors; the model loaded
+    profile  the documents to profile, gathered into shards (`build.shard_tokens` / `shard_rows`, or a forward's
+             worth when an actor waits) as they arrive and handed to a pool of `ProfileShardWriter` actors (one per GPU, or CPU actors; the model loaded
              once per actor, while the first records are read); each actor packs a shard into forwards of
              `build.batch_tokens` and writes it as one immutable Parquet shard off its GPU's critical path
              -> `Profiled`
@@ -265,12 +265,20 @@ class _Pool:
         self.actors: list = []
         self.load: list[int] = []
         self.in_flight: dict = {}
+        self.checked = 0.0
 
     def start(self, echo) -> None:
         if not self.actors:
             echo(f"sift-build: profiling on {self.spec.size} {self.spec.kind.upper()} actor(s)")
             self.actors = [self.actor_class.remote(**self.kwargs) for _ in range(self.spec.size)]
             self.load = [0] * self.spec.size
+
+    def idle(self, done) -> bool:
+        """Whether an actor has nothing queued (finished shards collected first, at most every 50 ms)."""
+        if self.actors and time.perf_counter() - self.checked > 0.05:
+            self.collect(done, block=False)
+            self.checked = time.perf_counter()
+        return bool(self.actors) and min(self.load) == 0
 
     def submit(self, shard: dict, profile_key: str, done) -> None:
         while min(self.load) >= self.DEPTH:
@@ -342,6 +350,8 @@ def profile(records, planner: Planner, pool: _Pool, cfg: BuildConfig, echo, prog
             for doc in planner.admit(batch):
                 pool.start(echo)  # the model loads while the corpus is still being read
                 shard = batching.add(doc)
+                if shard is None and batching.tokens >= cfg.build.batch_tokens and pool.idle(results):
+                    shard = batching.take()  # an actor waits: a forward's worth now rather than a full shard later
                 if shard is not None:
                     pool.submit(shard, profile_key, results)
             progress.total(planner.todo, planner.todo_tokens, final=False)
