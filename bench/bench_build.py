@@ -1,145 +1,381 @@
-"""Builder throughput: sift-build's Ray job next to a plain forward of the same documents -> results/build.json.
+"""Builder throughput: `sift-build` on real text next to plain forwards of the same tokens by the same model on the
+same device, all in one run -> bench/results/build.json (GPU) or build-cpu.json (--device cpu).
 
-    python bench/bench_build.py [--backend auto|torch|triton] [--cpu-index INDEX] [--out DIR]
-    python bench/bench_build.py --smoke      # CPU, torch backend, 4 documents: checks that the script runs
+    python bench/bench_build.py --model 8b             # H200: 8B Llama shape, random bf16 weights, passages + chunks
+    python bench/bench_build.py --device cpu           # CPU: SmolLM2-135M fp32 (torch backend), passages
+    python bench/bench_build.py --smoke                # CPU: a 2-layer random model, tiny corpora (checks the script)
 
-The Ray job builds an index of the sample corpus with the real SmolLM2 weights; the plain forward runs the same
-documents through the same model on the same device, in the same run. Prints a table last. With --cpu-index it
-also counts the bits that differ between this build and an index of the same corpus built by the CPU (torch)
-backend, same model.
+Models: "8b" (32 layers, 32 query / 8 KV heads, head_dim 128; random bf16 weights made on the device, saved with
+SmolLM2's tokenizer as a local model folder), "smollm2" (the default model). Corpora, from the Wikipedia leads of
+--data, written as jsonl into a temp folder: "passages" (100-word windows of each article, DPR-style) and "chunks"
+(the articles back to back, cut into ~2,000-token pieces).
+
+Each corpus is built twice by `sift-build`, exactly as a user runs it (a subprocess: Python, Ray, the model's
+load, the stream): the whole corpus and its first half. The steady-state rate is the whole build's extra tokens
+over its extra seconds, so it excludes the fixed start-up; the fixed cost is the whole build's seconds minus its
+tokens at that rate, and each build's own breakdown (`last_build.startup` in the manifest) is kept. A first small
+build before them fills Triton's kernel cache (reported as "cold"). Then, in this process, the same model on the
+same device runs, on the same documents (profiling prefix + document): a batch-1 forward (on GPU a subset, its
+rate extrapolated), a padded batched forward (length-sorted, at most --batch-tokens padded tokens per batch,
+attention mask, SDPA) before and after the build's own profiler on the same documents (the builder's steady
+state without Ray, at the same moment and threads: on a shared machine the ratio to trust). The FLOP floor is
+2 x non-embedding parameters x tokens + causal attention, at --peak-tflops. Prints a table last.
 """
 from __future__ import annotations
 
-import dataclasses
+import gzip
 import json
+import math
+import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-import torch
-from common import RESULTS, parser, write_result
+from common import parser, smoke_env
 
-from sift.format import IndexReader
-from sift.model import load_model, resolve_model_dir
-from sift.pipeline import SAMPLE_CORPUS, load_config, run_build
-from sift.pipeline.corpus import list_sources, read_source
-from sift.pipeline.profiler import profiling_prefix_ids
+smoke_env()  # before anything imports triton
 
-SMOKE_DOCS = 4
+import torch  # noqa: E402
+from common import out_dir, write_result  # noqa: E402
 
+from sift.format import IndexReader  # noqa: E402
+from sift.model import DEFAULT_MODEL, default_model_dir, fingerprint, load_model  # noqa: E402
 
-def plain_forward(cfg, device: str, docs: list[list[int]]) -> dict:
-    model, tokenizer, _ = load_model(cfg.model, dtype=cfg.profile.dtype, device=device)
-    prefix = profiling_prefix_ids(tokenizer, cfg.profile)
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    with torch.inference_mode():
-        for ids in docs[:3]:  # warm-up
-            model.base_model(input_ids=torch.tensor([prefix + ids], device=device))
-        sync()
-        t0 = time.perf_counter()
-        for ids in docs:
-            model.base_model(input_ids=torch.tensor([prefix + ids], device=device))
-        sync()
-        seconds = time.perf_counter() - t0
-    tokens = sum(len(d) for d in docs)
-    return {"documents": len(docs), "tokens": tokens, "seconds": seconds, "docs_per_s": len(docs) / seconds,
-            "tokens_per_s": tokens / seconds}
+REPO = Path(__file__).resolve().parent.parent
+DATA_NAME = "wiki_vital_summaries_en.json.gz"
+DATA_PLACES = [REPO / "shared" / "data" / DATA_NAME, Path("/work/shared/data") / DATA_NAME]
+WORDS_PER_PASSAGE = 100
+CHUNK_TOKENS = 2000
 
 
-def corpus_token_ids(cfg, corpus) -> list[list[int]]:
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(resolve_model_dir(cfg.model))
-    docs = []
-    for source in list_sources(corpus):
-        for d in read_source(source, id_field=cfg.corpus.id_field, text_field=cfg.corpus.text_field):
-            if d.error is None:
-                docs.append(tok(d.text, add_special_tokens=False).input_ids)
-    return docs
+# ------------------------------------------------------------------------------------------------ model
 
 
-def bit_flips(index_a: Path, index_b: Path) -> dict:
-    a = {r["doc_id"]: r for r in IndexReader.open(index_a).table().to_pylist()}
-    b = {r["doc_id"]: r for r in IndexReader.open(index_b).table().to_pylist()}
-    common = sorted(set(a) & set(b))
-    out = {"documents_compared": len(common), "la_bits": 0, "ca_bits": 0, "la_flips": 0, "ca_flips": 0,
-           "docs_identical": 0}
-    for d in common:
-        same = True
-        for col in ("la", "ca"):
-            x = np.unpackbits(np.frombuffer(a[d][f"{col}_bits"], np.uint8))
-            y = np.unpackbits(np.frombuffer(b[d][f"{col}_bits"], np.uint8))
-            out[f"{col}_bits"] += int(x.size)
-            flips = int((x != y).sum())
-            out[f"{col}_flips"] += flips
-            same &= flips == 0
-        out["docs_identical"] += int(same)
+def make_model(kind: str, device: str, folder: Path) -> tuple[str, dict]:
+    """The model a build names (DEFAULT_MODEL or a folder) and what making it cost."""
+    if kind == "smollm2":
+        return DEFAULT_MODEL, {}
+    from bench_profile_model import llama8b
+
+    tok_dir = default_model_dir()
+    t0 = time.perf_counter()
+    model = llama8b(32 if kind == "8b" else 2, smoke=kind != "8b", vocab_size=None if kind == "8b" else 49152)
+    model.save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tok_dir / name, folder / name)
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    made = time.perf_counter() - t0
+    # A model folder is hashed once (`sift.model.fingerprint` remembers files older than two seconds): what every
+    # build after the first one finds. The first hash is reported on its own.
+    time.sleep(2.5)
+    t0 = time.perf_counter()
+    fingerprint(folder)
+    return str(folder), {"made_seconds": made, "fingerprint_cold_seconds": time.perf_counter() - t0,
+                         "bytes": sum(f.stat().st_size for f in folder.glob("*.safetensors"))}
+
+
+# ----------------------------------------------------------------------------------------------- corpora
+
+
+def find_data(given: Path | None) -> Path:
+    for path in ([given] if given else []) + [Path(os.environ.get("SIFT_BENCH_DATA", ""))] + DATA_PLACES:
+        if path and path.is_file():
+            return path
+    raise SystemExit(f"{DATA_NAME} not found (looked in {[str(p) for p in DATA_PLACES]}): pass --data PATH")
+
+
+def articles(data: Path) -> list[str]:
+    leads = json.loads(gzip.decompress(data.read_bytes()))
+    return [leads[title]["extract"] for title in sorted(leads) if leads[title]["extract"].strip()]
+
+
+def passages(texts: list[str], n: int) -> list[str]:
+    """DPR-style: each article cut into windows of WORDS_PER_PASSAGE words (a last window of at least 20)."""
+    out = []
+    for text in texts:
+        words = text.split()
+        for i in range(0, len(words), WORDS_PER_PASSAGE):
+            window = words[i:i + WORDS_PER_PASSAGE]
+            if len(window) >= 20:
+                out.append(" ".join(window))
+            if len(out) == n:
+                return out
     return out
 
 
-def smoke_corpus(folder: Path) -> Path:
-    """The first SMOKE_DOCS records of the sample corpus's Wikipedia leads, as a one-file corpus."""
-    lines = (SAMPLE_CORPUS / "wiki_vital_leads.jsonl").read_text(encoding="utf-8").splitlines()[:SMOKE_DOCS]
-    path = folder / "smoke.jsonl"
-    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+def chunks(texts: list[str], n: int, tokenizer, tokens: int) -> list[str]:
+    """The articles back to back, cut at word boundaries into pieces of about `tokens` tokens."""
+    words = "\n\n".join(texts).split(" ")
+    per_word = len(tokenizer(" ".join(words[:20000]), add_special_tokens=False).input_ids) / 20000
+    step = int(tokens / per_word)
+    return [" ".join(words[i:i + step]) for i in range(0, len(words) - step + 1, step)][:n]
+
+
+def write_corpus(folder: Path, texts: list[str], files: int = 8) -> Path:
+    """texts as `files` jsonl files (ids in corpus order), so several tasks read and tokenise at once."""
+    folder.mkdir(parents=True)
+    per = math.ceil(len(texts) / files)
+    for f in range(files):
+        part = texts[f * per:(f + 1) * per]
+        if part:
+            (folder / f"part-{f:02d}.jsonl").write_text(
+                "".join(json.dumps({"id": f"d{f * per + i:06d}", "text": t}) + "\n" for i, t in enumerate(part)))
+    return folder
+
+
+# ------------------------------------------------------------------------------------------------ builds
+
+
+def write_config(path: Path, model: str, dtype: str, backend: str, batch_tokens: int, threads: int) -> Path:
+    path.write_text(f'model = "{model}"\n[profile]\ntile = 64\ndtype = "{dtype}"\n[corpus]\ntoo_long = "split"\n'
+                    f'[build]\nbackend = "{backend}"\nbatch_tokens = {batch_tokens}\nthreads = {threads}\n')
     return path
 
 
-def print_table(result: dict, backends: list[str]) -> None:
-    b, fwd = result["build"], result["plain_forward"]
-    print(f"\n{result['device']}  {result['model']} {result['dtype']} tile {result['tile']}  backend(s) {backends}")
-    print(f"{'':28s}{'docs':>7s}{'tokens':>9s}{'seconds':>9s}{'docs/s':>9s}{'tokens/s':>10s}")
-    print(f"{'sift-build (end to end)':28s}{b['profiled']:7d}{b['tokens_profiled']:9d}{b['wall_seconds']:9.1f}"
-          f"{b['docs_per_s_wall']:9.1f}{b['tokens_profiled'] / b['wall_seconds']:10.0f}")
-    if b["actor_seconds"]:
-        print(f"{'sift-build (actor compute)':28s}{b['profiled']:7d}{b['tokens_profiled']:9d}"
-              f"{b['actor_seconds']:9.1f}{b['docs_per_s_actor']:9.1f}{b['tokens_per_s_actor']:10.0f}")
-    print(f"{'plain forward, same docs':28s}{fwd['documents']:7d}{fwd['tokens']:9d}{fwd['seconds']:9.1f}"
-          f"{fwd['docs_per_s']:9.1f}{fwd['tokens_per_s']:10.0f}")
-    if "flips_vs_cpu_index" in result:
-        print("flips vs CPU index:", json.dumps(result["flips_vs_cpu_index"]))
+def build(corpus: Path, index: Path, config: Path, timeout: float) -> dict:
+    """`sift-build` in a subprocess, as a user runs it: wall seconds from outside, and the build's own record."""
+    shutil.rmtree(index, ignore_errors=True)
+    cmd = [str(Path(sys.executable).parent / "sift-build"), str(corpus), "--out", str(index), "--config",
+           str(config), "-q"]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"sift-build failed ({proc.returncode}): {proc.stderr[-3000:]}")
+    last = IndexReader.open(index).manifest.last_build
+    return {"wall_seconds": wall, "documents": last["profiled"], "tokens": last["tokens_profiled"],
+            "tokens_per_s": last["tokens_profiled"] / wall, "last_build": last, "summary": proc.stdout.strip()}
+
+
+# ---------------------------------------------------------------------------------------------- baselines
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def batch1_forward(model, seqs: list[list[int]], device: str) -> dict:
+    with torch.inference_mode():
+        for s in seqs[:2]:  # warm-up
+            model.base_model(input_ids=torch.tensor([s], device=device), use_cache=False)
+        _sync(device)
+        t0 = time.perf_counter()
+        for s in seqs:
+            model.base_model(input_ids=torch.tensor([s], device=device), use_cache=False)
+        _sync(device)
+    seconds = time.perf_counter() - t0
+    tokens = sum(len(s) for s in seqs)
+    return {"sequences": len(seqs), "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
+
+
+def padded_batches(lengths: list[int], budget: int) -> list[list[int]]:
+    """Indices grouped longest first, each group's rows x longest row at most `budget` (a longer row alone)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches, current = [], []
+    for i in order:
+        if current and (len(current) + 1) * lengths[current[0]] > budget:
+            batches.append(current)
+            current = []
+        current.append(i)
+    return batches + ([current] if current else [])
+
+
+def padded_forward(model, seqs: list[list[int]], device: str, budget: int) -> dict:
+    batches = padded_batches([len(s) for s in seqs], budget)
+
+    def run(batch):
+        width = len(seqs[batch[0]])
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros(len(batch), width, dtype=torch.long)
+        for row, i in enumerate(batch):
+            ids[row, :len(seqs[i])] = torch.tensor(seqs[i])
+            mask[row, :len(seqs[i])] = 1
+        model.base_model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
+
+    with torch.inference_mode():
+        run(batches[-1])  # warm-up (the shortest rows)
+        _sync(device)
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        for batch in batches:
+            run(batch)
+        _sync(device)
+    seconds = time.perf_counter() - t0
+    tokens = sum(len(s) for s in seqs)
+    padded = sum(len(b) * len(seqs[b[0]]) for b in batches)
+    out = {"batches": len(batches), "tokens": tokens, "padded_tokens": padded, "seconds": seconds,
+           "tokens_per_s": tokens / seconds}
+    if device == "cuda":
+        out["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return out
+
+
+def profile_in_process(model, tokenizer, ids: list[list[int]], dtype: str, device: str, batch_tokens: int) -> dict:
+    """The build's profiler (packs of batch_tokens, the backend a build picks) over the documents, timed after a
+    warm-up pack."""
+    from sift.pipeline.config import ProfileConfig
+    from sift.pipeline.profiler import Profiler
+
+    profiler = Profiler(model, tokenizer, ProfileConfig(dtype=dtype), "triton" if device == "cuda" else "torch",
+                        batch_tokens=batch_tokens)
+    profiler.profile_batch(ids[:4])
+    _sync(device)
+    t0 = time.perf_counter()
+    results = profiler.profile_batch(ids)
+    _sync(device)
+    seconds = time.perf_counter() - t0
+    failed = sum(isinstance(r, Exception) for r in results)
+    tokens = sum(len(i) for i in ids)
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "failed": failed,
+            "backend": profiler.backend_label}
+
+
+def flop_floor(model, seqs: list[list[int]], peak_tflops: float) -> dict:
+    """2 x non-embedding parameters per token (the base model: no LM head) + causal attention (QK^T and PV)."""
+    cfg = model.config
+    params = sum(p.numel() for n, p in model.base_model.named_parameters() if "embed_tokens" not in n)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    tokens = sum(len(s) for s in seqs)
+    attention = sum(4 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim * n * (n + 1) / 2 for n in
+                    (len(s) for s in seqs))
+    flops = 2 * params * tokens + attention
+    return {"non_embedding_params": params, "flops": flops, "attention_share": attention / flops,
+            "seconds": flops / (peak_tflops * 1e12)}
+
+
+# --------------------------------------------------------------------------------------------------- main
+
+
+def print_table(result: dict) -> None:
+    print(f"\n{result['device']}  {result['model']}  dtype {result['dtype']}  backend {result['backend']}  "
+          f"batch_tokens {result['batch_tokens']}")
+    print(f"{'corpus':10s}{'docs':>6s}{'tokens':>9s}{'e2e s':>8s}{'e2e t/s':>9s}{'steady t/s':>11s}{'fixed s':>8s}"
+          f"{'padded t/s':>11s}{'steady/pad':>11s}{'prof/pad':>9s}{'batch-1 t/s':>12s}{'floor s':>8s}"
+          f"{'peak GiB':>9s}")
+    for name, c in result["corpora"].items():
+        peak = c["build_peak_memory_gib"]
+        print(f"{name:10s}{c['documents']:6d}{c['tokens']:9d}{c['e2e_seconds']:8.1f}{c['e2e_tokens_per_s']:9.0f}"
+              f"{c['steady_tokens_per_s']:11.0f}{c['fixed_seconds']:8.1f}{c['padded_forward']['tokens_per_s']:11.0f}"
+              f"{c['steady_over_padded']:11.2f}{c['profiler_over_padded']:9.2f}"
+              f"{c['batch1_forward']['tokens_per_s']:12.0f}"
+              f"{c['flop_floor']['seconds']:8.1f}{peak if peak is not None else float('nan'):9.1f}")
+        start = c["build_whole"]["last_build"].get("startup", {})
+        print(f"{'':10s}start-up of the whole build: " + ", ".join(f"{k} {v:.1f} s" for k, v in start.items()))
 
 
 def main() -> None:
     ap = parser(__doc__.splitlines()[0])
-    ap.add_argument("--corpus", type=Path, default=SAMPLE_CORPUS, help="corpus folder or file")
-    ap.add_argument("--index", type=Path, default=Path(tempfile.gettempdir()) / "sift-bench-index",
-                    help="index folder the build writes (deleted first)")
-    ap.add_argument("--config", default=None, help="TOML config; none: configs/default.toml")
-    ap.add_argument("--backend", choices=("auto", "torch", "triton"), default="auto",
-                    help="build.backend for the Ray job's actors")
-    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu",
-                    help="device of the plain forward")
-    ap.add_argument("--cpu-index", type=Path, default=None,
-                    help="an index of the same corpus built by the CPU backend, to count differing bits")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--model", choices=("8b", "smollm2"), default=None,
+                    help="default: 8b on cuda, smollm2 on cpu")
+    ap.add_argument("--data", type=Path, default=None, help=f"{DATA_NAME} (default: shared/data or /work/shared/data)")
+    ap.add_argument("--passages", type=int, default=None, help="default 3000 (cuda), 240 (cpu)")
+    ap.add_argument("--chunks", type=int, default=None, help="default 256 (cuda), 0 (cpu)")
+    ap.add_argument("--batch-tokens", type=int, default=32768, help="build.batch_tokens, and the padded baseline's budget")
+    ap.add_argument("--peak-tflops", type=float, default=790.0, help="the device's dense bf16 rate, for the floor")
+    ap.add_argument("--build-timeout", type=float, default=300.0, help="seconds one sift-build may take")
+    ap.add_argument("--work", type=Path, default=None, help="folder for the model, corpora and indexes (a temp one)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="CPU: torch threads of the builds' actors (build.threads) and of this process's forwards")
     args = ap.parse_args()
+    device = "cpu" if args.smoke else args.device
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no GPU visible: use --device cpu or --smoke")
+    kind = "tiny" if args.smoke else args.model or ("8b" if device == "cuda" else "smollm2")
+    gpu = device == "cuda"
+    args.passages = args.passages if args.passages is not None else (12 if args.smoke else 3000 if gpu else 240)
+    args.chunks = args.chunks if args.chunks is not None else (2 if args.smoke else 256 if gpu else 0)
+    args.batch1_docs = {"passages": 500, "chunks": 64} if gpu else {}
+    dtype = "bfloat16" if gpu else "float32"
+    backend = "triton" if gpu else "torch"
+    work = args.work or Path(tempfile.mkdtemp(prefix="sift-bench-build-"))
+    work.mkdir(parents=True, exist_ok=True)
 
-    cfg = load_config(args.config)
-    corpus, backend, device = args.corpus, args.backend, args.device
-    if args.smoke:
-        corpus, backend, device = smoke_corpus(Path(tempfile.mkdtemp())), "torch", "cpu"
-    if backend != "auto":
-        cfg = dataclasses.replace(cfg, build=dataclasses.replace(cfg.build, backend=backend))
-    shutil.rmtree(args.index, ignore_errors=True)
-    t0 = time.perf_counter()
-    stats = run_build(corpus, args.index, cfg)
-    wall = time.perf_counter() - t0
-    fwd = plain_forward(cfg, device, corpus_token_ids(cfg, corpus))
-    result = {
-        "smoke": args.smoke, "model": cfg.model, "dtype": cfg.profile.dtype, "tile": cfg.profile.tile,
-        "build": {**stats.to_dict(), "wall_seconds": wall,
-                  "docs_per_s_wall": stats.profiled / wall,
-                  "docs_per_s_actor": stats.profiled / stats.actor_seconds if stats.actor_seconds else None,
-                  "tokens_per_s_actor": stats.tokens_profiled / stats.actor_seconds if stats.actor_seconds else None},
-        "plain_forward": fwd,
-    }
-    if args.cpu_index:
-        result["flips_vs_cpu_index"] = bit_flips(args.index, args.cpu_index)
-    # A smoke run never replaces the measured result: it goes to results/smoke/ unless --out says otherwise.
-    path = write_result("build", result, args.out / "smoke" if args.smoke and args.out == RESULTS else args.out)
-    print_table(json.loads(path.read_text()), stats.backends)
+    model, model_cost = make_model(kind, device, work / "model")
+    config = write_config(work / "build.toml", model, dtype, backend, args.batch_tokens, args.threads or 0)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir() if model == DEFAULT_MODEL else model)
+    texts = articles(find_data(args.data))
+    chunk_tokens = 200 if args.smoke else CHUNK_TOKENS
+    corpora = {"passages": passages(texts, args.passages)}
+    if args.chunks:
+        corpora["chunks"] = chunks(texts, args.chunks, tokenizer, chunk_tokens)
+
+    from sift.pipeline.config import ProfileConfig
+    from sift.pipeline.profiler import profiling_prefix_ids
+
+    prefix = profiling_prefix_ids(tokenizer, ProfileConfig())
+    # The first build on a machine compiles the Triton kernels into Triton's cache; later builds find them there.
+    cold = build(write_corpus(work / "cold", corpora["passages"][:16]), work / "index-cold", config,
+                 args.build_timeout)
+    results = {name: run_builds(name, docs, args, work, config) for name, docs in corpora.items()}
+    # Then the forwards, the builds' actors gone: the same model loaded once in this process.
+    model_obj, tok, _ = load_model(model, dtype=dtype, device=device, attn_implementation="sdpa")
+    for name, docs in corpora.items():
+        run_forwards(results[name], name, docs, model_obj, tok, args, dtype, device, prefix)
+    result = {"smoke": args.smoke, "model": model if kind == "smollm2" else f"{kind}: Llama shape, random {dtype} "
+              f"weights, SmolLM2 tokenizer", "model_kind": kind, "dtype": dtype, "backend": backend,
+              "batch_tokens": args.batch_tokens, "tile": 64, "peak_tflops": args.peak_tflops,
+              "model_folder": model_cost, "cold_build": cold, "corpora": results,
+              "args": {k: str(v) for k, v in vars(args).items()}}
+    name = "build" if gpu else "build-cpu"
+    path = write_result(name, result, out_dir(args))
+    print_table(json.loads(path.read_text()))
+    if args.work is None:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def run_builds(name: str, docs: list[str], args, work: Path, config: Path) -> dict:
+    """The corpus built twice by `sift-build`, its first half and whole: end-to-end and steady-state rates."""
+    out = {"documents": len(docs)}
+    out["build_half"] = build(write_corpus(work / name / "half", docs[: len(docs) // 2]), work / name / "index-half",
+                              config, args.build_timeout)
+    out["build_whole"] = build(write_corpus(work / name / "whole", docs), work / name / "index-whole", config,
+                               args.build_timeout)
+    w, h = out["build_whole"], out["build_half"]
+    extra_tokens, extra_seconds = w["tokens"] - h["tokens"], w["wall_seconds"] - h["wall_seconds"]
+    steady = extra_tokens / extra_seconds if extra_seconds > 0 else float("nan")
+    peaks = [n["peak_memory_gib"] for n in w["last_build"]["nodes"].values() if "peak_memory_gib" in n]
+    out.update(tokens=w["tokens"], mean_tokens=w["tokens"] / len(docs), e2e_seconds=w["wall_seconds"],
+               e2e_tokens_per_s=w["tokens"] / w["wall_seconds"], steady_tokens_per_s=steady,
+               fixed_seconds=w["wall_seconds"] - w["tokens"] / steady,
+               actor_tokens_per_s=w["tokens"] / max(w["last_build"]["actor_seconds"], 1e-9),
+               build_peak_memory_gib=max(peaks) if peaks else None)
+    return out
+
+
+def run_forwards(out: dict, name: str, docs: list[str], model_obj, tok, args, dtype, device, prefix) -> None:
+    """The same documents through the same model in this process (no build running: the device is free)."""
+    ids = [tok(d, add_special_tokens=False).input_ids for d in docs]
+    seqs = [prefix + i for i in ids]
+    model_obj.set_attn_implementation("sdpa")
+    b1 = batch1_forward(model_obj, seqs[: args.batch1_docs.get(name, len(seqs))], device)
+    b1["whole_corpus_seconds_extrapolated"] = sum(len(s) for s in seqs) / b1["tokens_per_s"]
+    out["batch1_forward"] = b1
+    # The builder's steady state without Ray: its profiler on the same documents in this process, after a padded
+    # forward and, on a CPU (a machine others may share), before another one, so load moves both alike.
+    padded = [padded_forward(model_obj, seqs, device, args.batch_tokens)]
+    out["profiler_in_process"] = profile_in_process(model_obj, tok, ids, dtype, device, args.batch_tokens)
+    if device == "cpu":
+        model_obj.set_attn_implementation("sdpa")
+        padded.append(padded_forward(model_obj, seqs, device, args.batch_tokens))
+    out["padded_forward"] = min(padded, key=lambda r: r["seconds"])
+    out["padded_forward"]["runs_tokens_per_s"] = [r["tokens_per_s"] for r in padded]
+    out["steady_over_padded"] = out["steady_tokens_per_s"] / out["padded_forward"]["tokens_per_s"]
+    out["profiler_over_padded"] = (out["profiler_in_process"]["tokens_per_s"]
+                                   / out["padded_forward"]["tokens_per_s"])
+    out["flop_floor"] = flop_floor(model_obj, seqs, args.peak_tflops)
+    print(f"{name}: {json.dumps({k: v for k, v in out.items() if not isinstance(v, dict)})}", flush=True)
 
 
 if __name__ == "__main__":

@@ -35,11 +35,13 @@ class _Tok:  # the profiler only needs the BOS id of a tokenizer
     bos_token_id = 1
 
 
-def llama8b(layers: int, smoke: bool = False) -> LlamaForCausalLM:
+def llama8b(layers: int, smoke: bool = False, vocab_size: int | None = None) -> LlamaForCausalLM:
+    """Random Llama-3-8B-shaped weights on the GPU (bf16), or with `smoke` a toy model on the CPU (fp32);
+    vocab_size: the embedding rows (default 128256, or 1024 for the toy)."""
     size = dict(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2,
-                vocab_size=1024) if smoke else \
+                vocab_size=vocab_size or 1024) if smoke else \
         dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-             vocab_size=128256)
+             vocab_size=vocab_size or 128256)
     cfg = LlamaConfig(num_hidden_layers=layers, max_position_embeddings=131072 + 8,
                       rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, **size)
     cfg._attn_implementation = "sdpa"

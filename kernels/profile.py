@@ -1,29 +1,37 @@
-"""Triton kernel of SIFT profiling (SPEC section 2): one layer's q/k -> LA/CA statistics -> packed bits.
+"""Triton kernels of SIFT profiling (SPEC section 2): one layer's q/k -> LA/CA statistics -> packed bits, for a
+pack of documents at once (`packing.PackedDocs`: sequences of prefix + document back to back, each attending to
+itself only), one launch per pass and layer for the whole pack.
 
-The reference twin is `profile_ref.profile_layer_ref`; both share `validate_profile_args`, and `_bits_kernel`
-is the one-launch twin of the reference's `finish_bits` (tested equal to it bit for bit), so the passes only
-have to produce the two statistics `finish_bits` reads. Two flash-style passes, never an L x L matrix:
+The reference twin is `profile_ref.profile_packed_ref` (`profile_layer_ref` per document); both share
+`validate_profile_args`, and `_bits_kernel` is the one-launch twin of the reference's `finish_bits` (tested
+equal to it bit for bit), so the passes only have to produce the two statistics `finish_bits` reads. Every
+program reads which document it works on, and where, from tables built once per pack (`PackPlan`); a program
+never crosses a document boundary, and it cuts its document into blocks exactly as it would cut the document
+alone, so a document's bits do not depend on what it is packed with. Flash-style passes, never an L x L
+matrix:
 
-1. `_lse_kernel`, per (query head, block of BLOCK_M document rows): the row log-sum-exp over the row's
-   causal keys (profiling prefix included), online, in log2 units -> lse2 [Hq, L]. Prefix rows are skipped:
-   no statistic needs them. Skipped entirely when the caller passes the forward pass's `lse`.
-2. `_stats_kernel`, per (query head, block of BLOCK_N document keys): the key block stays on chip while the
-   document query blocks at or below it stream past. Per cell x = log2 A = s * log2(e) - lse2, so
-   * LA: max of x over each (query tile, key tile), stored once as exp2 -> tile_max [Hq, P, P] fp32;
+1. `_attention_kernel`, per (query head, block of BLOCK_M rows of one sequence): the row log-sum-exp over the
+   row's causal keys of its sequence (profiling prefix included), online, in log2 units -> lse2 [Hq, T]; with
+   V also the attention output [T, Hq, Dv] (`attention_packed`: the layer's forward where no SDPA backend
+   returns the lse, `attention_lse`). Without V only document rows are visited: no statistic needs the
+   prefix's. Skipped entirely when the caller passes the forward pass's `lse`.
+2. `_stats_kernel`, per (query head, block of BLOCK_N keys of one document): the key block stays on chip while
+   the document's query blocks at or below it stream past. Per cell x = log2 A = s * log2(e) - lse2, so
+   * LA: max of x over each (query tile, key tile), stored once as exp2 -> tile_max, [P, P] fp32 per document;
    * CA: cells with x >= log2(beta) are counted in int32 registers and reduced and stored once per program
-     -> key_counts [Hq, L] int32. Each program owns its keys: no atomics, and the result is deterministic.
+     -> key_counts [Hq, T] int32. Each program owns its keys: no atomics, and the result is deterministic.
    Comparing log2 A with log2(beta) instead of A with beta saves the exp2 of every cell (the pass is then
    bound by its one QK^T product); the two orders differ only for a probability within float rounding of
    beta, which is also where exp2 and the reference's softmax may disagree.
-3. `_bits_kernel`, per (head, block of output bytes): `finish_bits` (alpha / gamma thresholds, diagonal, sink
-   page, dense heads, MSB-first packing) straight into the layer's uint8 outputs; one launch instead of ~20
-   small torch ops, which dominated short (RAG-sized) documents.
+3. `_bits_kernel`, per (head, block of one document's output bytes): `finish_bits` (alpha / gamma thresholds,
+   diagonal, sink page, dense heads, MSB-first packing) straight into the layer's uint8 outputs; one launch
+   instead of ~20 small torch ops per document, which dominated short (RAG-sized) documents.
 
-Memory: lse2 and key_counts are O(Hq * L); tile_max is O(Hq * P^2) (4 bytes per tile), so `profile_layer`
+Memory: lse2 and key_counts are O(Hq * T); tile_max is O(Hq * sum P^2) (4 bytes per tile), so `profile_packed`
 runs pass 2 and the bits kernel over chunks of heads whose tile maxima fit `stats_bytes`.
 
 GQA: query head h reads key head h // (Hq // Hkv) in place; K is never expanded. q / k may have any strides
-(e.g. views of [L, H, D]). fp32 inputs use IEEE dot products so the bits match the CPU reference; fp16 /
+(e.g. views of [T, H, D]). fp32 inputs use IEEE dot products so the bits match the CPU reference; fp16 /
 bf16 products are exact in the fp32 accumulator, so they match the reference run on the upcast inputs.
 """
 from __future__ import annotations
@@ -34,14 +42,16 @@ import os
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from sift.format import ca_nbytes, la_nbytes, n_pages
+from sift.format import ca_nbytes, la_nbytes
 
 from .numerics import LOG2E
-from .profile_ref import LayerBits, validate_profile_args
+from .packing import PackedDocs
+from .profile_ref import LayerBits, validate_packed, validate_profile_args
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -62,50 +72,77 @@ def _log2_scores(qk, qk_mul, cap_mul, SOFTCAP: tl.constexpr):
         return qk * qk_mul
 
 
+
 @triton.jit
-def _lse_kernel(
-    Q, K, LSE2,
-    stride_qh, stride_ql, stride_qd, stride_kh, stride_kl, stride_kd, stride_lh,
-    n_prefix, n_doc, qk_mul, cap_mul,
-    GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+def _attention_kernel(
+    Q, K, V, O, LSE2, SEQ0, DOC_LEN, BLOCKS,
+    stride_qh, stride_ql, stride_qd, stride_kh, stride_kl, stride_kd, stride_vh, stride_vl, stride_vd,
+    stride_ol, stride_oh, stride_od, stride_lh,
+    n_prefix, n_heads, qk_mul, cap_mul,
+    GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_V: tl.constexpr,
 ):
-    """LSE2[h, m] = log2 sum_{n <= n_prefix + m} exp2(s2[n_prefix + m, n]) for document rows m < n_doc."""
-    h = tl.program_id(0)
-    # The last row blocks have the most keys: launch them first.
-    m0 = (tl.num_programs(1) - 1 - tl.program_id(1)) * BLOCK_M
-    row0 = n_prefix + m0  # absolute position of the block's first row
+    """Rows [r0, r0 + BLOCK_M) of sequence s, (s, r0) = BLOCKS[program_id(1)] (r0 counted from the sequence's
+    first row SEQ0[s]) and query head h, program_id(0) = blk * n_heads + h (heads fastest):
+    LSE2[h, row] = log2 sum_{key <= row, key in s} exp2(s2[row, key]) and, with HAS_V, O[row, h] = the softmax
+    of those scores times V (rows and keys as pack rows)."""
+    h = tl.program_id(0) % n_heads
+    blk = tl.program_id(0) // n_heads
+    seq = tl.load(BLOCKS + 2 * blk)
+    row0 = tl.load(BLOCKS + 2 * blk + 1)
+    base = tl.load(SEQ0 + seq).to(tl.int64)
+    seq_len = n_prefix + tl.load(DOC_LEN + seq)
     rm = tl.arange(0, BLOCK_M)
     rn = tl.arange(0, BLOCK_N)
     rd = tl.arange(0, BLOCK_D)
     d_ok = rd < HEAD_DIM
-    row_ok = m0 + rm < n_doc
+    row_ok = row0 + rm < seq_len
 
-    q_ptrs = Q + h.to(tl.int64) * stride_qh + row0.to(tl.int64) * stride_ql \
+    q_ptrs = Q + h.to(tl.int64) * stride_qh + (base + row0) * stride_ql \
         + (rm[:, None] * stride_ql + rd[None, :] * stride_qd)
     q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    kt_ptrs = K + (h // GROUPS).to(tl.int64) * stride_kh + (rd[:, None] * stride_kd + rn[None, :] * stride_kl)
+    kv_head = (h // GROUPS).to(tl.int64)
+    kt_ptrs = K + kv_head * stride_kh + base * stride_kl + (rd[:, None] * stride_kd + rn[None, :] * stride_kl)
+    v_ptrs = V + kv_head * stride_vh + base * stride_vl + (rn[:, None] * stride_vl + rd[None, :] * stride_vd)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     n_full = (row0 // BLOCK_N) * BLOCK_N  # keys [0, n_full) are causal for every row of the block
-    n_end = tl.minimum(row0 + BLOCK_M, n_prefix + n_doc)
+    n_end = tl.minimum(row0 + BLOCK_M, seq_len)
     for _ in range(0, n_full, BLOCK_N):
         kt = tl.load(kt_ptrs, mask=d_ok[:, None], other=0.0)
         s = _log2_scores(tl.dot(q, kt, input_precision=DOT_PRECISION), qk_mul, cap_mul, SOFTCAP)
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
+        rescale = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * rescale + tl.sum(p, 1)
+        if HAS_V:
+            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+            acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            v_ptrs += BLOCK_N * stride_vl
         m_i = m_new
         kt_ptrs += BLOCK_N * stride_kl
     for n0 in range(n_full, n_end, BLOCK_N):
-        kt = tl.load(kt_ptrs, mask=d_ok[:, None] & (n0 + rn < n_end)[None, :], other=0.0)
+        n_ok = n0 + rn < n_end
+        kt = tl.load(kt_ptrs, mask=d_ok[:, None] & n_ok[None, :], other=0.0)
         s = _log2_scores(tl.dot(q, kt, input_precision=DOT_PRECISION), qk_mul, cap_mul, SOFTCAP)
         s = tl.where((n0 + rn)[None, :] <= (row0 + rm)[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        l_i = l_i * tl.exp2(m_i - m_new) + tl.sum(tl.exp2(s - m_new[:, None]), 1)
+        rescale = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * rescale + tl.sum(p, 1)
+        if HAS_V:
+            v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            v_ptrs += BLOCK_N * stride_vl
         m_i = m_new
         kt_ptrs += BLOCK_N * stride_kl
-    tl.store(LSE2 + h.to(tl.int64) * stride_lh + m0 + rm, m_i + tl.log2(l_i), mask=row_ok)
+    rows = base + row0 + rm
+    tl.store(LSE2 + h.to(tl.int64) * stride_lh + rows, m_i + tl.log2(l_i), mask=row_ok)
+    if HAS_V:
+        o_ptrs = O + rows[:, None] * stride_ol + h.to(tl.int64) * stride_oh + rd[None, :] * stride_od
+        tl.store(o_ptrs, (acc / l_i[:, None]).to(O.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
@@ -199,20 +236,21 @@ def _load_q(Q, q_ptrs, h, row0, row_ok, d_ok,
     return q
 
 
+
 @triton.jit
 def _stats_rows(acc, Q, q_ptrs, k_op, q_lse, tmax_ptr, m_lo, m_from, m_to, h, n0, offs_n, rm, d_ok,
-                n_prefix, stride_ql, stride_ti, n_doc, n_pages, qk_mul, cap_mul, log2_beta, lse_mul,
+                doc0, stride_ql, stride_ti, n_doc, n_pages, qk_mul, cap_mul, log2_beta, lse_mul,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TILE: tl.constexpr,
                 KEY_ROWS: tl.constexpr, CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
                 COUNT: tl.constexpr, TMA: tl.constexpr):
     """The query blocks [m_from, m_to) against the program's key block -> acc. q_ptrs point at query block
-    m_lo (unused with TMA, where Q is the descriptor)."""
+    m_lo (unused with TMA, where Q is the descriptor); doc0: the pack row of the document's first token."""
     for m0 in range(m_from, m_to, BLOCK_M):
         if TMA:
             ptrs = q_ptrs
         else:
             ptrs = q_ptrs + (m0 - m_lo).to(tl.int64) * stride_ql
-        q_op = _load_q(Q, ptrs, h, n_prefix + m0, m0 + rm < n_doc, d_ok, BLOCK_M, BLOCK_D, KEY_ROWS, TMA)
+        q_op = _load_q(Q, ptrs, h, doc0 + m0, m0 + rm < n_doc, d_ok, BLOCK_M, BLOCK_D, KEY_ROWS, TMA)
         acc = _stats_block(acc, q_op, k_op, q_lse, tmax_ptr, m0, n0, offs_n, rm,
                            stride_ti, n_doc, n_pages, qk_mul, cap_mul, log2_beta, lse_mul,
                            BLOCK_M, BLOCK_N, TILE, KEY_ROWS, CAUSAL, SOFTCAP, DOT_PRECISION, COUNT)
@@ -221,26 +259,33 @@ def _stats_rows(acc, Q, q_ptrs, k_op, q_lse, tmax_ptr, m_lo, m_from, m_to, h, n0
 
 @triton.jit
 def _stats_kernel(
-    Q, K, LSE, TMAX, COUNTS,
-    stride_qh, stride_ql, stride_qd, stride_kh, stride_kl, stride_kd, stride_lh, stride_th, stride_ti, stride_ch,
-    n_prefix, n_doc, n_pages, h_first, qk_mul, cap_mul, log2_beta, lse_first, lse_mul,
+    Q, K, LSE, TMAX, COUNTS, SEQ0, DOC_LEN, TMAX_OFF, BLOCKS,
+    stride_qh, stride_ql, stride_qd, stride_kh, stride_kl, stride_kd, stride_lh, stride_th, stride_ch,
+    n_prefix, h_first, n_heads, qk_mul, cap_mul, log2_beta, lse_mul,
     GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TILE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KEY_ROWS: tl.constexpr, SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr, COUNT: tl.constexpr, TMA: tl.constexpr,
 ):
-    """Document keys [n0, n0 + BLOCK_N) of head h_first + program_id(0) against every document query q >= key.
+    """Keys [n0, n0 + BLOCK_N) of document d, (d, n0) = BLOCKS[blk], for head h = h_first + hc
+    (program_id(0) = blk * n_heads + hc: heads fastest), against every query q >= key of the same document.
 
-    TMAX[hc, i, j] = max A over tile (i, j)'s causal cells (written for every j <= i, 0 above the diagonal
-    where a block reaches there); COUNTS[h, n] = |{document q >= n : A[q, n] >= beta}|.
-    LSE[h, lse_first + m] * lse_mul is document row m's lse2: the first pass's lse2 (lse_first 0, lse_mul 1)
-    or the forward's natural-log lse over all rows (lse_first n_prefix, lse_mul log2 e, rounded as
-    `lse * LOG2E` in fp32 torch would be). log2_beta: log2 of beta (beta > 0; COUNT False when beta = 0).
-    Q: pointer, or with TMA a [Hq, Lp, D] tensor descriptor of block [1, BLOCK_M, BLOCK_D].
+    Document d starts at pack row SEQ0[d] + n_prefix and has DOC_LEN[d] tokens, P = ceil(DOC_LEN[d] / TILE).
+    TMAX[hc, TMAX_OFF[d] + i * P + j] = max A over tile (i, j)'s causal cells (written for every j <= i,
+    0 above the diagonal where a block reaches there); COUNTS[h, row] = |{document q >= key : A[q, key] >= beta}|
+    at the key's pack row. LSE[h, row] * lse_mul is the row's lse2: this module's first pass (lse_mul 1) or the
+    forward's natural-log lse (lse_mul log2 e, rounded as `lse * LOG2E` in fp32 torch would be).
+    log2_beta: log2 of beta (beta > 0; COUNT False when beta = 0). Q: pointer, or with TMA a [Hq, T, D] tensor
+    descriptor of block [1, BLOCK_M, BLOCK_D].
     """
-    hc = tl.program_id(0)
+    hc = tl.program_id(0) % n_heads
     h = h_first + hc
-    # Key block 0 meets the most query blocks; launch order is heads fastest, so heavy programs go first.
-    n0 = tl.program_id(1) * BLOCK_N
+    blk = tl.program_id(0) // n_heads
+    doc = tl.load(BLOCKS + 2 * blk)
+    n0 = tl.load(BLOCKS + 2 * blk + 1)
+    doc0 = tl.load(SEQ0 + doc) + n_prefix
+    n_doc = tl.load(DOC_LEN + doc)
+    n_pages = tl.cdiv(n_doc, TILE)
+    stride_ti = n_pages
     rm = tl.arange(0, BLOCK_M)
     rn = tl.arange(0, BLOCK_N)
     rd = tl.arange(0, BLOCK_D)
@@ -248,11 +293,11 @@ def _stats_kernel(
     offs_n = n0 + rn
     n_ok = offs_n < n_doc
 
-    k_base = K + (h // GROUPS).to(tl.int64) * stride_kh + (n_prefix + n0).to(tl.int64) * stride_kl
+    k_base = K + (h // GROUPS).to(tl.int64) * stride_kh + (doc0 + n0).to(tl.int64) * stride_kl
     m_lo = (n0 // BLOCK_M) * BLOCK_M
     q_ptrs = Q
     if not TMA:
-        q_base = Q + h.to(tl.int64) * stride_qh + (n_prefix + m_lo).to(tl.int64) * stride_ql
+        q_base = Q + h.to(tl.int64) * stride_qh + (doc0 + m_lo).to(tl.int64) * stride_ql
         if KEY_ROWS:
             q_ptrs = q_base + (rd[:, None] * stride_qd + rm[None, :] * stride_ql)
         else:
@@ -265,17 +310,17 @@ def _stats_kernel(
         k_op = tl.load(k_base + (rd[:, None] * stride_kd + rn[None, :] * stride_kl),
                        mask=d_ok[:, None] & n_ok[None, :], other=0.0)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.int32)
-    q_lse = LSE + h.to(tl.int64) * stride_lh + lse_first
-    tmax_ptr = TMAX + hc.to(tl.int64) * stride_th
+    q_lse = LSE + h.to(tl.int64) * stride_lh + doc0
+    tmax_ptr = TMAX + hc.to(tl.int64) * stride_th + tl.load(TMAX_OFF + doc).to(tl.int64)
 
     # Query blocks from m_full on lie wholly at or below the key block: no causal mask. Two loops (the mask is
     # a compile-time flag of the block step) so the unmasked majority carries no mask arithmetic.
     m_full = tl.minimum(tl.cdiv(n0 + BLOCK_N - 1, BLOCK_M) * BLOCK_M, n_doc)
     acc = _stats_rows(acc, Q, q_ptrs, k_op, q_lse, tmax_ptr, m_lo, m_lo, m_full, h, n0, offs_n, rm, d_ok,
-                      n_prefix, stride_ql, stride_ti, n_doc, n_pages, qk_mul, cap_mul, log2_beta, lse_mul,
+                      doc0, stride_ql, stride_ti, n_doc, n_pages, qk_mul, cap_mul, log2_beta, lse_mul,
                       BLOCK_M, BLOCK_N, BLOCK_D, TILE, KEY_ROWS, True, SOFTCAP, DOT_PRECISION, COUNT, TMA)
     acc = _stats_rows(acc, Q, q_ptrs, k_op, q_lse, tmax_ptr, m_lo, m_full, n_doc, h, n0, offs_n, rm, d_ok,
-                      n_prefix, stride_ql, stride_ti, n_doc, n_pages, qk_mul, cap_mul, log2_beta, lse_mul,
+                      doc0, stride_ql, stride_ti, n_doc, n_pages, qk_mul, cap_mul, log2_beta, lse_mul,
                       BLOCK_M, BLOCK_N, BLOCK_D, TILE, KEY_ROWS, False, SOFTCAP, DOT_PRECISION, COUNT, TMA)
     if COUNT:
         # acc sums -1 per visited cell below beta; every key of the block met the same query rows.
@@ -286,7 +331,7 @@ def _stats_kernel(
         counts = tl.cdiv(n_doc - m_lo, BLOCK_M) * BLOCK_M - below
     else:
         counts = n_doc - offs_n  # beta = 0: every document query q >= key
-    tl.store(COUNTS + h.to(tl.int64) * stride_ch + offs_n, counts, mask=n_ok)
+    tl.store(COUNTS + h.to(tl.int64) * stride_ch + doc0 + offs_n, counts, mask=n_ok)
 
 
 @triton.jit
@@ -332,33 +377,41 @@ def _ca_bytes(COUNTS, CA, dense, b0, n_doc, n_pages, n_bytes, gamma,
     tl.store(CA + rb, byte.to(tl.uint8), mask=rb < n_bytes)
 
 
+
 @triton.jit
 def _bits_kernel(
-    TMAX, COUNTS, DENSE, LA, CA,
-    stride_th, stride_ti, stride_ch, stride_lah, stride_cah,
-    h_first, n_doc, n_pages, la_bits, la_bytes, ca_bytes, alpha, gamma,
+    TMAX, COUNTS, DENSE, LA, CA, SEQ0, DOC_LEN, TMAX_OFF, LA_OFF, CA_OFF, PROGS,
+    stride_th, stride_ch, stride_lah, stride_cah,
+    n_prefix, h_first, n_la_progs, alpha, gamma,
     TILE: tl.constexpr, LA_BYTES: tl.constexpr, CA_BYTES: tl.constexpr,
     KEY_INDEX: tl.constexpr, SINK: tl.constexpr, HAS_DENSE: tl.constexpr,
 ):
     """`profile_ref.finish_bits` in one launch for heads h_first + program_id(1): packed LA and CA bytes.
 
-    Programs [0, cdiv(la_bytes, LA_BYTES)) write LA_BYTES bytes of LA each, the rest CA_BYTES bytes of CA.
-    Every byte is written, trailing bits 0. alpha / gamma are already float32 values, so the comparisons are
-    finish_bits' own (tile_max >= alpha; count / denom, correctly rounded, >= gamma).
+    (d, b0) = PROGS[program_id(0)]: programs below n_la_progs write LA_BYTES bytes of document d's LA vector from
+    byte b0 (at LA[h, LA_OFF[d] + b0]), the others CA_BYTES bytes of its CA vector. Every byte is written,
+    trailing bits 0. alpha / gamma are already float32 values, so the comparisons are finish_bits' own
+    (tile_max >= alpha; count / denom, correctly rounded, >= gamma).
     """
     pid = tl.program_id(0)
     hc = tl.program_id(1)
     h = h_first + hc
-    n_la = tl.cdiv(la_bytes, LA_BYTES)
+    doc = tl.load(PROGS + 2 * pid)
+    b0 = tl.load(PROGS + 2 * pid + 1)
+    n_doc = tl.load(DOC_LEN + doc)
+    p = tl.cdiv(n_doc, TILE)
     dense = False
     if HAS_DENSE:
         dense = tl.load(DENSE + h) != 0
-    if pid < n_la:
-        _la_bytes(TMAX + hc.to(tl.int64) * stride_th, LA + h.to(tl.int64) * stride_lah, dense, pid * LA_BYTES,
-                  la_bits, la_bytes, stride_ti, alpha, LA_BYTES, SINK, HAS_DENSE)
+    if pid < n_la_progs:
+        la_bits = p * (p + 1) // 2
+        _la_bytes(TMAX + hc.to(tl.int64) * stride_th + tl.load(TMAX_OFF + doc).to(tl.int64),
+                  LA + h.to(tl.int64) * stride_lah + tl.load(LA_OFF + doc).to(tl.int64), dense, b0,
+                  la_bits, tl.cdiv(la_bits, 8), p, alpha, LA_BYTES, SINK, HAS_DENSE)
     else:
-        _ca_bytes(COUNTS + h.to(tl.int64) * stride_ch, CA + h.to(tl.int64) * stride_cah, dense,
-                  (pid - n_la) * CA_BYTES, n_doc, n_pages, ca_bytes, gamma, TILE, CA_BYTES, KEY_INDEX, HAS_DENSE)
+        counts = COUNTS + h.to(tl.int64) * stride_ch + (tl.load(SEQ0 + doc) + n_prefix).to(tl.int64)
+        _ca_bytes(counts, CA + h.to(tl.int64) * stride_cah + tl.load(CA_OFF + doc).to(tl.int64), dense, b0,
+                  n_doc, p, tl.cdiv(p, 8), gamma, TILE, CA_BYTES, KEY_INDEX, HAS_DENSE)
 
 
 @dataclass(frozen=True)
@@ -409,6 +462,17 @@ def default_configs(tile: int, head_dim: int,
     return ProfileKernelConfig(block_m=128, block_n=128, num_warps=8, num_stages=3), stats
 
 
+def attention_config(tile: int, head_dim: int, dtype: torch.dtype) -> ProfileKernelConfig:
+    """Launch parameters of `attention_packed` (the first pass with V: the layer's output too). fp32 runs the
+    first pass's own blocks, whose q.k share the stats pass's instruction sequence (IEEE dots, for checks
+    rather than speed)."""
+    if dtype == torch.float32:
+        return default_configs(tile, head_dim, dtype)[0]
+    if head_dim > 128:
+        return ProfileKernelConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+    return ProfileKernelConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+
+
 @dataclass(frozen=True)
 class ProfileStats:
     """Statistics of one layer (document part only); `finish_bits` turns them into bits.
@@ -423,14 +487,116 @@ class ProfileStats:
     lse: torch.Tensor
 
 
-def _check_kernel_inputs(q, k, *, scale, softcap, lse, dense_heads) -> None:
+@dataclass(frozen=True, eq=False)
+class PackPlan:
+    """What the kernels of one pack read besides q / k / v: its geometry, the launch parameters and the device
+    tables, built once per pack by `plan_pack` and only read by every layer (no host-device synchronisation).
+
+    Tables (int32 on the device): per document, the first row of its sequence (`seq0`), its length, where its
+    tile maxima start in a head's [sum P^2] (`tmax_off`) and its bytes in a head's LA / CA row; per program of
+    each launch, (sequence or document, first row / key / byte), heaviest programs first.
+    """
+
+    docs: PackedDocs
+    lse_cfg: ProfileKernelConfig
+    stats_cfg: ProfileKernelConfig
+    fwd_cfg: ProfileKernelConfig
+    seq0: torch.Tensor
+    cu_seqlens: torch.Tensor    # [B + 1] sequence boundaries (varlen attention's offsets)
+    doc_len: torch.Tensor
+    tmax_off: torch.Tensor
+    la_off: torch.Tensor
+    ca_off: torch.Tensor
+    lse_blocks: torch.Tensor    # [n, 2] (sequence, first row within it): document rows, for the first pass
+    fwd_blocks: torch.Tensor    # [n, 2] the same over every row, prefix included, for `attention_packed`
+    stats_blocks: torch.Tensor  # [n, 2] (document, first key within it)
+    bits_progs: torch.Tensor    # [n, 2] (document, first byte): LA programs first, then CA
+    n_la_progs: int
+    tmax_per_head: int          # sum over documents of P^2
+    ca_per_program: int         # CA bytes one bits program writes
+
+
+LA_BYTES_PER_PROGRAM = 64
+
+
+def _blocks(starts: np.ndarray, lengths: np.ndarray, block: int) -> np.ndarray:
+    """Per document d, the blocks [starts[d] + i * block for i < ceil(lengths[d] / block)] -> [n, 2] int64 rows
+    (d, first), in document order."""
+    counts = -(-lengths // block)
+    doc = np.repeat(np.arange(len(lengths)), counts)
+    index = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    return np.stack([doc, starts[doc] + index * block], axis=1)
+
+
+def _heaviest_first(table: np.ndarray, work: np.ndarray) -> np.ndarray:
+    return table[np.argsort(-work, kind="stable")]
+
+
+def _check_configs(configs, fwd_config, tile: int, head_dim: int, dtype: torch.dtype):
+    if configs is None and dtype == torch.float32 and head_dim > 128 and tile == 128:
+        raise ValueError(f"fp32 inputs with head_dim={head_dim} > 128 and tile=128 do not fit in shared "
+                         "memory; profile in bf16 / fp16 or with a smaller tile")
+    lse_cfg, stats_cfg = configs or default_configs(tile, head_dim, dtype)
+    fwd_cfg = fwd_config or attention_config(tile, head_dim, dtype)
+    for cfg in (lse_cfg, stats_cfg, fwd_cfg):
+        if cfg.block_m < 16 or cfg.block_n < 16:
+            raise ValueError(f"{cfg}: blocks must be at least 16 (tl.dot)")
+    if stats_cfg.block_m % tile or stats_cfg.block_n % tile:
+        raise ValueError(f"{stats_cfg}: stats blocks must be multiples of tile={tile}")
+    return lse_cfg, stats_cfg, fwd_cfg
+
+
+def plan_pack(docs: PackedDocs, *, head_dim: int, dtype: torch.dtype, device,
+              configs: tuple[ProfileKernelConfig, ProfileKernelConfig] | None = None,
+              fwd_config: ProfileKernelConfig | None = None) -> PackPlan:
+    """The pack's tables, uploaded in one asynchronous copy from pinned memory where the device is a GPU.
+
+    configs: (first pass, stats pass) launch parameters, default `default_configs`; fwd_config: those of
+    `attention_packed`, default `attention_config`."""
+    lse_cfg, stats_cfg, fwd_cfg = _check_configs(configs, fwd_config, docs.tile, head_dim, dtype)
+    lengths = np.asarray(docs.lengths, dtype=np.int64)
+    n_prefix = docs.n_prefix
+    pages = np.asarray(docs.pages, dtype=np.int64)
+    squares = pages * pages
+    tmax_per_head = int(squares.sum())
+    if docs.total >= 2**31 or tmax_per_head >= 2**31:
+        raise ValueError(f"a pack of {docs.total} rows and {tmax_per_head} tiles per head exceeds the kernels' "
+                         f"int32 offsets; profile fewer tokens per pack")
+    zeros = np.zeros_like(lengths)
+    lse_blocks = _blocks(zeros + n_prefix, lengths, lse_cfg.block_m)
+    lse_blocks = _heaviest_first(lse_blocks, lse_blocks[:, 1])  # later rows have more keys
+    fwd_blocks = _blocks(zeros, lengths + n_prefix, fwd_cfg.block_m)
+    fwd_blocks = _heaviest_first(fwd_blocks, fwd_blocks[:, 1])
+    stats_blocks = _blocks(zeros, lengths, stats_cfg.block_n)
+    stats_blocks = _heaviest_first(stats_blocks, lengths[stats_blocks[:, 0]] - stats_blocks[:, 1])
+    ca_per_program = max(1, 512 // docs.tile)  # 4096 keys a program
+    la_progs = _blocks(zeros, np.asarray(docs.la_nbytes, dtype=np.int64), LA_BYTES_PER_PROGRAM)
+    ca_progs = _blocks(zeros, np.asarray(docs.ca_nbytes, dtype=np.int64), ca_per_program)
+    per_doc = [np.asarray(docs.starts), np.asarray(docs.cu_seqlens), lengths, np.cumsum(squares) - squares,
+               np.asarray(docs.la_offsets), np.asarray(docs.ca_offsets)]
+    tables = [lse_blocks, fwd_blocks, stats_blocks, np.concatenate([la_progs, ca_progs])]
+    flat = np.concatenate([a.reshape(-1) for a in per_doc + tables]).astype(np.int32)
+    host = torch.from_numpy(flat)
+    device = torch.device(device)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    buf = host.to(device, non_blocking=True)
+    views, at = [], 0
+    for a in per_doc + tables:
+        views.append(buf[at:at + a.size].view(a.shape))
+        at += a.size
+    return PackPlan(docs, lse_cfg, stats_cfg, fwd_cfg, *views, n_la_progs=len(la_progs),
+                    tmax_per_head=tmax_per_head, ca_per_program=ca_per_program)
+
+
+def _check_kernel_inputs(q, k, *, scale, softcap, lse, total=None) -> None:
     for name, x in (("q", q), ("k", k)):
         if x.dtype not in DTYPES:
             raise ValueError(f"{name}.dtype={x.dtype} is unsupported; use one of {DTYPES}")
     if k.dtype != q.dtype or k.device != q.device:
         raise ValueError(f"q and k must share dtype and device; got {q.dtype}/{q.device}, {k.dtype}/{k.device}")
     if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"profile_layer runs on CUDA tensors (got {q.device}); use profile_layer_ref on CPU")
+        raise ValueError(f"the profiling kernels run on CUDA tensors (got {q.device}); use profile_ref on CPU")
     if not (isinstance(scale, (int, float)) and scale > 0 and math.isfinite(scale)):
         raise ValueError(f"scale={scale!r} must be a positive finite float (usually head_dim ** -0.5)")
     if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0 and math.isfinite(softcap)):
@@ -442,9 +608,6 @@ def _check_kernel_inputs(q, k, *, scale, softcap, lse, dense_heads) -> None:
                              f"{getattr(lse, 'dtype', type(lse))} {tuple(getattr(lse, 'shape', ()))}")
         if lse.device != q.device:
             raise ValueError(f"lse is on {lse.device} but q on {q.device}")
-    bad = [h for h in dense_heads if not 0 <= int(h) < hq]
-    if bad:
-        raise ValueError(f"dense_heads {bad} out of range: heads are 0..{hq - 1}")
 
 
 def _score_muls(scale: float, softcap: float | None) -> tuple[float, float]:
@@ -462,21 +625,41 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
 
 
-def _launch_lse(q, k, *, n_prefix, scale, softcap, cfg: ProfileKernelConfig) -> torch.Tensor:
-    """-> lse2 [Hq, L] fp32: log2-sum-exp2 of the document rows' scores in log2 units."""
-    hq, lp, d = q.shape
-    n_doc = lp - n_prefix
-    lse2 = torch.empty(hq, n_doc, dtype=torch.float32, device=q.device)
+def _launch_attention(q, k, v, out, lse2, plan: PackPlan, blocks: torch.Tensor, cfg: ProfileKernelConfig, *,
+                      scale, softcap) -> None:
+    hq, _, d = q.shape
     qk_mul, cap_mul = _score_muls(scale, softcap)
+    has_v = v is not None
+    v_args = (*v.stride(), *out.stride()) if has_v else (0,) * 6
     with _device_of(q):
-        _lse_kernel[(hq, triton.cdiv(n_doc, cfg.block_m))](
-            q, k, lse2, *q.stride(), *k.stride(), lse2.stride(0),
-            n_prefix, n_doc, qk_mul, cap_mul,
-            GROUPS=hq // k.shape[0], HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d),
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SOFTCAP=softcap is not None,
-            DOT_PRECISION=_dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        _attention_kernel[(hq * blocks.shape[0],)](
+            q, k, v if has_v else q, out if has_v else q, lse2, plan.seq0, plan.doc_len, blocks,
+            *q.stride(), *k.stride(), *v_args, lse2.stride(0),
+            plan.docs.n_prefix, hq, qk_mul, cap_mul,
+            GROUPS=hq // k.shape[0], HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n, SOFTCAP=softcap is not None, DOT_PRECISION=_dot_precision(q.dtype), HAS_V=has_v,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
-    return lse2
+
+
+def attention_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: PackPlan, *, scale: float,
+                     softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's attention over a pack, each sequence attending causally to itself only.
+
+    q: [Hq, T, D], k / v: [Hkv, T, D] (any strides). Returns out [T, Hq, D] in q's dtype (the layout a
+    transformers attention function returns, batch dimension aside) and lse2 [Hq, T] fp32, every row's
+    log-sum-exp in log2 units (`profile_packed(lse2=...)` reads it)."""
+    validate_profile_args(q, k, n_prefix=plan.docs.n_prefix, tile=plan.docs.tile, alpha=0.0, beta=0.0, gamma=0.0,
+                          ca_normalize="causal")
+    _check_kernel_inputs(q, k, scale=scale, softcap=softcap, lse=None)
+    if v.dtype != q.dtype or v.device != q.device or tuple(v.shape) != tuple(k.shape) or q.shape[1] != plan.docs.total:
+        raise ValueError(f"v must match k ({tuple(k.shape)} {k.dtype}) and q hold the pack's {plan.docs.total} rows; "
+                         f"got v {tuple(v.shape)} {v.dtype}, q {tuple(q.shape)}")
+    hq, t, d = q.shape
+    out = torch.empty(t, hq, d, dtype=q.dtype, device=q.device)
+    lse2 = torch.empty(hq, t, dtype=torch.float32, device=q.device)
+    _launch_attention(q, k, v, out, lse2, plan, plan.fwd_blocks, plan.fwd_cfg, scale=scale, softcap=softcap)
+    return out, lse2
 
 
 def _fp32(x: float) -> float:
@@ -486,32 +669,35 @@ def _fp32(x: float) -> float:
 
 @dataclass(frozen=True)
 class _Lse:
-    """Row lse as the stats pass reads it: tensor[h, first + m] * mul is document row m's lse2 (log2 units)."""
+    """Row lse as the stats pass reads it: tensor[h, row] * mul is the row's lse2 (log2 units)."""
 
     tensor: torch.Tensor
-    first: int
     mul: float
 
 
-def _lse_input(lse: torch.Tensor | None, q, k, *, n_prefix, scale, softcap, cfg) -> _Lse:
-    """The forward's natural-log lse [Hq, Lp] as given (scaled to log2 in the kernel), else the first pass's."""
-    if lse is None:
-        return _Lse(_launch_lse(q, k, n_prefix=n_prefix, scale=scale, softcap=softcap, cfg=cfg), 0, 1.0)
-    if lse.dtype != torch.float32 or lse.stride(1) != 1:
-        lse = lse.to(torch.float32).contiguous()
-    return _Lse(lse, n_prefix, LOG2E)
+def _lse_input(lse, lse2, q, k, plan: PackPlan, *, scale, softcap) -> _Lse:
+    """The forward's natural-log lse [Hq, T] (scaled to log2 in the kernel), a log2 one, else the first pass's."""
+    if lse is not None and lse2 is not None:
+        raise ValueError("pass lse (natural log) or lse2 (log2), not both")
+    given, mul = (lse, LOG2E) if lse is not None else (lse2, 1.0)
+    if given is None:
+        lse2 = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
+        _launch_attention(q, k, None, None, lse2, plan, plan.lse_blocks, plan.lse_cfg, scale=scale, softcap=softcap)
+        return _Lse(lse2, 1.0)
+    if given.dtype != torch.float32 or given.stride(1) != 1:
+        given = given.to(torch.float32).contiguous()
+    return _Lse(given, mul)
 
 
-def _launch_stats(q, k, lse: _Lse, key_counts, heads: range, *, n_prefix, tile, beta, scale, softcap,
-                  cfg: ProfileKernelConfig, zero_upper: bool = True) -> torch.Tensor:
-    """Fills key_counts[heads] and returns tile_max [len(heads), P, P] fp32 (above the diagonal: 0 when
-    zero_upper, else whatever the allocation held; the bits read only the lower triangle)."""
-    hq, lp, d = q.shape
-    n_doc = lp - n_prefix
-    p = n_pages(n_doc, tile)
-    assert cfg.block_m % tile == 0 and cfg.block_n % tile == 0, (cfg, tile)
+def _launch_stats(q, k, plan: PackPlan, lse: _Lse, key_counts, heads: range, *, beta, scale, softcap,
+                  zero_upper: bool = True) -> torch.Tensor:
+    """Fills key_counts[heads] and returns tile_max [len(heads), sum P^2] fp32 (each document's [P, P] at its
+    `tmax_off`; above the diagonal: 0 when zero_upper, else whatever the allocation held, since the bits read
+    only the lower triangle)."""
+    hq, _, d = q.shape
+    cfg = plan.stats_cfg
     alloc = torch.zeros if zero_upper else torch.empty
-    tile_max = alloc(len(heads), p, p, dtype=torch.float32, device=q.device)
+    tile_max = alloc(len(heads), plan.tmax_per_head, dtype=torch.float32, device=q.device)
     beta32 = _fp32(beta)
     count = beta32 > 0  # beta = 0: every causal cell counts, no comparisons needed
     log2_beta = math.log2(beta32) if count else 0.0
@@ -519,12 +705,12 @@ def _launch_stats(q, k, lse: _Lse, key_counts, heads: range, *, n_prefix, tile, 
     block_d = triton.next_power_of_2(d)
     q_arg = _q_descriptor(q, cfg.block_m, block_d) if cfg.tma else None
     with _device_of(q):
-        _stats_kernel[(len(heads), triton.cdiv(n_doc, cfg.block_n))](
-            q if q_arg is None else q_arg, k, lse.tensor, tile_max, key_counts,
-            *q.stride(), *k.stride(), lse.tensor.stride(0), tile_max.stride(0), tile_max.stride(1),
-            key_counts.stride(0),
-            n_prefix, n_doc, p, heads.start, qk_mul, cap_mul, log2_beta, lse.first, lse.mul,
-            GROUPS=hq // k.shape[0], HEAD_DIM=d, BLOCK_D=block_d, TILE=tile,
+        _stats_kernel[(len(heads) * plan.stats_blocks.shape[0],)](
+            q if q_arg is None else q_arg, k, lse.tensor, tile_max, key_counts, plan.seq0, plan.doc_len,
+            plan.tmax_off, plan.stats_blocks,
+            *q.stride(), *k.stride(), lse.tensor.stride(0), tile_max.stride(0), key_counts.stride(0),
+            plan.docs.n_prefix, heads.start, len(heads), qk_mul, cap_mul, log2_beta, lse.mul,
+            GROUPS=hq // k.shape[0], HEAD_DIM=d, BLOCK_D=block_d, TILE=plan.docs.tile,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, KEY_ROWS=cfg.key_rows, SOFTCAP=softcap is not None,
             DOT_PRECISION=_dot_precision(q.dtype), COUNT=count, TMA=q_arg is not None,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -533,7 +719,7 @@ def _launch_stats(q, k, lse: _Lse, key_counts, heads: range, *, n_prefix, tile, 
 
 
 def _q_descriptor(q: torch.Tensor, block_m: int, block_d: int):
-    """A TMA descriptor of q [Hq, Lp, D] (block [1, block_m, block_d]), or None where TMA cannot read q: it
+    """A TMA descriptor of q [Hq, T, D] (block [1, block_m, block_d]), or None where TMA cannot read q: it
     needs unit stride along D, 16-byte aligned base and strides, and a GPU that has it (sm_90+); the
     interpreter emulates it."""
     from triton.tools.tensor_descriptor import TensorDescriptor
@@ -546,44 +732,88 @@ def _q_descriptor(q: torch.Tensor, block_m: int, block_d: int):
     return TensorDescriptor(q, list(q.shape), list(q.stride()), [1, block_m, block_d])
 
 
-LA_BYTES_PER_PROGRAM = 64
-
-
-def _launch_bits(tile_max, key_counts, dense, la, ca, heads: range, *, n_doc, tile, alpha, gamma,
+def _launch_bits(tile_max, key_counts, dense, la, ca, heads: range, plan: PackPlan, *, alpha, gamma,
                  ca_normalize, force_sink_page) -> None:
-    """`finish_bits` as one kernel: writes la[heads] / ca[heads] (uint8 rows of the whole layer's outputs).
+    """`finish_bits` as one kernel for every document of the pack: writes la[heads] / ca[heads] (rows of the
+    layer's [Hq, la_total] / [Hq, ca_total] outputs).
 
-    tile_max: [len(heads), P, P] fp32 (lower triangle read); key_counts: [Hq, L] int32; dense: [Hq] uint8
+    tile_max: [len(heads), sum P^2] fp32 (lower triangles read); key_counts: [Hq, T] int32; dense: [Hq] uint8
     (1 = dense head) or None.
     """
-    p = n_pages(n_doc, tile)
-    ca_per_program = max(1, 512 // tile)  # 4096 keys a program
-    grid = (triton.cdiv(la.shape[1], LA_BYTES_PER_PROGRAM) + triton.cdiv(ca.shape[1], ca_per_program), len(heads))
     with _device_of(tile_max):
-        _bits_kernel[grid](
-            tile_max, key_counts, dense if dense is not None else key_counts, la, ca,
-            tile_max.stride(0), tile_max.stride(1), key_counts.stride(0), la.stride(0), ca.stride(0),
-            heads.start, n_doc, p, p * (p + 1) // 2, la.shape[1], ca.shape[1], _fp32(alpha), _fp32(gamma),
-            TILE=tile, LA_BYTES=LA_BYTES_PER_PROGRAM, CA_BYTES=ca_per_program,
+        _bits_kernel[(plan.bits_progs.shape[0], len(heads))](
+            tile_max, key_counts, dense if dense is not None else key_counts, la, ca, plan.seq0, plan.doc_len,
+            plan.tmax_off, plan.la_off, plan.ca_off, plan.bits_progs,
+            tile_max.stride(0), key_counts.stride(0), la.stride(0), ca.stride(0),
+            plan.docs.n_prefix, heads.start, plan.n_la_progs, _fp32(alpha), _fp32(gamma),
+            TILE=plan.docs.tile, LA_BYTES=LA_BYTES_PER_PROGRAM, CA_BYTES=plan.ca_per_program,
             KEY_INDEX=ca_normalize == "key_index", SINK=force_sink_page, HAS_DENSE=dense is not None,
             num_warps=4,
         )
 
 
-def _configs(configs, tile, q, n_prefix) -> tuple[ProfileKernelConfig, ProfileKernelConfig]:
-    if configs is None and q.dtype == torch.float32 and q.shape[-1] > 128 and tile == 128:
-        raise ValueError(f"fp32 inputs with head_dim={q.shape[-1]} > 128 and tile=128 do not fit in shared "
-                         "memory; profile in bf16 / fp16 or with a smaller tile")
-    lse_cfg, stats_cfg = configs or default_configs(tile, q.shape[-1], q.dtype)
-    for cfg in (lse_cfg, stats_cfg):
-        if cfg.block_m < 16 or cfg.block_n < 16:
-            raise ValueError(f"{cfg}: blocks must be at least 16 (tl.dot)")
-    if stats_cfg.block_m % tile or stats_cfg.block_n % tile:
-        raise ValueError(f"{stats_cfg}: stats blocks must be multiples of tile={tile}")
-    n_doc = q.shape[1] - n_prefix
-    if triton.cdiv(n_doc, min(lse_cfg.block_m, stats_cfg.block_n)) > 65535:
-        raise ValueError(f"a document of {n_doc} tokens needs more than 65535 blocks of a launch grid; split it")
-    return lse_cfg, stats_cfg
+def profile_packed(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    plan: PackPlan,
+    *,
+    la_out: torch.Tensor,
+    ca_out: torch.Tensor,
+    scale: float,
+    alpha: float,
+    beta: float,
+    gamma: float,
+    softcap: float | None = None,
+    ca_normalize: str = "causal",
+    force_sink_page: bool = True,
+    dense: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    lse2: torch.Tensor | None = None,
+    stats_bytes: int = 256 << 20,
+) -> None:
+    """One layer's SIFT bits for every document of a pack, on the GPU; same meaning as `profile_packed_ref`.
+
+    q: [Hq, T, D] rotated queries of the pack (`plan.docs`), k: [Hkv, T, D] rotated keys (Hq % Hkv == 0); any
+    strides; fp32, fp16 or bf16. la_out / ca_out: uint8 [Hq, la_total] / [Hq, ca_total], written.
+    dense: [Hq] uint8 flags on q's device (1: every bit of that head set), or None.
+    lse / lse2: optional [Hq, T] row log-sum-exp of this layer's scores from the forward pass, natural log or log2
+       (`attention_packed`); skips the first pass. Only document rows are read.
+    stats_bytes: budget for the [heads, sum P^2] fp32 tile maxima; heads are processed in chunks that fit it.
+    """
+    docs = plan.docs
+    validate_profile_args(q, k, n_prefix=docs.n_prefix, tile=docs.tile, alpha=alpha, beta=beta, gamma=gamma,
+                          ca_normalize=ca_normalize)
+    validate_packed(q, k, docs, la_out, ca_out)
+    _check_kernel_inputs(q, k, scale=scale, softcap=softcap, lse=lse if lse is not None else lse2)
+    hq = q.shape[0]
+    if dense is not None and (dense.dtype != torch.uint8 or tuple(dense.shape) != (hq,) or dense.device != q.device):
+        raise ValueError(f"dense must be uint8 [{hq}] flags on {q.device}; got {dense.dtype} {tuple(dense.shape)}")
+    lse_in = _lse_input(lse, lse2, q, k, plan, scale=scale, softcap=softcap)
+    key_counts = torch.empty(hq, docs.total, dtype=torch.int32, device=q.device)
+    chunk = max(1, stats_bytes // (plan.tmax_per_head * 4))
+    for h0 in range(0, hq, chunk):
+        heads = range(h0, min(h0 + chunk, hq))
+        tile_max = _launch_stats(q, k, plan, lse_in, key_counts, heads, beta=beta, scale=scale, softcap=softcap,
+                                 zero_upper=False)
+        _launch_bits(tile_max, key_counts, dense, la_out, ca_out, heads, plan, alpha=alpha, gamma=gamma,
+                     ca_normalize=ca_normalize, force_sink_page=force_sink_page)
+
+
+def dense_flags(dense_heads: Sequence[int], n_heads: int, device) -> torch.Tensor | None:
+    """[n_heads] uint8 flags of the dense heads (None when there are none), for `profile_packed(dense=...)`."""
+    bad = [h for h in dense_heads if not 0 <= int(h) < n_heads]
+    if bad:
+        raise ValueError(f"dense_heads {bad} out of range: heads are 0..{n_heads - 1}")
+    if not dense_heads:
+        return None
+    flags = torch.zeros(n_heads, dtype=torch.uint8)
+    flags[[int(h) for h in dense_heads]] = 1
+    return flags.to(device)
+
+
+def _one_doc(q, n_prefix: int, tile: int, configs) -> PackPlan:
+    docs = PackedDocs(n_prefix, (q.shape[1] - n_prefix,), tile)
+    return plan_pack(docs, head_dim=q.shape[-1], dtype=q.dtype, device=q.device, configs=configs)
 
 
 def profile_stats(
@@ -598,22 +828,21 @@ def profile_stats(
     lse: torch.Tensor | None = None,
     configs: tuple[ProfileKernelConfig, ProfileKernelConfig] | None = None,
 ) -> ProfileStats:
-    """The statistics behind `profile_layer`'s bits, for every query head (tests, debugging, benchmarks).
-
-    q: [Hq, Lp, D], k: [Hkv, Lp, D] as in `profile_layer`. Holds all heads' tile maxima at once (O(Hq P^2)).
-    configs: (lse pass, stats pass) launch parameters; default `default_configs`.
+    """The statistics behind `profile_layer`'s bits for one document, every query head (tests, debugging,
+    benchmarks). q: [Hq, Lp, D], k: [Hkv, Lp, D] as in `profile_layer`. Holds all heads' tile maxima at once
+    (O(Hq P^2)). configs: (first pass, stats pass) launch parameters; default `default_configs`.
     """
     validate_profile_args(q, k, n_prefix=n_prefix, tile=tile, alpha=0.0, beta=beta, gamma=0.0,
                           ca_normalize="causal")
-    _check_kernel_inputs(q, k, scale=scale, softcap=softcap, lse=lse, dense_heads=())
-    lse_cfg, stats_cfg = _configs(configs, tile, q, n_prefix)
-    hq, lp, _ = q.shape
-    lse_in = _lse_input(lse, q, k, n_prefix=n_prefix, scale=scale, softcap=softcap, cfg=lse_cfg)
-    key_counts = torch.empty(hq, lp - n_prefix, dtype=torch.int32, device=q.device)
-    tile_max = _launch_stats(q, k, lse_in, key_counts, range(hq), n_prefix=n_prefix, tile=tile, beta=beta,
-                             scale=scale, softcap=softcap, cfg=stats_cfg)
-    doc_lse = lse_in.tensor[:, lse_in.first:] * lse_in.mul / LOG2E
-    return ProfileStats(tile_max=tile_max, key_counts=key_counts, lse=doc_lse)
+    _check_kernel_inputs(q, k, scale=scale, softcap=softcap, lse=lse)
+    plan = _one_doc(q, n_prefix, tile, configs)
+    hq = q.shape[0]
+    lse_in = _lse_input(lse, None, q, k, plan, scale=scale, softcap=softcap)
+    key_counts = torch.empty(hq, q.shape[1], dtype=torch.int32, device=q.device)
+    tile_max = _launch_stats(q, k, plan, lse_in, key_counts, range(hq), beta=beta, scale=scale, softcap=softcap)
+    p = plan.docs.pages[0]
+    doc_lse = lse_in.tensor[:, n_prefix:] * lse_in.mul / LOG2E
+    return ProfileStats(tile_max=tile_max.view(hq, p, p), key_counts=key_counts[:, n_prefix:], lse=doc_lse)
 
 
 def profile_layer(
@@ -634,37 +863,26 @@ def profile_layer(
     stats_bytes: int = 256 << 20,
     configs: tuple[ProfileKernelConfig, ProfileKernelConfig] | None = None,
 ) -> tuple[LayerBits, None]:
-    """One layer's SIFT bits for every query head, on the GPU; same meaning as `profile_layer_ref`.
+    """One document's layer: its SIFT bits for every query head, on the GPU; same meaning as
+    `profile_layer_ref` (a pack of one document, `profile_packed`).
 
     q: [Hq, Lp, D] rotated queries of (profiling prefix + document), Lp = n_prefix + L; k: [Hkv, Lp, D]
     rotated keys (Hq % Hkv == 0); any strides; fp32, fp16 or bf16.
     lse: optional [Hq, Lp] row log-sum-exp (natural log, fp32) of this layer's scores from the forward pass;
        skips the first pass. Only the document rows are read.
     stats_bytes: budget for the [heads, P, P] fp32 tile maxima; heads are processed in chunks that fit it.
-    configs: launch parameters (lse pass, stats pass); default `default_configs`.
+    configs: launch parameters (first pass, stats pass); default `default_configs`.
     Returns (LayerBits(la [Hq, ceil(P(P+1)/2/8)] uint8, ca [Hq, ceil(P/8)] uint8), None).
     """
     validate_profile_args(q, k, n_prefix=n_prefix, tile=tile, alpha=alpha, beta=beta, gamma=gamma,
                           ca_normalize=ca_normalize)
-    _check_kernel_inputs(q, k, scale=scale, softcap=softcap, lse=lse, dense_heads=dense_heads)
-    lse_cfg, stats_cfg = _configs(configs, tile, q, n_prefix)
-    hq, lp, _ = q.shape
-    n_doc = lp - n_prefix
-    p = n_pages(n_doc, tile)
-    lse_in = _lse_input(lse, q, k, n_prefix=n_prefix, scale=scale, softcap=softcap, cfg=lse_cfg)
-    key_counts = torch.empty(hq, n_doc, dtype=torch.int32, device=q.device)
-    la = torch.empty(hq, la_nbytes(n_doc, tile), dtype=torch.uint8, device=q.device)
-    ca = torch.empty(hq, ca_nbytes(n_doc, tile), dtype=torch.uint8, device=q.device)
-    dense = None
-    if dense_heads:
-        flags = torch.zeros(hq, dtype=torch.uint8)
-        flags[[int(h) for h in dense_heads]] = 1
-        dense = flags.to(q.device)
-    chunk = max(1, stats_bytes // (p * p * 4))
-    for h0 in range(0, hq, chunk):
-        heads = range(h0, min(h0 + chunk, hq))
-        tile_max = _launch_stats(q, k, lse_in, key_counts, heads, n_prefix=n_prefix, tile=tile, beta=beta,
-                                 scale=scale, softcap=softcap, cfg=stats_cfg, zero_upper=False)
-        _launch_bits(tile_max, key_counts, dense, la, ca, heads, n_doc=n_doc, tile=tile, alpha=alpha,
-                     gamma=gamma, ca_normalize=ca_normalize, force_sink_page=force_sink_page)
+    _check_kernel_inputs(q, k, scale=scale, softcap=softcap, lse=lse)
+    dense = dense_flags(dense_heads, q.shape[0], q.device)
+    plan = _one_doc(q, n_prefix, tile, configs)
+    n_doc = q.shape[1] - n_prefix
+    la = torch.empty(q.shape[0], la_nbytes(n_doc, tile), dtype=torch.uint8, device=q.device)
+    ca = torch.empty(q.shape[0], ca_nbytes(n_doc, tile), dtype=torch.uint8, device=q.device)
+    profile_packed(q, k, plan, la_out=la, ca_out=ca, scale=scale, alpha=alpha, beta=beta, gamma=gamma,
+                   softcap=softcap, ca_normalize=ca_normalize, force_sink_page=force_sink_page, dense=dense,
+                   lse=lse, stats_bytes=stats_bytes)
     return LayerBits(la=la, ca=ca), None

@@ -1,9 +1,9 @@
 """Torch reference of SIFT profiling (SPEC section 2): one layer's q/k -> packed LA and CA bits.
 
-This is the CPU backend of the builder and the reference twin of the Triton kernel in `profile.py`; both
-take the same arguments. It never holds an L x L matrix: queries are processed in blocks of whole tiles,
-each block against the full key row (so each row's softmax reduces over exactly the keys the model's eager
-attention reduces over).
+This is the CPU backend of the builder and the reference twin of the Triton kernels in `profile.py`; both
+take the same arguments. It never holds an L x L matrix: queries are processed in blocks of whole tiles, each
+block against the keys up to its last row (every key any of its rows attends to; the rest of the row is masked
+anyway, so each row's softmax covers exactly its causal keys, as the model's eager attention does).
 
 Thresholds are compared in float32 (alpha, beta, gamma are rounded to float32 first), as the GPU kernel does.
 
@@ -13,19 +13,27 @@ or "mass": each document row keeps the smallest set of key tiles of its own docu
 is kept if some row of its query tile keeps it. Under "mass" alpha is not read; the diagonal, the sink page,
 CA (beta, gamma) and dense heads are unchanged. Only this reference implements "mass" (the builder refuses
 the Triton backend for it).
+
+`profile_packed_ref` computes every document of a pack (`packing.PackedDocs`) as `profile_layer_ref` computes it
+alone, its statistics and output rows from its own rows only, and the bits of the whole pack in one
+`finish_packed`: each document's bits are those of profiling it alone, whatever it is packed with.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from sift.format import TILES, n_pages
 
 from .bits import pack_msb, square_to_tril
+from .packing import PackedDocs
 
 CA_NORMALIZE = ("causal", "key_index")
+BLOCK_ROWS = 256  # document rows per block of `profile_layer_ref` (at most; fewer where block_bytes says so)
 CRITERIA = ("threshold", "mass")
 
 
@@ -54,18 +62,6 @@ def validate_profile_args(q, k, *, n_prefix, tile, alpha, beta, gamma, ca_normal
             raise ValueError(f"{name}={value} must lie in [0, 1]")
     if ca_normalize not in CA_NORMALIZE:
         raise ValueError(f"ca_normalize={ca_normalize!r} must be one of {CA_NORMALIZE}")
-
-
-def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    # Same expansion as the models' eager path, so each score is the same dot product.
-    return x if groups == 1 else x.repeat_interleave(groups, dim=0)
-
-
-def _scores(q_blk: torch.Tensor, k_rep: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor:
-    s = torch.matmul(q_blk, k_rep.transpose(-1, -2)) * scale
-    if softcap is not None:
-        s = torch.tanh(s / softcap) * softcap
-    return s
 
 
 def finish_bits(
@@ -124,6 +120,53 @@ def mass_tiles(ad: torch.Tensor, *, tile: int, p: int, coverage: float) -> torch
     return keep.reshape(hq, row_tiles, tile, p).any(dim=2)
 
 
+def _doc_stats(q, k, v, tile_max, key_counts, kept, out, *, scale, n_prefix, tile, beta, softcap, block_bytes,
+               coverage) -> None:
+    """One document's statistics (and its attention output where `out` is given), written in place.
+
+    q: [Hq, Lp, D], k / v: [Hkv, Lp, D(v)] of prefix + document; tile_max: [Hq, P, P] fp32 zeros; key_counts:
+    [Hq, L] int zeros; kept: [Hq, P, P] bool zeros for the "mass" criterion, else None; out: [Hq, Lp, Dv] or None.
+    """
+    hq, lp, d = q.shape
+    hkv = k.shape[0]
+    groups = hq // hkv
+    n_doc = lp - n_prefix
+    p = n_pages(n_doc, tile)
+    # Query head h reads key head h // groups: q as [Hkv, groups * rows, D] against K / V as they are (no copy).
+    q_grouped = q.reshape(hkv, groups, lp, d)
+    beta32 = torch.tensor(beta, dtype=torch.float32, device=q.device)
+    # Blocks of whole tiles of document rows (the first one also carries the prefix rows), each against the keys
+    # up to its last row only: the causal half of the work, in scratch of at most block_bytes.
+    rows_per_block = max(tile, min(BLOCK_ROWS, block_bytes // (hq * lp * 4)) // tile * tile)
+    for m0 in range(0, n_doc, rows_per_block):
+        m1 = min(m0 + rows_per_block, n_doc)
+        r0, r1 = (0 if m0 == 0 else n_prefix + m0), n_prefix + m1  # rows of the block; keys [0, r1)
+        rows, doc_rows = r1 - r0, m1 - m0
+        qb = q_grouped[:, :, r0:r1].reshape(hkv, groups * rows, d)
+        s = torch.matmul(qb, k[:, :r1].transpose(-1, -2)).view(hq, rows, r1).mul_(scale)
+        if softcap is not None:
+            s.div_(softcap).tanh_().mul_(softcap)
+        above = torch.ones(rows, r1, dtype=torch.bool, device=q.device).triu_(r0 + 1)  # key > row: not causal
+        a = torch.softmax(s.masked_fill_(above, float("-inf")), dim=-1, dtype=torch.float32)
+        if out is not None:
+            pv = torch.matmul(a.to(v.dtype).view(hkv, groups * rows, r1), v[:, :r1])
+            out[:, r0:r1] = pv.view(hq, rows, -1)
+        ad = a[:, rows - doc_rows:, n_prefix:]  # [Hq, block's document rows, document keys < m1]
+        hits = ad >= beta32  # a masked cell is 0: below any beta > 0
+        if beta32 <= 0:
+            hits &= ~above[None, rows - doc_rows:, n_prefix:]
+        key_counts[:, :m1] += hits.sum(dim=1)
+        row_tiles = -(-doc_rows // tile)
+        col_tiles = -(-m1 // tile)
+        padded = torch.nn.functional.pad(ad, (0, col_tiles * tile - m1, 0, row_tiles * tile - doc_rows))
+        i0 = m0 // tile
+        tile_max[:, i0:i0 + row_tiles, :col_tiles] = padded.reshape(hq, row_tiles, tile, col_tiles, tile).amax(
+            dim=(2, 4))
+        if kept is not None:
+            whole = torch.nn.functional.pad(ad, (0, n_doc - m1))
+            kept[:, i0:i0 + row_tiles] = mass_tiles(whole, tile=tile, p=p, coverage=coverage)
+
+
 def profile_layer_ref(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -161,45 +204,168 @@ def profile_layer_ref(
     if not 0.0 < coverage <= 1.0:
         raise ValueError(f"coverage={coverage} must lie in (0, 1]")
     hq, lp, _ = q.shape
-    groups = hq // k.shape[0]
     n_doc = lp - n_prefix
     p = n_pages(n_doc, tile)
-    k_rep = _repeat_kv(k, groups)
-    v_rep = _repeat_kv(v, groups) if v is not None else None
     out = torch.empty(hq, lp, v.shape[-1], dtype=v.dtype, device=v.device) if v is not None else None
-    beta32 = torch.tensor(beta, dtype=torch.float32, device=q.device)
-
     tile_max = torch.zeros(hq, p, p, dtype=torch.float32, device=q.device)
     key_counts = torch.zeros(hq, n_doc, dtype=torch.int64, device=q.device)
     kept = torch.zeros(hq, p, p, dtype=torch.bool, device=q.device) if criterion == "mass" else None
-    key_pos = torch.arange(lp, device=q.device)
-    rows_per_block = max(tile, (block_bytes // (hq * lp * 4)) // tile * tile)
-
-    # Block starts: the prefix rows (output only), then document rows in whole tiles.
-    starts = list(range(0, n_prefix, rows_per_block)) + list(range(n_prefix, lp, rows_per_block))
-    ends = starts[1:] + [lp]
-    ends = [min(e, n_prefix) if s < n_prefix else e for s, e in zip(starts, ends)]
-    for r0, r1 in zip(starts, ends):
-        s = _scores(q[:, r0:r1], k_rep, scale, softcap)
-        causal = key_pos[None, :] <= torch.arange(r0, r1, device=q.device)[:, None]
-        s = s.masked_fill(~causal, float("-inf"))
-        a = torch.softmax(s, dim=-1, dtype=torch.float32)
-        if out is not None:
-            out[:, r0:r1] = torch.matmul(a.to(v.dtype), v_rep)
-        if r0 < n_prefix:
-            continue
-        ad = a[:, :, n_prefix:]  # [Hq, rows, L]: document keys
-        key_counts += ((ad >= beta32) & causal[None, :, n_prefix:]).sum(dim=1)
-        rows = r1 - r0
-        row_tiles = -(-rows // tile)
-        padded = torch.nn.functional.pad(ad, (0, p * tile - n_doc, 0, row_tiles * tile - rows))
-        tmax = padded.reshape(hq, row_tiles, tile, p, tile).amax(dim=(2, 4))
-        i0 = (r0 - n_prefix) // tile
-        tile_max[:, i0:i0 + row_tiles] = tmax
-        if kept is not None:
-            kept[:, i0:i0 + row_tiles] = mass_tiles(ad, tile=tile, p=p, coverage=coverage)
-
+    _doc_stats(q, k, v, tile_max, key_counts, kept, out, scale=scale, n_prefix=n_prefix, tile=tile, beta=beta,
+               softcap=softcap, block_bytes=block_bytes, coverage=coverage)
     bits = finish_bits(tile_max, key_counts, n_doc, tile=tile, alpha=alpha, gamma=gamma,
                        ca_normalize=ca_normalize, force_sink_page=force_sink_page, dense_heads=dense_heads,
                        kept=kept)
     return bits, out
+
+
+def validate_packed(q, k, docs: PackedDocs, la_out, ca_out, v=None) -> None:
+    """Checks of a pack's inputs shared by `profile_packed_ref` and the kernel's `profile_packed`."""
+    if q.dim() != 3 or k.dim() != 3 or q.shape[1] != docs.total or k.shape[1] != docs.total:
+        raise ValueError(f"q [Hq, T, D] and k [Hkv, T, D] must hold the pack's T={docs.total} rows; got q "
+                         f"{tuple(q.shape)}, k {tuple(k.shape)}")
+    if v is not None and (v.dim() != 3 or v.shape[:2] != k.shape[:2]):
+        raise ValueError(f"v must be [Hkv, T, Dv] like k {tuple(k.shape)}; got {tuple(v.shape)}")
+    for name, out, width in (("la_out", la_out, docs.la_total), ("ca_out", ca_out, docs.ca_total)):
+        if out.dtype != torch.uint8 or tuple(out.shape) != (q.shape[0], width) or out.device != q.device \
+                or out.stride(1) != 1:
+            raise ValueError(f"{name} must be a uint8 [Hq, {width}] tensor on {q.device} with unit byte stride; "
+                             f"got {out.dtype} {tuple(out.shape)} on {out.device}")
+
+
+@dataclass(frozen=True)
+class _FinishTables:
+    """Where `finish_packed` reads each output bit of a pack (host-built once per pack, int64, -1 = none).
+
+    Per LA bit (8 per output byte, each document's bytes whole): the tile it reads in a head's [sum P^2] tile
+    maxima, and whether that tile is diagonal / in column 0; per CA bit: its page (over the pack's pages); per
+    page: its keys (over the pack's document keys); per key: its denominator for each `ca_normalize`; per
+    document: where its tile maxima and its keys start."""
+
+    la_tile: torch.Tensor
+    la_diag: torch.Tensor
+    la_col0: torch.Tensor
+    ca_page: torch.Tensor
+    page_keys: torch.Tensor
+    denom: dict
+    tmax_off: tuple[int, ...]
+    key_off: tuple[int, ...]
+
+
+@functools.lru_cache(maxsize=4)
+def _finish_tables(docs: PackedDocs) -> _FinishTables:
+    tile = docs.tile
+    la_tile, la_diag, la_col0, ca_page, page_keys, causal, key_index = [], [], [], [], [], [], []
+    tmax_off, key_off, pages_before = [], [], 0
+    tmax_at = keys_at = 0
+    for n, p, la_bytes, ca_bytes in zip(docs.lengths, docs.pages, docs.la_nbytes, docs.ca_nbytes):
+        i, j = np.tril_indices(p)  # row-major lower triangle: bit i(i+1)/2 + j
+        pad = la_bytes * 8 - len(i)
+        la_tile.append(np.concatenate([tmax_at + i * p + j, np.full(pad, -1)]))
+        la_diag.append(np.concatenate([i == j, np.zeros(pad, bool)]))
+        la_col0.append(np.concatenate([j == 0, np.zeros(pad, bool)]))
+        ca_page.append(np.concatenate([pages_before + np.arange(p), np.full(ca_bytes * 8 - p, -1)]))
+        keys = np.arange(p * tile)
+        page_keys.append(np.where(keys < n, keys_at + keys, -1).reshape(p, tile))
+        causal.append(n - np.arange(n))
+        key_index.append(np.arange(n) + 1)
+        tmax_off.append(tmax_at)
+        key_off.append(keys_at)
+        tmax_at, keys_at, pages_before = tmax_at + p * p, keys_at + n, pages_before + p
+    t = lambda parts: torch.from_numpy(np.concatenate(parts))  # noqa: E731
+    return _FinishTables(t(la_tile), t(la_diag), t(la_col0), t(ca_page), t(page_keys),
+                         {"causal": t(causal).to(torch.float32), "key_index": t(key_index).to(torch.float32)},
+                         tuple(tmax_off), tuple(key_off))
+
+
+def _gather(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x[:, index] with index -1 reading False."""
+    return torch.nn.functional.pad(x, (0, 1))[:, index]
+
+
+def finish_packed(
+    tile_max: torch.Tensor,
+    key_counts: torch.Tensor,
+    docs: PackedDocs,
+    *,
+    la_out: torch.Tensor,
+    ca_out: torch.Tensor,
+    alpha: float,
+    gamma: float,
+    ca_normalize: str,
+    force_sink_page: bool,
+    dense_heads: Sequence[int] = (),
+    kept: torch.Tensor | None = None,
+) -> None:
+    """`finish_bits` for every document of a pack at once (the torch twin of the kernels' `_launch_bits`).
+
+    tile_max: [Hq, sum P^2] fp32, each document's [P, P] tile maxima row-major in document order; key_counts:
+    [Hq, sum L] int, each document's key counts in order; kept: like tile_max, bool ("mass"), else tile_max >=
+    alpha. Writes la_out [Hq, la_total] / ca_out [Hq, ca_total]; equal to `finish_bits` document by document.
+    """
+    t = _finish_tables(docs)
+    dev = tile_max.device
+    alpha32 = torch.tensor(alpha, dtype=torch.float32, device=dev)
+    gamma32 = torch.tensor(gamma, dtype=torch.float32, device=dev)
+    tiles = tile_max >= alpha32 if kept is None else kept
+    la = _gather(tiles, t.la_tile.to(dev)) | t.la_diag.to(dev)
+    if force_sink_page:
+        la |= t.la_col0.to(dev)
+    la &= (t.la_tile >= 0).to(dev)
+    hot = key_counts.to(torch.float32) / t.denom[ca_normalize].to(dev) >= gamma32
+    page_hot = _gather(hot, t.page_keys.to(dev)).any(dim=-1)
+    ca = _gather(page_hot, t.ca_page.to(dev))
+    for h in dense_heads:
+        la[h] = (t.la_tile >= 0).to(dev)
+        ca[h] = (t.ca_page >= 0).to(dev)
+    la_out.copy_(pack_msb(la))
+    ca_out.copy_(pack_msb(ca))
+
+
+def profile_packed_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    docs: PackedDocs,
+    *,
+    la_out: torch.Tensor,
+    ca_out: torch.Tensor,
+    scale: float,
+    alpha: float,
+    beta: float,
+    gamma: float,
+    softcap: float | None = None,
+    ca_normalize: str = "causal",
+    force_sink_page: bool = True,
+    dense_heads: Sequence[int] = (),
+    v: torch.Tensor | None = None,
+    block_bytes: int = 64 << 20,
+    criterion: str = "threshold",
+    coverage: float = 0.95,
+) -> torch.Tensor | None:
+    """One layer of a pack: every document's bits, written into la_out / ca_out at its offsets.
+
+    q: [Hq, T, D], k / v: [Hkv, T, D(v)], the pack's rows (`docs.total`); la_out: [Hq, docs.la_total] and ca_out:
+    [Hq, docs.ca_total] uint8. Returns the layer's output [Hq, T, Dv] when v is given (each sequence attending to
+    itself only), else None. Other arguments as `profile_layer_ref`, whose statistics each document gets (from
+    its own rows only); the bits of all documents come from one `finish_packed`.
+    """
+    validate_profile_args(q, k, n_prefix=docs.n_prefix, tile=docs.tile, alpha=alpha, beta=beta, gamma=gamma,
+                          ca_normalize=ca_normalize)
+    validate_packed(q, k, docs, la_out, ca_out, v)
+    if criterion not in CRITERIA:
+        raise ValueError(f"criterion={criterion!r} must be one of {CRITERIA}")
+    hq = q.shape[0]
+    t = _finish_tables(docs)
+    out = torch.empty(hq, docs.total, v.shape[-1], dtype=v.dtype, device=v.device) if v is not None else None
+    squares = sum(p * p for p in docs.pages)
+    tile_max = torch.zeros(hq, squares, dtype=torch.float32, device=q.device)
+    key_counts = torch.zeros(hq, sum(docs.lengths), dtype=torch.int64, device=q.device)
+    kept = torch.zeros(hq, squares, dtype=torch.bool, device=q.device) if criterion == "mass" else None
+    for s, (n, p) in enumerate(zip(docs.lengths, docs.pages)):
+        rows, tiles = docs.seq_rows(s), slice(t.tmax_off[s], t.tmax_off[s] + p * p)
+        _doc_stats(q[:, rows], k[:, rows], v[:, rows] if v is not None else None, tile_max[:, tiles].view(hq, p, p),
+                   key_counts[:, t.key_off[s]:t.key_off[s] + n], kept[:, tiles].view(hq, p, p) if kept is not None
+                   else None, out[:, rows] if out is not None else None, scale=scale, n_prefix=docs.n_prefix,
+                   tile=docs.tile, beta=beta, softcap=softcap, block_bytes=block_bytes, coverage=coverage)
+    finish_packed(tile_max, key_counts, docs, la_out=la_out, ca_out=ca_out, alpha=alpha, gamma=gamma,
+                  ca_normalize=ca_normalize, force_sink_page=force_sink_page, dense_heads=dense_heads, kept=kept)
+    return out

@@ -92,7 +92,7 @@ def read_index(path: str) -> tuple[IndexReader, pa.Table, IndexDensity]:
 
 class _ProgressBar:
     """Profiling progress as one bar on a terminal: tokens (the work) with their rate and the ETA, and
-    documents with theirs. The same three calls as `ProgressLines`."""
+    documents with theirs. The same calls as `ProgressLines`."""
 
     FORMAT = "{desc} {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} tokens [{elapsed}<{remaining}, {rate_fmt}{postfix}]"
 
@@ -102,6 +102,13 @@ class _ProgressBar:
         self.documents, self.done = documents, 0
         self.bar = tqdm(total=tokens, desc=f"profiled 0/{documents} documents", unit=" tokens", unit_scale=True,
                         bar_format=self.FORMAT, file=sys.stderr, dynamic_ncols=True)
+
+    def total(self, documents: int, tokens: int, final: bool) -> None:
+        """The documents found to profile so far (final: the corpus is read)."""
+        self.documents = documents
+        self.bar.total = tokens
+        self.bar.set_description_str(f"profiled {self.done}/{documents} documents", refresh=False)
+        self.bar.refresh()
 
     def shard(self, documents: int, tokens: int) -> None:
         self.done += documents
@@ -159,7 +166,9 @@ def _last_build(last: dict) -> dict:
     return {"profiled": last.get("profiled", 0), "reused": last.get("reused", 0) + last.get("reused_orphans", 0),
             "deleted": last.get("deleted", 0), "errors": last.get("errors", 0),
             "seconds": round(last.get("seconds", 0.0), 2), "tokens_profiled": last.get("tokens_profiled", 0),
-            "profile_seconds": round(last.get("profile_seconds", 0.0), 2)}
+            "profile_seconds": round(last.get("profile_seconds", 0.0), 2),
+            "startup": {k: round(v, 2) for k, v in last.get("startup", {}).items()},
+            "nodes": len(last.get("nodes", {}))}
 
 
 def _human(n: float) -> str:
@@ -234,7 +243,10 @@ def _describe(s: dict) -> str:
         f"{s['page_fraction']:.1%} of CA pages",
         f"errors      {s['errors']}",
         f"last build  profiled {lb['profiled']}, reused {lb['reused']}, deleted {lb['deleted']}, "
-        f"{lb['seconds']} s",
+        f"{lb['seconds']} s" + (f" on {lb['nodes']} node(s); first shard after {lb['startup']['first_shard']} s "
+                                f"(Ray {lb['startup'].get('ray', 0)} s, plan {lb['startup'].get('plan', 0)} s, "
+                                f"model load {lb['startup'].get('model_load', 0)} s)"
+                                if "first_shard" in lb["startup"] else ""),
         "layer   LA density   CA density",
     ]
     for i, (la, ca) in enumerate(zip(s["la_density_per_layer"], s["ca_density_per_layer"])):

@@ -6,7 +6,11 @@ boundary (unknown keys are an error), hashed, and written into the index it prod
                 force_sink_page, dense_heads, ca_full_layers, ca_full_heads, prefix_text, dtype
     [corpus]    id_field, text_field, too_long ("error" | "split"), max_tokens (0: the model's context),
                 follow_symlinks (read files whose symlink leads outside the corpus folder)
-    [build]     shard_rows, backend ("auto" | "torch" | "triton"), actors (0: sized from Ray's resources)
+    [build]     batch_tokens (tokens of one forward: documents packed back to back), shard_tokens and
+                shard_rows (what one shard holds at most), backend ("auto" | "torch" | "triton"), actors (0:
+                sized from Ray's resources), threads (torch threads of a CPU actor; 0: from its node's cores)
+
+[build] decides how the work is cut, never the bits: it does not enter the profile key.
 """
 from __future__ import annotations
 
@@ -100,15 +104,28 @@ class CorpusConfig:
             raise SiftError(f"corpus.max_tokens = {self.max_tokens} must be >= 0 (0 means the model's context)")
 
 
+DEFAULT_BATCH_TOKENS = 32768
+
+
 @dataclass(frozen=True)
 class RunConfig:
-    shard_rows: int = 64
+    """How the build cuts and runs the work. A document longer than batch_tokens is a forward (and a shard) of
+    its own; a shard is what one actor call profiles and writes, and the unit of crash-resume."""
+
+    batch_tokens: int = DEFAULT_BATCH_TOKENS  # tokens of one forward, every document's profiling prefix included
+    shard_tokens: int = 4 * DEFAULT_BATCH_TOKENS  # tokens of one shard at most
+    shard_rows: int = 4096  # documents of one shard at most
     backend: str = "auto"  # auto: triton on a GPU actor, torch on a CPU actor
     actors: int = 0        # 0: one per GPU, or sized from the CPUs Ray reports
+    threads: int = 0       # torch threads of a CPU actor; 0: its node's cores when alone there, else its share
 
     def __post_init__(self):
-        if self.shard_rows < 1:
-            raise SiftError(f"build.shard_rows = {self.shard_rows} must be >= 1")
+        if not isinstance(self.threads, int) or isinstance(self.threads, bool) or self.threads < 0:
+            raise SiftError(f"build.threads = {self.threads!r} must be an integer >= 0 (0: from the node's cores)")
+        for key in ("batch_tokens", "shard_tokens", "shard_rows"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise SiftError(f"build.{key} = {value!r} must be an integer >= 1")
         if self.backend not in BACKENDS:
             raise SiftError(f"build.backend = {self.backend!r} must be auto, torch or triton")
         if self.actors < 0:

@@ -524,22 +524,28 @@ def _records(check: _Checker, columns: dict[str, list], n_rows: int, label: str,
 # Duplicate policy
 
 
-def resolve_duplicates(docs: Iterable[SourceDoc]) -> list[SourceDoc]:
-    """Apply the duplicate-id policy to documents given in source order (sources as `list_sources` sorts them,
-    then row order, which is the order `read_source` returns).
+class FirstOccurrence:
+    """The duplicate-id policy, one document at a time, for documents given in source order (sources as
+    `list_sources` sorts them, then row order, which is the order `read_source` returns).
 
     The first indexable occurrence of a doc_id wins; every later row with the same doc_id becomes an error row
     "duplicate doc_id, first seen in <source>", so no id is indexed twice and nothing disappears without a
     report. Rows that already carry an error pass through unchanged and claim no id.
     """
-    first_seen: dict[str, str] = {}
-    out = []
-    for doc in docs:
+
+    def __init__(self):
+        self.first_seen: dict[str, str] = {}
+
+    def __call__(self, doc: SourceDoc) -> SourceDoc:
         if doc.error is None:
-            if doc.doc_id in first_seen:
-                doc = SourceDoc(doc.doc_id, doc.text, doc.source, f"duplicate doc_id, first seen in "
-                                f"{first_seen[doc.doc_id]}; give each document a unique id")
-            else:
-                first_seen[doc.doc_id] = doc.source
-        out.append(doc)
-    return out
+            if doc.doc_id in self.first_seen:
+                return SourceDoc(doc.doc_id, doc.text, doc.source, f"duplicate doc_id, first seen in "
+                                 f"{self.first_seen[doc.doc_id]}; give each document a unique id")
+            self.first_seen[doc.doc_id] = doc.source
+        return doc
+
+
+def resolve_duplicates(docs: Iterable[SourceDoc]) -> list[SourceDoc]:
+    """`FirstOccurrence` over documents given in source order."""
+    policy = FirstOccurrence()
+    return [policy(doc) for doc in docs]

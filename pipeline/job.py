@@ -1,8 +1,12 @@
-"""The builder's Ray job: plan -> profile -> commit, under the index's writer lock.
+"""The builder's Ray job: read, tokenise and profile as one stream, then commit, under the index's writer lock.
 
-    plan     (`plan.py`) read + tokenise (Ray tasks), duplicates, error rows, what to reuse -> `BuildPlan`
-    profile  the documents to profile, on a pool of `ProfileShardWriter` actors (GPU, or CPU), one immutable
-             Parquet shard per batch -> `Profiled`
+    plan     (`plan.py`) the target and the reusable rows; then read + tokenise as Ray tasks streaming records in
+             corpus order to the driver, which decides per record: error row, reused row, or to profile
+    profile  the documents to profile, gathered into shards (`build.shard_tokens` / `shard_rows`, or a forward's
+             worth when an actor waits) as they arrive and handed to a pool of `ProfileShardWriter` actors (one per GPU, or CPU actors; the model loaded
+             once per actor, while the first records are read); each actor packs a shard into forwards of
+             `build.batch_tokens` and writes it as one immutable Parquet shard off its GPU's critical path
+             -> `Profiled`
     commit   the reused rows assembled into shards, the errors table, the `Manifest`, its atomic commit, and
              the deletion of files no generation lists -> `BuildStats`
 
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,14 +33,14 @@ import pyarrow.parquet as pq
 from sift import format as fmt
 from sift.errors import SiftError, one_line, root_cause
 from sift.format import Manifest, ShardInfo
-from sift.model import resolve_model_dir
+from sift.model import DEFAULT_MODEL, resolve_model_dir
 from sift.storage import Location, is_uri, redact
 
 from . import index as idx
 from . import ray_driver
 from .config import BuildConfig
-from .corpus import list_sources
-from .plan import BuildPlan, ErrorRow, Pair, plan, resolve_target
+from .corpus import corpus_name, list_sources
+from .plan import BuildPlan, ErrorRow, Pair, Planner, Todo, resolve_target, reusable, tokenised
 
 
 @dataclass(frozen=True)
@@ -51,24 +56,37 @@ class BuildStats:
     errors: int = 0
     tokens_profiled: int = 0
     seconds: float = 0.0
-    profile_seconds: float = 0.0   # wall time of the profiling stage (actor start-up included)
+    profile_seconds: float = 0.0   # wall time of the read + profile stream (actor start-up included)
     actor_seconds: float = 0.0     # summed time the actors spent profiling documents
     backends: list[str] = field(default_factory=list)
     note: str = ""
+    # The fixed cost before the first profiled shard, seconds: "ray" (start or join), "plan" (previous generation,
+    # model identity, reusable rows), "model_load" (the slowest actor's model load and set-up), "first_records"
+    # (build start to the first tokenised records), "first_shard" (build start to the first shard profiled),
+    # "first_shard_compute" (that shard's profiling, warm-up included).
+    startup: dict = field(default_factory=dict)
+    # Ray node id -> {"shards": [paths], "documents", "tokens", "seconds", "peak_memory_gib" (GPU actors)}: where
+    # each shard was profiled.
+    nodes: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Profile (Ray actors: heavy setup once, then a pure call per batch)
+# Profile (Ray actors: heavy setup once, then a pure call per shard)
 
 
 class ProfileShardWriter:
-    """Profiles a batch of documents and writes them as one immutable shard; returns the shard's description
-    and one error row per document that failed (a failure never stops the batch)."""
+    """Profiles a shard of documents and writes it as one immutable Parquet shard; returns the shard's
+    description and one error row per document that failed (a failure never stops the shard).
 
-    def __init__(self, *, model: str, cfg_dict: dict, index: str, profile_key: str, threads: int):
+    Runs two calls at once (a threaded actor): one profiles on the device while the other writes the shard it
+    profiled, so writing never holds the device; the device itself runs one call at a time."""
+
+    def __init__(self, *, model: str, cfg_dict: dict, index: str, threads: int):
+        t0 = time.perf_counter()
+        import ray
         import torch
 
         from sift.model import load_model
@@ -82,24 +100,28 @@ class ProfileShardWriter:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         backend = resolve_backend(cfg.build.backend, device, choices=BACKENDS, setting="build.backend")
         model_obj, tokenizer, _ = load_model(model, dtype=cfg.profile.dtype, device=device)
-        self.profiler = Profiler(model_obj, tokenizer, cfg.profile, backend)
-        self.backend = backend
+        self.profiler = Profiler(model_obj, tokenizer, cfg.profile, backend, batch_tokens=cfg.build.batch_tokens)
         self.index = Location.of(index)  # `index` is the location's spec: a local path or a URI
-        self.profile_key = profile_key
+        self.node = ray.get_runtime_context().get_node_id()
+        self.device_lock = threading.Lock()
+        self.load_seconds = time.perf_counter() - t0
 
-    def __call__(self, batch: dict) -> dict:
+    def profile_shard(self, shard: dict, profile_key: str) -> dict:
+        """shard: {"doc_id", "source", "content_hash": lists, "token_ids": list of int arrays}; profile_key: the
+        build's, written into the shard -> the shard's `ShardInfo` dict (None when every document failed), its
+        documents and tokens, error rows, timings and where it ran."""
+        with self.device_lock:
+            t0 = time.perf_counter()
+            results = self.profiler.profile_batch(shard["token_ids"])
+            seconds = time.perf_counter() - t0
+            backend = self.profiler.backend_label
         rows = {name: [] for name in fmt.DOCS_SCHEMA.names}
-        err_ids, err_sources, err_reasons = [], [], []
-        t0 = time.perf_counter()
-        for doc_id, source, ids, digest in zip(batch["doc_id"], batch["source"], batch["token_ids"],
-                                               batch["content_hash"]):
-            ids = [int(t) for t in ids]
-            try:
-                bits = self.profiler.profile(ids)
-            except Exception as e:  # one bad document never stops the job: it becomes an errors-table row
-                err_ids.append(doc_id)
-                err_sources.append(source)
-                err_reasons.append(f"profiling failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+        errors = []
+        for doc_id, source, digest, ids, bits in zip(shard["doc_id"], shard["source"], shard["content_hash"],
+                                                     shard["token_ids"], results):
+            if isinstance(bits, Exception):  # one bad document never stops the job: it becomes an error row
+                errors.append((doc_id, source, f"profiling failed: {type(bits).__name__}: "
+                                               f"{(str(bits).splitlines() or [''])[0][:200]}"))
                 continue
             rows["doc_id"].append(doc_id)
             rows["content_hash"].append(digest)
@@ -112,28 +134,16 @@ class ProfileShardWriter:
         info = None
         if rows["doc_id"]:
             table = pa.Table.from_pydict(rows, schema=fmt.DOCS_SCHEMA)
-            info = idx.write_table(self.index, table, kind="part", profile_key=self.profile_key,
-                                   backend=self.profiler.backend_label)
-        return {
-            "shard": [info.to_dict() if info else None],
-            "doc_ids": [rows["doc_id"]],
-            "tokens": [sum(rows["n_tokens"])],
-            "seconds": [time.perf_counter() - t0],
-            "err_ids": [err_ids], "err_sources": [err_sources], "err_reasons": [err_reasons],
-        }
+            info = idx.write_table(self.index, table, kind="part", profile_key=profile_key, backend=backend)
+        return {"shard": info.to_dict() if info else None, "documents": len(rows["doc_id"]),
+                "tokens": sum(rows["n_tokens"]), "seconds": seconds, "errors": errors, "node": self.node,
+                "load_seconds": self.load_seconds, "peak_memory_gib": self._peak_gib()}
 
+    @staticmethod
+    def _peak_gib() -> float | None:
+        import torch
 
-class _KeyFilter:
-    """Picklable batch function: the rows whose listing key is to be profiled, with the columns profiling needs."""
-
-    COLUMNS = ("doc_id", "source", "token_ids", "content_hash")
-
-    def __init__(self, keys: frozenset[str]):
-        self.keys = keys
-
-    def __call__(self, batch: dict) -> dict:
-        keep = [i for i, key in enumerate(batch["key"]) if key in self.keys]
-        return {c: batch[c][keep] for c in self.COLUMNS}
+        return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
 
 
 @dataclass(frozen=True)
@@ -145,16 +155,22 @@ class _ActorPool:
 
 
 def _actor_pool(ray, cfg: BuildConfig) -> _ActorPool:
-    """Size the profiling actor pool from the resources Ray reports (never 2 CPU actors on a 2-core box)."""
+    """Size the profiling actor pool from the resources Ray reports: one actor per GPU, else CPU actors that
+    each leave a core of their node to Ray and the reading tasks (never 2 CPU actors on a 2-core box)."""
     res = ray.cluster_resources()
-    gpus, cpus = int(res.get("GPU", 0)), int(res.get("CPU", 1))
+    gpus = int(res.get("GPU", 0))
     if gpus and cfg.build.backend != "torch":
         n = cfg.build.actors or gpus
-        return _ActorPool(size=n, resources={"num_gpus": 1}, threads=max(1, cpus // n - 1), kind="gpu")
-    per_actor = min(8, max(1, cpus - 1))  # leave a core for Ray itself and the reading tasks
-    n = cfg.build.actors or max(1, (cpus - 1) // per_actor)
-    # A lone actor may use every core: the reading stage has finished by the time profiling starts.
-    threads = cpus if n == 1 else per_actor
+        return _ActorPool(size=n, resources={"num_gpus": 1}, threads=max(1, int(res.get("CPU", 1)) // n - 1),
+                          kind="gpu")
+    node_cpus = [int(node["Resources"].get("CPU", 0)) for node in ray.nodes() if node.get("Alive")]
+    node_cpus = [c for c in node_cpus if c > 0] or [1]
+    # A CPU actor reserves all but one core of its node, so the reading tasks always have one (on a 1-core node
+    # it reserves none: it would otherwise wait for records that cannot be read).
+    per_actor = min(8, min(node_cpus) - 1)
+    n = cfg.build.actors or sum(max(1, (c - 1) // max(per_actor, 1)) for c in node_cpus)
+    # An actor alone on its node may use the node's cores: reading is a small share of a build's CPU time.
+    threads = cfg.build.threads or (max(node_cpus) if n <= len(node_cpus) else max(per_actor, 1))
     return _ActorPool(size=n, resources={"num_cpus": per_actor}, threads=threads, kind="cpu")
 
 
@@ -167,23 +183,30 @@ class Profiled:
     tokens: int = 0                     # tokens of the documents profiled
     seconds: float = 0.0                # wall time of the stage (actor start-up included)
     actor_seconds: float = 0.0          # summed time the actors spent profiling documents
+    startup: dict = field(default_factory=dict)
+    nodes: dict = field(default_factory=dict)
 
 
 class ProgressLines:
     """Profiling progress as one line per shard written, through `echo`: what a log file shows (the CLI draws one
-    bar instead when stderr is a terminal). `start` once, `shard` per shard, `close` at the end."""
+    bar instead when stderr is a terminal). `start` once, `total` as the stream finds documents to profile,
+    `shard` per shard, `close` at the end. While the corpus is still being read the totals are those found so
+    far and the ETA is "-"."""
 
     def __init__(self, echo):
         self.echo = echo
 
     def start(self, documents: int, tokens: int) -> None:
-        self.total, self.done, self.t0 = (documents, tokens), [0, 0], time.perf_counter()
+        self.total_, self.done, self.final, self.t0 = (documents, tokens), [0, 0], True, time.perf_counter()
+
+    def total(self, documents: int, tokens: int, final: bool) -> None:
+        self.total_, self.final = (documents, tokens), final
 
     def shard(self, documents: int, tokens: int) -> None:
         self.done = [self.done[0] + documents, self.done[1] + tokens]
         seconds = max(time.perf_counter() - self.t0, 1e-9)
-        (docs, toks), (n_docs, n_toks) = self.done, self.total
-        eta = _clock((n_toks - toks) * seconds / toks) if toks else "-"
+        (docs, toks), (n_docs, n_toks) = self.done, self.total_
+        eta = _clock((n_toks - toks) * seconds / toks) if toks and self.final else "-"
         self.echo(f"sift-build: profiled {docs}/{n_docs} documents, {toks}/{n_toks} tokens "
                   f"({docs / seconds:.2f} docs/s, {toks / seconds:.0f} tokens/s, ETA {eta})")
 
@@ -196,48 +219,163 @@ def _clock(seconds: float) -> str:
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
 
 
-def profile(build: BuildPlan, index: Location, cfg: BuildConfig, echo, progress) -> Profiled:
-    """Profile the plan's `todo` documents, `cfg.build.shard_rows` per shard, on a pool of actors."""
-    if not build.todo:
-        return Profiled()
-    import ray
-    import ray.data
+class _Shards:
+    """Gathers the documents to profile into shards of at most `rows` documents and `tokens` tokens (a longer
+    document is a shard of its own)."""
 
-    pool = _actor_pool(ray, cfg)
-    echo(f"sift-build: profiling on {pool.size} {pool.kind.upper()} actor(s)")
-    todo = build.docs.map_batches(_KeyFilter(build.todo), batch_format="numpy")
-    # Everything handed to the actors is absolute: they run in their own working directory, on other machines.
-    assert not index.local or index.local_path.is_absolute(), index.uri
-    results = todo.map_batches(
-        ProfileShardWriter, batch_size=cfg.build.shard_rows, batch_format="numpy",
-        fn_constructor_kwargs=dict(model=build.target.model.name, cfg_dict=cfg.to_dict(), index=index.spec,
-                                   profile_key=build.target.profile_key, threads=pool.threads),
-        compute=ray.data.ActorPoolStrategy(size=pool.size), **pool.resources)
-    progress.start(len(build.todo), build.todo_tokens)
+    def __init__(self, rows: int, tokens: int):
+        self.max_rows, self.max_tokens = rows, tokens
+        self.docs: list[Todo] = []
+        self.tokens = 0
+
+    def add(self, doc: Todo) -> dict | None:
+        """Add a document; returns the shard it closed, if any."""
+        closed = None
+        if self.docs and (len(self.docs) >= self.max_rows or self.tokens + len(doc.token_ids) > self.max_tokens):
+            closed = self.take()
+        self.docs.append(doc)
+        self.tokens += len(doc.token_ids)
+        return closed
+
+    def take(self) -> dict | None:
+        if not self.docs:
+            return None
+        docs, self.docs, self.tokens = self.docs, [], 0
+        return {"doc_id": [d.doc_id for d in docs], "source": [d.source for d in docs],
+                "content_hash": [d.content_hash for d in docs], "token_ids": [d.token_ids for d in docs]}
+
+
+class _Pool:
+    """The profiling actors: made by `start` (as soon as the build knows it will profile, so the model loads while
+    the rest is planned and the corpus read), with at most DEPTH shards queued on each (one profiling, one
+    waiting or being written), so the device never waits for the driver."""
+
+    DEPTH = 2
+
+    def __init__(self, ray, cfg: BuildConfig, index: Location, model: str):
+        # Everything handed to the actors is absolute: they run in their own working directory, on other machines.
+        assert not index.local or index.local_path.is_absolute(), index.uri
+        self.spec = _actor_pool(ray, cfg)
+        self.actor_class = ray.remote(ProfileShardWriter).options(
+            max_concurrency=self.DEPTH, max_restarts=2, max_task_retries=2, scheduling_strategy="SPREAD",
+            **self.spec.resources)
+        self.kwargs = dict(model=model, cfg_dict=cfg.to_dict(), index=index.spec, threads=self.spec.threads)
+        self.actors: list = []
+        self.load: list[int] = []
+        self.in_flight: dict = {}
+        self.checked = 0.0
+
+    def start(self, echo) -> None:
+        if not self.actors:
+            echo(f"sift-build: profiling on {self.spec.size} {self.spec.kind.upper()} actor(s)")
+            self.actors = [self.actor_class.remote(**self.kwargs) for _ in range(self.spec.size)]
+            self.load = [0] * self.spec.size
+
+    def idle(self, done) -> bool:
+        """Whether an actor has nothing queued (finished shards collected first, at most every 50 ms)."""
+        if self.actors and time.perf_counter() - self.checked > 0.05:
+            self.collect(done, block=False)
+            self.checked = time.perf_counter()
+        return bool(self.actors) and min(self.load) == 0
+
+    def submit(self, shard: dict, profile_key: str, done) -> None:
+        while min(self.load) >= self.DEPTH:
+            self.collect(done, block=True)
+        i = self.load.index(min(self.load))
+        self.in_flight[self.actors[i].profile_shard.remote(shard, profile_key)] = i
+        self.load[i] += 1
+
+    def collect(self, done, block: bool) -> None:
+        """Hand finished shards to `done`; with block, wait for at least one."""
+        import ray
+
+        while self.in_flight:
+            ready, _ = ray.wait(list(self.in_flight), num_returns=1, timeout=None if block else 0)
+            if not ready:
+                return
+            self.load[self.in_flight.pop(ready[0])] -= 1
+            done(ray.get(ready[0]))
+            block = False
+
+    def drain(self, done) -> None:
+        while self.in_flight:
+            self.collect(done, block=True)
+
+
+class _Results:
+    """What the actors report, gathered shard by shard as they finish."""
+
+    def __init__(self, progress, t_start: float):
+        self.progress, self.t_start = progress, t_start
+        self.shards: list[ShardInfo] = []
+        self.errors: list[ErrorRow] = []
+        self.nodes: dict = {}
+        self.startup: dict = {}
+        self.tokens, self.actor_seconds = 0, 0.0
+
+    def __call__(self, result: dict) -> None:
+        if "first_shard" not in self.startup:
+            self.startup.update(first_shard=time.perf_counter() - self.t_start,
+                                first_shard_compute=result["seconds"])
+        self.startup["model_load"] = max(self.startup.get("model_load", 0.0), result["load_seconds"])
+        node = self.nodes.setdefault(result["node"], {"shards": [], "documents": 0, "tokens": 0, "seconds": 0.0})
+        if result["shard"] is not None:
+            info = ShardInfo(**result["shard"])
+            self.shards.append(info)
+            node["shards"].append(info.path)
+        node["documents"] += result["documents"]
+        node["tokens"] += result["tokens"]
+        node["seconds"] += result["seconds"]
+        if result["peak_memory_gib"] is not None:
+            node["peak_memory_gib"] = max(node.get("peak_memory_gib", 0.0), result["peak_memory_gib"])
+        self.tokens += result["tokens"]
+        self.actor_seconds += result["seconds"]
+        self.errors.extend(tuple(e) for e in result["errors"])
+        self.progress.shard(result["documents"] + len(result["errors"]), result["tokens"])
+
+
+def profile(records, planner: Planner, pool: _Pool, cfg: BuildConfig, echo, progress, t_start: float) -> Profiled:
+    """Stream `records` (the tokenised corpus) through `planner` and profile what it hands on, shard by shard, on
+    the pool's actors (started here at the first document to profile, unless already started)."""
+    profile_key = planner.target.profile_key
+    results = _Results(progress, t_start)
+    batching = _Shards(cfg.build.shard_rows, cfg.build.shard_tokens)
+    t0 = time.perf_counter()
+    progress.start(0, 0)
     try:
-        return _collect(results, progress)
-    except Exception as e:  # an actor's error arrives wrapped in Ray's; the user gets the one line behind it
-        if isinstance(root_cause(e), SiftError):
-            raise SiftError(one_line(e)) from e
+        for batch in records:
+            results.startup.setdefault("first_records", time.perf_counter() - t_start)
+            for doc in planner.admit(batch):
+                pool.start(echo)  # the model loads while the corpus is still being read
+                shard = batching.add(doc)
+                if shard is None and batching.tokens >= cfg.build.batch_tokens and pool.idle(results):
+                    shard = batching.take()  # an actor waits: a forward's worth now rather than a full shard later
+                if shard is not None:
+                    pool.submit(shard, profile_key, results)
+            progress.total(planner.todo, planner.todo_tokens, final=False)
+            pool.collect(results, block=False)
+        shard = batching.take()
+        if shard is not None:
+            pool.submit(shard, profile_key, results)
+        progress.total(planner.todo, planner.todo_tokens, final=True)
+        echo(planner.summary())
+        pool.drain(results)
+    except Exception as e:  # an actor's or a task's error arrives wrapped in Ray's; the user gets the line behind it
+        # Ray's wrapper of an actor's SiftError is itself an instance of SiftError (its message is the remote
+        # traceback): the original travels in `.cause`.
+        wrapped = getattr(e, "cause", None)
+        err = wrapped if isinstance(wrapped, BaseException) else e
+        if isinstance(err, SiftError):
+            raise SiftError(str(err).splitlines()[0] if str(err) else "SiftError") from e
+        if isinstance(root_cause(err), SiftError):
+            raise SiftError(one_line(err)) from e
         raise SiftError(f"profiling stopped: {one_line(e)} (nothing was committed; the next sift-build reuses "
                         f"the shards already written)") from e
     finally:
         progress.close()
-
-
-def _collect(results, progress) -> Profiled:
-    """Run the lazy `results` dataset to the end, reporting progress per shard."""
-    t0 = time.perf_counter()
-    shards, errors, tokens, actor_seconds = [], [], 0, 0.0
-    for row in results.iter_rows():
-        if row["shard"] is not None:
-            shards.append(ShardInfo(**row["shard"]))
-            tokens += int(row["tokens"])
-        actor_seconds += float(row["seconds"])
-        errors += zip(row["err_ids"], row["err_sources"], row["err_reasons"])
-        progress.shard(len(row["doc_ids"]) + len(row["err_ids"]), int(row["tokens"]))
-    return Profiled(shards=tuple(shards), errors=tuple(errors), tokens=tokens,
-                    seconds=time.perf_counter() - t0, actor_seconds=actor_seconds)
+    return Profiled(shards=tuple(results.shards), errors=tuple(results.errors), tokens=results.tokens,
+                    seconds=time.perf_counter() - t0, actor_seconds=results.actor_seconds, startup=results.startup,
+                    nodes=results.nodes)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -303,9 +441,11 @@ def _manifest(build: BuildPlan, cfg: BuildConfig, stats: BuildStats, shards: lis
 
 
 def commit(build: BuildPlan, profiled: Profiled, index: Location, cfg: BuildConfig, t_start: float,
-           lock) -> BuildStats:
+           lock, startup: dict) -> BuildStats:
     """Assemble and commit the new generation, then delete the files neither it nor the previous one lists.
-    lock: what `idx.build_lock` yielded, checked just before the commit (a lease on an object store can be lost)."""
+    lock: what `idx.build_lock` yielded, checked just before the commit (a lease on an object store can be lost);
+    startup: the fixed costs measured before profiling (`BuildStats.startup`)."""
+    startup = {**startup, **profiled.startup}
     previous = build.target.previous
     shards = _assemble(index, build.reuse, build.target.profile_key) + list(profiled.shards)
     errors = _write_errors(index, build.errors + profiled.errors)
@@ -315,7 +455,7 @@ def commit(build: BuildPlan, profiled: Profiled, index: Location, cfg: BuildConf
         deleted=build.deleted, errors=errors.rows if errors else 0, tokens_profiled=profiled.tokens,
         profile_seconds=profiled.seconds, actor_seconds=profiled.actor_seconds,
         backends=sorted({s.backend for s in shards if s.backend}), note=build.note,
-        seconds=time.perf_counter() - t_start)
+        seconds=time.perf_counter() - t_start, startup=startup, nodes=profiled.nodes)
     manifest = _manifest(build, cfg, stats, shards, errors, index)
     lock.check()
     idx.commit_manifest(index, manifest)
@@ -379,10 +519,22 @@ def run_build(corpus: str | Path, out: str | Path, cfg: BuildConfig, *, ray_addr
     model_dir = resolve_model_dir(cfg.model)
     idx.prepare_dir(index)
     with idx.build_lock(index) as lock:
-        target = resolve_target(cfg, model_dir, index)
+        t0 = time.perf_counter()
         _start_ray(ray_address, verbose, quiet)
+        t1 = time.perf_counter()
+        import ray
+
+        pool = _Pool(ray, cfg, index, DEFAULT_MODEL if cfg.model == DEFAULT_MODEL else str(model_dir))
+        if not (index.exists(fmt.MANIFEST) or fmt.history(index)):  # a first build profiles: load the model now
+            pool.start(echo)
+        target = resolve_target(cfg, model_dir, index)
         shown = redact(corpus) if is_uri(corpus) else corpus
         echo(f"sift-build: {len(sources)} source(s) in {shown}, model {target.model.name}, tile {cfg.profile.tile}")
-        build = plan(corpus, sources, model_dir, index, cfg, target, echo)
-        profiled = profile(build, index, cfg, echo, progress or ProgressLines(echo))
-        return commit(build, profiled, index, cfg, t_start, lock)
+        reuse = reusable(index, target)
+        if not (reuse.previous or reuse.orphans):  # nothing to reuse: everything is profiled
+            pool.start(echo)
+        startup = {"ray": t1 - t0, "plan": time.perf_counter() - t1}
+        planner = Planner(target, reuse, corpus_name(corpus))
+        records = tokenised(sources, model_dir, cfg, target.max_tokens)
+        profiled = profile(records, planner, pool, cfg, echo, progress or ProgressLines(echo), t_start)
+        return commit(planner.finish(index), profiled, index, cfg, t_start, lock, startup)

@@ -1,24 +1,27 @@
-"""The builder's first stage: decide what a build does before any document is profiled.
+"""The builder's first stage: decide, document by document, what a build does with it.
 
     resolve_target   the previous generation, the model's identity, the profiling prefix, the profile key
-    plan             read + tokenise every source (Ray tasks), apply the duplicate policy, split error rows
-                     from live documents, and match each live document against reusable rows -> `BuildPlan`
+    reusable         the rows the build may reuse instead of profiling, known before any document is read
+    tokenised        read + tokenise every source: Ray tasks streaming records, in corpus order, to the driver
+    Planner          per record as it arrives: error row (unreadable, empty, too long, duplicate id), reused row,
+                     or a document to profile (handed on at once); `finish` -> `BuildPlan`
 
 A live document is reusable when a row with the same (doc_id, content_hash) and the same profile key exists in
 the previous generation or in a whole shard a killed build left behind (an "orphan"); every other live document
-is profiled. A shard of the previous generation that cannot be read (missing, altered, not Parquet) is skipped
-with a warning, so the documents it held are profiled again; a store that does not answer stops the build.
-Nothing here writes to the index.
+is profiled. Records stream in corpus order (Ray Data keeps the order), so the duplicate policy, first
+occurrence wins, is decided as they arrive. A shard of the previous generation that cannot be read (missing,
+altered, not Parquet) is skipped with a warning, so the documents it held are profiled again; a store that does
+not answer stops the build. Nothing here writes to the index.
 """
 from __future__ import annotations
 
 import functools
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -29,7 +32,7 @@ from sift.model import DEFAULT_MODEL, fingerprint
 from sift.storage import Location
 
 from .config import BuildConfig
-from .corpus import Source, SourceDoc, corpus_name, read_source, resolve_duplicates
+from .corpus import FirstOccurrence, Source, SourceDoc, read_source
 from .profiler import profiling_prefix_ids
 
 log = logging.getLogger("sift.build")
@@ -53,13 +56,13 @@ class BuildTarget:
 
 @dataclass(frozen=True)
 class BuildPlan:
-    """What a build does: which documents are profiled, which rows are reused, which records are error rows."""
+    """What a build did with the corpus's records: which were profiled, which rows are reused, which records are
+    error rows."""
 
     target: BuildTarget
     corpus: str                     # the corpus path, resolved, or its URI without credentials (in the manifest)
-    docs: Any                       # materialised ray.data.Dataset: LISTING_COLUMNS + token_ids, one row per record
-    todo: frozenset[str]            # listing keys of the documents to profile
-    todo_tokens: int                # their tokens (the total of the build's progress bar)
+    todo: int                       # documents handed to profiling
+    todo_tokens: int                # their tokens
     reuse: Mapping[Pair, str]       # reused row -> the shard (relative path) that holds it
     errors: tuple[ErrorRow, ...]    # records that are not indexed, in corpus order
     reused: int                     # live documents found in the previous generation
@@ -177,39 +180,53 @@ def read_and_tokenize(batch: dict, *, model_dir: str, id_field: str, text_field:
     return out
 
 
-def _tokenise(sources: list[Source], model_dir: Path, cfg: BuildConfig, max_tokens: int):
-    """Every record of every source, tokenised by Ray tasks (one source per task) -> a materialised Dataset."""
+def tokenised(sources: list[Source], model_dir: Path, cfg: BuildConfig, max_tokens: int):
+    """Every record of every source, tokenised, as batches in corpus order (`read_and_tokenize` rows).
+
+    The driver reads the first source itself (its tokenizer is loaded already), so the first records are there
+    at once; Ray tasks (Ray Data, one source per call) read the others, started at the same moment in the
+    background, so they stream in while the first ones are profiled."""
     import ray.data
 
-    src_rows = [{"index": i, "source": dict(s.__dict__)} for i, s in enumerate(sources)]
-    return ray.data.from_items(src_rows, override_num_blocks=max(1, min(len(src_rows), 64))).map_batches(
-        read_and_tokenize, batch_size=1, fn_kwargs=dict(
-            model_dir=str(model_dir), id_field=cfg.corpus.id_field, text_field=cfg.corpus.text_field,
-            max_tokens=max_tokens, too_long=cfg.corpus.too_long,
-            follow_symlinks=cfg.corpus.follow_symlinks)).materialize()
+    kwargs = dict(model_dir=str(model_dir), id_field=cfg.corpus.id_field, text_field=cfg.corpus.text_field,
+                  max_tokens=max_tokens, too_long=cfg.corpus.too_long, follow_symlinks=cfg.corpus.follow_symlinks)
+    rows = [{"index": i, "source": dict(s.__dict__)} for i, s in enumerate(sources)]
+    rest = None
+    if len(rows) > 1:
+        rest = _Ahead(ray.data.from_items(rows[1:], override_num_blocks=max(1, min(len(rows) - 1, 256))).map_batches(
+            read_and_tokenize, batch_size=1, fn_kwargs=kwargs).iter_batches(batch_size=None, batch_format="numpy",
+                                                                             prefetch_batches=4))
+    yield read_and_tokenize({"index": [0], "source": [rows[0]["source"]]}, **kwargs)
+    if rest is not None:
+        yield from rest
 
 
-def _listing(docs) -> pa.Table:
-    """The tokenised records without their token ids, in corpus order."""
-    return pa.concat_tables(
-        [pa.Table.from_pandas(b, preserve_index=False) if not isinstance(b, pa.Table) else b
-         for b in docs.select_columns(LISTING_COLUMNS).iter_batches(batch_format="pyarrow")]
-    ).sort_by("key")
+class _Ahead:
+    """Iterates `batches` on a thread of its own from the moment it is made (up to `depth` batches ahead), so the
+    work behind them starts before the first one is asked for; an error is raised where the batch would be."""
 
+    _END = object()
 
-def _live_and_errors(listing: pa.Table) -> tuple[dict[str, Pair], list[ErrorRow]]:
-    """Apply the duplicate policy (the first occurrence in corpus order wins), then split the records into live
-    documents (listing key -> (doc_id, content_hash)) and error rows."""
-    resolved = resolve_duplicates(
-        SourceDoc(d, None, s, e) for d, s, e in zip(listing["doc_id"].to_pylist(), listing["source"].to_pylist(),
-                                                    listing["error"].to_pylist()))
-    live, errors = {}, []
-    for key, doc, h in zip(listing["key"].to_pylist(), resolved, listing["content_hash"].to_pylist()):
-        if doc.error is not None:
-            errors.append((doc.doc_id, doc.source, doc.error))
-        else:
-            live[key] = (doc.doc_id, h)
-    return live, errors
+    def __init__(self, batches, depth: int = 8):
+        import queue
+        import threading
+
+        self.queue = queue.Queue(depth)
+        threading.Thread(target=self._pull, args=(batches,), daemon=True, name="sift-records").start()
+
+    def _pull(self, batches) -> None:
+        try:
+            for batch in batches:
+                self.queue.put(batch)
+            self.queue.put(self._END)
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            self.queue.put(e)
+
+    def __iter__(self):
+        while (item := self.queue.get()) is not self._END:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -307,34 +324,92 @@ def _orphan_rows(index: Location, previous: Manifest | None, profile_key: str) -
 # The stage
 
 
-def plan(corpus: str | Path, sources: list[Source], model_dir: Path, index: Location, cfg: BuildConfig,
-         target: BuildTarget, echo) -> BuildPlan:
-    """Tokenise the corpus and decide, per record, whether it is an error row, a reused row or to be profiled."""
-    docs = _tokenise(sources, model_dir, cfg, target.max_tokens)
-    listing = _listing(docs)
-    live, errors = _live_and_errors(listing)
+@dataclass(frozen=True)
+class Reusable:
+    """The rows a build may reuse instead of profiling: (doc_id, content_hash) -> the shard holding the row."""
+
+    previous: Mapping[Pair, str]  # rows of the previous generation (same profile key)
+    orphans: Mapping[Pair, str]   # rows of whole shards a killed build left behind (same profile key)
+    previous_ids: frozenset[str] = frozenset()   # doc_ids of the previous generation's readable shards
+    unreadable: tuple = ()                       # (ShardInfo, why) of its shards that could not be read
+
+
+def reusable(index: Location, target: BuildTarget) -> Reusable:
+    """Each shard of the previous generation is read once (`_read_previous`)."""
     previous = _read_previous(index, target.previous, target.profile_key)
-    prev_rows = previous.rows
-    orphan_rows = _orphan_rows(index, target.previous, target.profile_key)
-    reuse: dict[Pair, str] = {}
-    todo, reused, recovered = set(), 0, 0
-    for key, pair in live.items():
-        if pair in prev_rows:
-            reuse[pair] = prev_rows[pair]
-            reused += 1
-        elif pair in orphan_rows:
-            reuse[pair] = orphan_rows[pair]
-            recovered += 1
-        else:
-            todo.add(key)
-    n_tokens = dict(zip(listing["key"].to_pylist(), listing["n_tokens"].to_pylist()))
-    changed = target.previous is not None and target.previous.profile_key != target.profile_key
-    notes = ["profile or model changed: every document is re-profiled" if changed else "",
-             _unreadable_note(target.previous, previous.unreadable)]
-    echo(f"sift-build: {len(live)} documents ({reused} unchanged, {recovered} recovered "
-         f"from an interrupted build, {len(todo)} to profile), {len(errors)} error rows")
-    return BuildPlan(target=target, corpus=corpus_name(corpus), docs=docs, todo=frozenset(todo),
-                     todo_tokens=sum(n_tokens[key] for key in todo), reuse=reuse, errors=tuple(errors),
-                     reused=reused, recovered=recovered,
-                     deleted=len(previous.ids - {doc_id for doc_id, _ in live.values()}),
-                     note="; ".join(n for n in notes if n))
+    return Reusable(previous.rows, _orphan_rows(index, target.previous, target.profile_key), previous.ids,
+                    previous.unreadable)
+
+
+@dataclass(frozen=True)
+class Todo:
+    """A document to profile, as the stream delivered it."""
+
+    doc_id: str
+    source: str
+    content_hash: str
+    token_ids: np.ndarray  # int32
+
+
+@dataclass
+class Planner:
+    """Classifies the tokenised records as they stream in (`admit`, in corpus order) and hands on the documents to
+    profile; `finish` gives what the build did with every record."""
+
+    target: BuildTarget
+    reusable: Reusable
+    corpus: str
+    duplicates: FirstOccurrence = field(default_factory=FirstOccurrence)
+    errors: list[ErrorRow] = field(default_factory=list)
+    reuse: dict[Pair, str] = field(default_factory=dict)
+    live_ids: set[str] = field(default_factory=set)
+    reused: int = 0
+    recovered: int = 0
+    todo: int = 0
+    todo_tokens: int = 0
+    last_key: str = ""
+
+    def admit(self, batch: dict) -> list[Todo]:
+        """One batch of `read_and_tokenize` rows -> the documents among them to profile."""
+        out = []
+        for key, doc_id, source, error, digest, ids in zip(batch["key"], batch["doc_id"], batch["source"],
+                                                            batch["error"], batch["content_hash"],
+                                                            batch["token_ids"]):
+            if key <= self.last_key:  # the duplicate policy needs corpus order
+                raise RuntimeError(f"records arrived out of corpus order ({key} after {self.last_key}): Ray Data's "
+                                   f"preserve_order is off")
+            self.last_key = key
+            # A block whose records all read cleanly carries the error column as nulls (NaN in numpy).
+            error = str(error) if isinstance(error, str) and error else None
+            doc_id, source, digest = str(doc_id), str(source), str(digest)
+            doc = self.duplicates(SourceDoc(doc_id, None, source, error))
+            if doc.error is not None:
+                self.errors.append((doc.doc_id, doc.source, doc.error))
+                continue
+            self.live_ids.add(doc_id)
+            pair = (doc_id, digest)
+            if pair in self.reusable.previous:
+                self.reuse[pair] = self.reusable.previous[pair]
+                self.reused += 1
+            elif pair in self.reusable.orphans:
+                self.reuse[pair] = self.reusable.orphans[pair]
+                self.recovered += 1
+            else:
+                out.append(Todo(doc_id, source, digest, np.asarray(ids, dtype=np.int32)))
+                self.todo += 1
+                self.todo_tokens += len(ids)
+        return out
+
+    def summary(self) -> str:
+        return (f"sift-build: {len(self.live_ids)} documents ({self.reused} unchanged, {self.recovered} recovered "
+                f"from an interrupted build, {self.todo} to profile), {len(self.errors)} error rows")
+
+    def finish(self, index: Location) -> BuildPlan:
+        target = self.target
+        changed = target.previous is not None and target.previous.profile_key != target.profile_key
+        notes = ["profile or model changed: every document is re-profiled" if changed else "",
+                 _unreadable_note(target.previous, self.reusable.unreadable)]
+        return BuildPlan(target=target, corpus=self.corpus, todo=self.todo, todo_tokens=self.todo_tokens,
+                         reuse=self.reuse, errors=tuple(self.errors), reused=self.reused, recovered=self.recovered,
+                         deleted=len(self.reusable.previous_ids - self.live_ids),
+                         note="; ".join(n for n in notes if n))

@@ -1,11 +1,21 @@
-"""Profile one document: run the model's own forward pass and turn each layer's rotated q/k into SIFT bits.
+"""Profile documents: pack them back to back, run the model's own forward once per pack and turn each layer's
+rotated q/k into SIFT bits.
 
 q/k are captured inside the model's attention call through transformers' `AttentionInterface`, so every
 supported architecture works without re-implementing it: the model computes its projections, norms and RoPE
-as usual, and our attention function receives exactly the q/k its attention would see.
+as usual (positions restart at 0 in every sequence of a pack), and our attention function receives exactly
+the q/k its attention would see. The attention function makes each sequence attend to itself only, so a
+document's bits and its hidden states are those of profiling it alone.
+
+A pack (`sift.kernels.packing.PackedDocs`) holds documents up to `batch_tokens` tokens, each after the
+profiling prefix; a document longer than that is a pack of its own. Per pack: one forward, per layer one
+launch of each profiling pass for the whole pack, and one asynchronous copy of the pack's bits to pinned host
+memory, waited for only after the next pack's forward is launched, so the GPU runs pack after pack.
 
 Backends: "torch" (the reference of `sift.kernels.profile_ref`, which also produces the layer's output from
-the same probabilities) and "triton" (the fused statistics kernel; the output comes from the model's SDPA).
+the same probabilities, document by document) and "triton" (the packed kernels; the layer's output and
+log-sum-exp come from an SDPA backend where one returns it, `sift.kernels.attention_lse`: flash's varlen
+forward for a pack, cuDNN else flash for a single sequence; else from the kernels' own attention forward).
 The "mass" LA criterion (profile.la_criterion) exists in the torch backend only; "triton" refuses it.
 `profile.ca_full_layers` / `ca_full_heads` are applied here, after either backend: those layers' (heads') CA
 bits are set whole.
@@ -13,17 +23,18 @@ bits are set whole.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
+import numpy as np
 import torch
 
 from sift.errors import SiftError
-from sift.format import n_pages
 
-from ..kernels.attention_lse import LSE_CHOICES, AttentionWithLse
-from ..kernels.bits import pack_msb
-from ..kernels.profile_ref import LayerBits, profile_layer_ref
+from ..kernels.attention_lse import LSE_CHOICES, AttentionWithLse, Sequences
+from ..kernels.packing import PackedDocs
+from ..kernels.profile_ref import profile_packed_ref
 
-from .config import ProfileConfig
+from .config import DEFAULT_BATCH_TOKENS, ProfileConfig
 
 ATTN_NAME = "sift_profile"
 
@@ -33,6 +44,22 @@ def profiling_prefix_ids(tokenizer, profile: ProfileConfig) -> list[int]:
     if profile.prefix_text is not None:
         return list(tokenizer(profile.prefix_text, add_special_tokens=False).input_ids)
     return [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+
+
+def pack_documents(lengths: Sequence[int], n_prefix: int, batch_tokens: int) -> list[list[int]]:
+    """Indices of documents, in order, grouped into packs of at most `batch_tokens` rows (each document's
+    prefix counted); a document that does not fit the budget on its own is a pack of its own."""
+    packs, current, rows = [], [], 0
+    for i, n in enumerate(lengths):
+        need = n_prefix + n
+        if current and rows + need > batch_tokens:
+            packs.append(current)
+            current, rows = [], 0
+        current.append(i)
+        rows += need
+    if current:
+        packs.append(current)
+    return packs
 
 
 @dataclass(frozen=True)
@@ -46,96 +73,110 @@ class ProfiledBits:
     ca_density: list[float]  # per layer, fraction of pages kept (mean over heads)
 
 
-_POPCOUNT = torch.tensor([bin(i).count("1") for i in range(256)], dtype=torch.int32)
+_POPCOUNT = np.array([bin(i).count("1") for i in range(256)], dtype=np.int64)
 
 
-def _density(packed: torch.Tensor, n_bits: int) -> list[float]:
-    """packed: [layers, Hq, bytes] uint8 (trailing bits 0) -> per layer, the fraction of bits set over heads."""
-    ones = _POPCOUNT.to(packed.device)[packed.long()].sum(dim=(1, 2))
-    return (ones.double() / (packed.shape[1] * n_bits)).tolist()
+def _density(bits: np.ndarray, n_bits: int) -> list[float]:
+    """bits: [layers, Hq, bytes] uint8 (trailing bits 0) -> per layer, the fraction of bits set over heads."""
+    return (_POPCOUNT[bits].sum(axis=(1, 2)) / (bits.shape[1] * n_bits)).tolist()
+
+
+def _full_pages(pages: int) -> np.ndarray:
+    """The CA vector with every one of `pages` pages kept (MSB first, trailing bits 0)."""
+    return np.packbits(np.arange(-(-pages // 8) * 8) < pages)
 
 
 class _Capture:
-    """Per-forward state handed to the attention function through the model's kwargs."""
+    """Per-pack state handed to the attention function through the model's kwargs: what the pack is (built
+    before the forward) and the buffers each layer writes its bits into; the attention function decides
+    nothing."""
 
-    def __init__(self, n_prefix: int, profile: ProfileConfig, backend: str, dense: dict[int, tuple[int, ...]],
-                 ca_full: dict[int, tuple[int, ...]], forward: AttentionWithLse):
-        self.n_prefix = n_prefix
-        self.forward = forward
-        self.profile = profile
-        self.backend = backend
-        self.dense = dense
-        self.ca_full = ca_full  # layer -> the heads whose CA bits are all set
-        self.layers: dict[int, LayerBits] = {}
+    def __init__(self, profiler: "Profiler", docs: PackedDocs, plan, seqs: Sequences | None, la, ca):
+        self.profiler = profiler
+        self.docs = docs
+        self.plan = plan    # `profile.PackPlan` (triton backend), None (torch)
+        self.seqs = seqs    # the pack's sequences for a varlen SDPA forward; None for a single sequence
+        self.la = la        # [layers, Hq, la_total] uint8
+        self.ca = ca
+        self.layers: set[int] = set()
 
 
 def backend_label(backend: str, plans) -> str:
     """"torch", or "triton" plus the lse sources of the `Plan`s used ("+cudnn-lse", "+flash-lse", and
-    "+triton-lse" where the kernel's own first pass ran)."""
+    "+triton-lse" where the kernels' own forward ran)."""
     if backend == "torch":
         return "torch"
     sources = sorted({plan.source or "triton" for plan in plans})
     return "+".join(["triton"] + [f"{source}-lse" for source in sources])
 
 
-def _attention_with_lse(module, query, key, value, scaling, softcap, forward: AttentionWithLse):
-    """The layer's output [1, Lp, Hq, D] and, where an SDPA backend exposes it, the row log-sum-exp [Hq, Lp]
-    (natural log, fp32), so the profiling kernel can skip its own first pass.
-
-    fp16/bf16 without soft-capping: cuDNN (else flash) SDPA returns both, checked once per shape class
-    (`sift.kernels.attention_lse`). Otherwise the model's SDPA gives the output and the kernel computes the
-    log-sum-exp itself."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+def _attention_with_lse(query, key, value, scaling, softcap, c: _Capture):
+    """The layer's output [1, T, Hq, D] and the row log-sum-exp of the pack, (lse natural-log [Hq, T], None)
+    from an SDPA backend that returns it (fp16 / bf16 without soft-capping; checked once per shape class), else
+    (None, lse2 log2 [Hq, T]) from the kernels' own attention forward."""
+    from ..kernels.profile import attention_packed
 
     if softcap is None:
-        result = forward(query, key, value, scale=scaling)
+        result = c.profiler.forward(query, key, value, scale=scaling, seqs=c.seqs)
         if result is not None:
             out, lse = result
-            return out.transpose(1, 2), lse
-    out, _ = sdpa_attention_forward(module, query, key, value, None, scaling=scaling, is_causal=True)
-    return out, None
+            return out.transpose(1, 2), lse, None
+    out, lse2 = attention_packed(query[0], key[0], value[0], c.plan, scale=scaling, softcap=softcap)
+    return out.unsqueeze(0), None, lse2
 
 
 def _profile_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                        sift_capture: _Capture | None = None, **kwargs):
-    """AttentionInterface function: query [1, Hq, Lp, D], key/value [1, Hkv, Lp, D] -> ([1, Lp, Hq, D], None)."""
+    """AttentionInterface function: query [1, Hq, T, D], key/value [1, Hkv, T, D] of a pack -> ([1, T, Hq, D],
+    None), every sequence attending causally to itself only; the layer's bits go to the capture's buffers."""
     if sift_capture is None:
-        raise RuntimeError("the sift_profile attention runs only inside Profiler.profile")
+        raise RuntimeError("the sift_profile attention runs only inside Profiler.profile_batch")
     if query.shape[0] != 1:
-        raise RuntimeError("profiling runs one document at a time (batch size 1)")
-    c, p = sift_capture, sift_capture.profile
+        raise RuntimeError("profiling runs packs: documents back to back in one sequence (batch size 1)")
+    c = sift_capture
+    p, profiler, layer = c.profiler.profile_cfg, c.profiler, module.layer_idx
     softcap = getattr(module.config, "attn_logit_softcapping", None)
-    args = dict(scale=scaling, n_prefix=c.n_prefix, tile=p.tile, alpha=p.alpha, beta=p.beta, gamma=p.gamma,
-                softcap=softcap, ca_normalize=p.ca_normalize, force_sink_page=p.force_sink_page,
-                dense_heads=c.dense.get(module.layer_idx, ()))
-    if c.backend == "torch":
-        bits, out = profile_layer_ref(query[0], key[0], v=value[0], criterion=p.la_criterion,
-                                      coverage=p.la_coverage, **args)
+    args = dict(scale=scaling, alpha=p.alpha, beta=p.beta, gamma=p.gamma, softcap=softcap,
+                ca_normalize=p.ca_normalize, force_sink_page=p.force_sink_page)
+    if profiler.backend == "torch":
+        out = profile_packed_ref(query[0], key[0], c.docs, la_out=c.la[layer], ca_out=c.ca[layer], v=value[0],
+                                 dense_heads=profiler.dense.get(layer, ()), criterion=p.la_criterion,
+                                 coverage=p.la_coverage, **args)
         out = out.transpose(0, 1).unsqueeze(0)
     else:
-        from ..kernels.profile import profile_layer
+        from ..kernels.profile import profile_packed
 
-        out, lse = _attention_with_lse(module, query, key, value, scaling, softcap, c.forward)
-        bits, _ = profile_layer(query[0], key[0], lse=lse, **args)
-    heads = c.ca_full.get(module.layer_idx)
-    if heads:
-        pages = n_pages(query.shape[2] - c.n_prefix, p.tile)
-        ca = bits.ca.clone()
-        ca[list(heads)] = pack_msb(torch.ones(len(heads), pages, dtype=torch.bool, device=ca.device))
-        bits = LayerBits(la=bits.la, ca=ca)
-    c.layers[module.layer_idx] = bits
+        out, lse, lse2 = _attention_with_lse(query, key, value, scaling, softcap, c)
+        profile_packed(query[0], key[0], c.plan, la_out=c.la[layer], ca_out=c.ca[layer],
+                       dense=profiler.dense_flags.get(layer), lse=lse, lse2=lse2, **args)
+    c.layers.add(layer)
     return out, None
 
 
-class Profiler:
-    """Heavy setup once (model on its device, attention function registered); `profile(ids)` per document.
+@dataclass
+class _Launched:
+    """A pack whose forward is queued on the device: its bits arrive in `la` / `ca` (host, pinned on a GPU)
+    once `event` has completed (None on the CPU, where the forward has finished)."""
 
+    docs: PackedDocs
+    la: torch.Tensor
+    ca: torch.Tensor
+    event: "torch.cuda.Event | None"
+
+
+class Profiler:
+    """Heavy setup once (model on its device, attention function registered); `profile_batch(docs)` per batch
+    of documents, `profile(ids)` for one.
+
+    batch_tokens: the token budget of one forward (a pack: documents and their prefixes back to back).
     lse_source ("triton" backend): which SDPA backend gives each layer's output and row log-sum-exp: "auto"
-    (cuDNN, else flash), "cudnn" or "flash"; `lse_plans` shows what each shape class ran (a plan with
-    source None: the kernel's own lse pass). The bits do not depend on it beyond float rounding.
+    (cuDNN, else flash; flash's varlen forward for packs), "cudnn" or "flash"; `lse_plans` shows what each
+    shape class ran (a plan with source None: the kernels' own forward). The bits do not depend on it beyond
+    float rounding.
     """
 
-    def __init__(self, model, tokenizer, profile: ProfileConfig, backend: str, *, lse_source: str = "auto"):
+    def __init__(self, model, tokenizer, profile: ProfileConfig, backend: str, *, lse_source: str = "auto",
+                 batch_tokens: int = DEFAULT_BATCH_TOKENS):
         from transformers import AttentionInterface
 
         if backend not in ("torch", "triton"):
@@ -145,6 +186,8 @@ class Profiler:
                             f"build.backend = \"torch\" (or use la_criterion = \"threshold\")")
         if lse_source not in LSE_CHOICES:
             raise SiftError(f"lse_source {lse_source!r} must be one of {LSE_CHOICES}")
+        if batch_tokens < 1:
+            raise SiftError(f"batch_tokens = {batch_tokens} must be >= 1")
         cfg = model.config
         self.n_layers = cfg.num_hidden_layers
         self.n_heads = cfg.num_attention_heads
@@ -171,10 +214,20 @@ class Profiler:
         AttentionInterface.register(ATTN_NAME, _profile_attention)
         model.set_attn_implementation(ATTN_NAME)
         self.model = model
+        self.device = model.device
         self.profile_cfg = profile
         self.backend = backend
+        self.batch_tokens = batch_tokens
         self.prefix_ids = profiling_prefix_ids(tokenizer, profile)
         self.window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
+        self.dense_flags = {}
+        if backend == "triton":
+            from ..kernels.profile import dense_flags
+
+            # On the device once: a per-layer host-to-device copy would wait for the queued work.
+            self.dense_flags = {layer: dense_flags(heads, self.n_heads, self.device)
+                                for layer, heads in self.dense.items()}
 
     @property
     def lse_plans(self) -> dict:
@@ -184,28 +237,131 @@ class Profiler:
     @property
     def backend_label(self) -> str:
         """What produced the bits so far, as recorded in the index: "torch", or "triton" plus where each layer's
-        output and log-sum-exp came from ("+cudnn-lse", "+flash-lse", "+triton-lse" for the kernel's own pass),
-        so a fallback is never silent."""
+        output and log-sum-exp came from ("+cudnn-lse", "+flash-lse", "+triton-lse" for the kernels' own
+        forward), so a fallback is never silent."""
         return backend_label(self.backend, self.forward.plans.values())
 
+    def refusal(self, n_tokens: int) -> str | None:
+        """Why a document of n_tokens cannot be profiled, or None."""
+        if n_tokens == 0:
+            return "empty document: nothing to profile"
+        if self.window and len(self.prefix_ids) + n_tokens > self.window:
+            return (f"document of {n_tokens} tokens exceeds the model's sliding window ({self.window}); SIFT "
+                    f"profiles full causal attention only: set corpus.max_tokens <= {self.window - len(self.prefix_ids)}")
+        return None
+
+    def profile(self, token_ids: Sequence[int]) -> ProfiledBits:
+        """One document alone (a pack of one)."""
+        [result] = self.profile_batch([token_ids])
+        if isinstance(result, Exception):
+            raise result
+        return result
+
     @torch.inference_mode()
-    def profile(self, token_ids: list[int]) -> ProfiledBits:
-        n = len(token_ids)
-        if n == 0:
-            raise SiftError("empty document: nothing to profile")
-        total = len(self.prefix_ids) + n
-        if self.window and total > self.window:
-            raise SiftError(f"document of {n} tokens exceeds the model's sliding window ({self.window}); "
-                            f"SIFT profiles full causal attention only: set corpus.max_tokens <= {self.window}")
-        ids = torch.tensor([self.prefix_ids + list(token_ids)], device=self.model.device)
-        capture = _Capture(len(self.prefix_ids), self.profile_cfg, self.backend, self.dense, self.ca_full,
-                           self.forward)
-        self.model.base_model(input_ids=ids, use_cache=False, sift_capture=capture)
+    def profile_batch(self, docs: Sequence[Sequence[int]]) -> list[ProfiledBits | Exception]:
+        """Every document's bits, in order; a document that cannot be profiled gets its exception instead (a
+        pack that fails is profiled again document by document, so one bad document fails alone)."""
+        results: list[ProfiledBits | Exception | None] = [None] * len(docs)
+        valid = []
+        for i, ids in enumerate(docs):
+            reason = self.refusal(len(ids))
+            if reason:
+                results[i] = SiftError(reason)
+            else:
+                valid.append(i)
+        pending = None
+        for pack in pack_documents([len(docs[i]) for i in valid], len(self.prefix_ids), self.batch_tokens):
+            members = [valid[j] for j in pack]
+            launched = self._try(self._launch, [docs[i] for i in members])
+            if pending is not None:  # the device runs this pack while the previous one's bits are read
+                self._finish(*pending, docs, results)
+            pending = (members, launched)
+        if pending is not None:
+            self._finish(*pending, docs, results)
+        return results
+
+    @staticmethod
+    def _try(fn, *args):
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 - reported per document by _finish
+            return e
+
+    def _finish(self, members: list[int], launched, docs, results) -> None:
+        if not isinstance(launched, Exception):
+            launched = self._try(self._read, launched)
+        if not isinstance(launched, Exception):
+            for i, bits in zip(members, launched):
+                results[i] = bits
+        elif len(members) == 1:
+            results[members[0]] = launched
+        else:
+            for i in members:  # find the document that fails: each one alone
+                results[i] = self._alone(docs[i])
+
+    def _alone(self, ids: Sequence[int]) -> ProfiledBits | Exception:
+        launched = self._try(self._launch, [ids])
+        if isinstance(launched, Exception):
+            return launched
+        bits = self._try(self._read, launched)
+        return bits if isinstance(bits, Exception) else bits[0]
+
+    def _upload(self, array: np.ndarray) -> torch.Tensor:
+        host = torch.from_numpy(array)
+        if self.device.type == "cuda":  # pinned: an asynchronous copy that waits for nothing queued
+            return host.pin_memory().to(self.device, non_blocking=True)
+        return host.to(self.device)
+
+    def _launch(self, docs: list[Sequence[int]]) -> _Launched:
+        """Queue one pack's forward and the copy of its bits to the host."""
+        n_prefix = len(self.prefix_ids)
+        packed = PackedDocs(n_prefix, tuple(len(d) for d in docs), self.profile_cfg.tile)
+        ids = np.empty(packed.total, dtype=np.int64)
+        for s, d in enumerate(docs):
+            rows = packed.seq_rows(s)
+            ids[rows.start:rows.start + n_prefix] = self.prefix_ids
+            ids[rows.start + n_prefix:rows.stop] = d
+        lens = np.asarray(packed.lengths) + n_prefix
+        positions = np.arange(packed.total) - np.repeat(np.asarray(packed.starts), lens)
+        plan = seqs = None
+        if self.backend == "triton":
+            from ..kernels.profile import plan_pack
+
+            plan = plan_pack(packed, head_dim=self.head_dim, dtype=self.model.dtype, device=self.device)
+            seqs = Sequences.of(packed, plan.cu_seqlens) if len(packed) > 1 else None
+        shape = (self.n_layers, self.n_heads)
+        la = torch.empty(*shape, packed.la_total, dtype=torch.uint8, device=self.device)
+        ca = torch.empty(*shape, packed.ca_total, dtype=torch.uint8, device=self.device)
+        capture = _Capture(self, packed, plan, seqs, la, ca)
+        self.model.base_model(input_ids=self._upload(ids)[None], position_ids=self._upload(positions)[None],
+                              use_cache=False, sift_capture=capture)
         if len(capture.layers) != self.n_layers:
             raise RuntimeError(f"captured {len(capture.layers)} of {self.n_layers} layers: the model does not "
                                f"route attention through AttentionInterface")
-        la = torch.stack([capture.layers[i].la for i in range(self.n_layers)])  # [layers, Hq, bytes]
-        ca = torch.stack([capture.layers[i].ca for i in range(self.n_layers)])
-        p = n_pages(n, self.profile_cfg.tile)
-        return ProfiledBits(la=la.cpu().numpy().tobytes(), ca=ca.cpu().numpy().tobytes(),
-                            la_density=_density(la, p * (p + 1) // 2), ca_density=_density(ca, p))
+        if self.device.type != "cuda":
+            return _Launched(packed, la, ca, None)
+        la_host = torch.empty(la.shape, dtype=torch.uint8, pin_memory=True)
+        ca_host = torch.empty(ca.shape, dtype=torch.uint8, pin_memory=True)
+        la_host.copy_(la, non_blocking=True)
+        ca_host.copy_(ca, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return _Launched(packed, la_host, ca_host, event)
+
+    def _read(self, launched: _Launched) -> list[ProfiledBits]:
+        """Wait for a pack's bits and cut them into its documents' rows."""
+        if launched.event is not None:
+            launched.event.synchronize()
+        docs, la, ca = launched.docs, launched.la.numpy(), launched.ca.numpy()
+        out = []
+        for s, pages in enumerate(docs.pages):
+            la_doc = np.ascontiguousarray(la[:, :, docs.la_bytes(s)])  # [layers, Hq, bytes]: the row's layout
+            ca_doc = np.ascontiguousarray(ca[:, :, docs.ca_bytes(s)])
+            if self.ca_full:
+                full = _full_pages(pages)
+                for layer, heads in self.ca_full.items():
+                    ca_doc[layer, list(heads)] = full
+            out.append(ProfiledBits(la=la_doc.tobytes(), ca=ca_doc.tobytes(),
+                                    la_density=_density(la_doc, pages * (pages + 1) // 2),
+                                    ca_density=_density(ca_doc, pages)))
+        return out

@@ -149,8 +149,10 @@ def load_model(model: str, *, dtype: str = "float32", device: str = "cpu", attn_
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model_dir = resolve_model_dir(model)
+    # On a GPU the weights go from the safetensors files straight to the device (no copy in host memory first).
+    placement = {} if device == "cpu" else {"device_map": device}
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype),
-                                              attn_implementation=attn_implementation)
+                                              attn_implementation=attn_implementation, **placement)
     if hf.config.model_type not in SUPPORTED_MODEL_TYPES:
         raise SiftError(f"model type {hf.config.model_type!r} is not supported; supported: "
                         f"{', '.join(SUPPORTED_MODEL_TYPES)}")

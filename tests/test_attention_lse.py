@@ -148,3 +148,67 @@ def test_backend_label_records_the_lse_source():
     assert backend_label("triton", [Plan("cudnn"), Plan("cudnn", expand_kv=True)]) == "triton+cudnn-lse"
     assert backend_label("triton", [Plan("flash"), Plan(None), Plan("cudnn")]) == \
         "triton+cudnn-lse+flash-lse+triton-lse"
+
+
+def _varlen_inputs(bounds=(0, 5, 6, 30, 37), **kw):
+    from sift.kernels.attention_lse import Sequences
+
+    q, k, v, scale = _inputs(lp=bounds[-1], **kw)
+    return q, k, v, scale, Sequences(tuple(bounds), torch.tensor(bounds, dtype=torch.int32))
+
+
+def _dense_per_sequence(query, key, value, scale, bounds):
+    outs, lses = [], []
+    for a, b in zip(bounds, bounds[1:]):
+        o, lse = _dense(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], scale)
+        outs.append(o)
+        lses.append(lse[0])
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=1)
+
+
+class _FakeVarlen:
+    """Stands in for `attention_lse._run_varlen` (flash's varlen op): modes 'ok' (lse [H, T]), 'padded' (lse
+    [B, H, max length], as older flash builds return it), 'across' (one causal sequence: attends across
+    documents)."""
+
+    def __init__(self, mode):
+        self.mode = mode
+
+    def __call__(self, source, query, key, value, scale, seqs):
+        bounds = seqs.bounds
+        if self.mode == "across":
+            out, lse = _dense(query, key, value, scale)
+            return out[0].transpose(0, 1), lse[0]
+        out, lse = _dense_per_sequence(query, key, value, scale, bounds)
+        if self.mode == "padded":
+            padded = torch.full((len(bounds) - 1, query.shape[1], seqs.max_len), float("nan"))
+            for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+                padded[i, :, : b - a] = lse[:, a:b]
+            lse = padded
+        return out[0].transpose(0, 1), lse
+
+
+@pytest.mark.parametrize("mode", ["ok", "padded"])
+def test_varlen_pack_runs_flash_and_returns_lse_per_row(fake, monkeypatch, mode):
+    fake(cudnn="ok", flash="ok")
+    monkeypatch.setattr(al, "_run_varlen", _FakeVarlen(mode))
+    q, k, v, scale, seqs = _varlen_inputs()
+    fwd = al.AttentionWithLse("auto")
+    out, lse = fwd(q, k, v, scale=scale, seqs=seqs)
+    ref_out, ref_lse = _dense_per_sequence(q, k, v, scale, seqs.bounds)
+    assert out.shape == (1, 4, 37, 16) and lse.shape == (4, 37)
+    torch.testing.assert_close(lse, ref_lse)
+    assert torch.equal(out, ref_out)
+    assert list(fwd.plans.values()) == [al.Plan("flash", False)]  # cuDNN has no varlen forward here
+
+
+def test_varlen_result_attending_across_sequences_is_refused(fake, monkeypatch):
+    fake(cudnn="ok", flash="ok")
+    real = al._run_varlen
+    monkeypatch.setattr(al, "_run_varlen", _FakeVarlen("across"))
+    q, k, v, scale, seqs = _varlen_inputs()
+    with pytest.warns(UserWarning, match="WRONG RESULT, sequence at rows"):
+        assert al.AttentionWithLse("auto")(q, k, v, scale=scale, seqs=seqs) is None
+    monkeypatch.setattr(al, "_run_varlen", real)  # refuses cuDNN before calling any op
+    with pytest.raises(RuntimeError, match="'cudnn' unusable.*no varlen forward"):
+        al.AttentionWithLse("cudnn")(q, k, v, scale=scale, seqs=seqs)

@@ -25,7 +25,8 @@ def test_cli_overrides_and_profile_key():
     assert cfg.profile_key("fp", 1) != base.profile_key("fp", 1)
     assert base.profile_key("fp", 1) != base.profile_key("other-model", 1)
     # corpus and build settings do not change the bits, so they do not change the key
-    other = dataclasses.replace(base, build=dataclasses.replace(base.build, shard_rows=7))
+    other = dataclasses.replace(base, build=dataclasses.replace(base.build, shard_rows=7, batch_tokens=100,
+                                                                 shard_tokens=5))
     assert other.profile_key("fp", 1) == base.profile_key("fp", 1)
 
     # ca_full_layers decides bits; left empty it keeps the key the default config had before the key existed,
@@ -53,6 +54,8 @@ def test_cli_overrides_and_profile_key():
     ("[corpus]\ntoo_long = 'truncate'\n", "too_long"),
     ("[corpus]\nfollow_symlinks = 'yes'\n", "follow_symlinks"),
     ("[build]\nbackend = 'cuda'\n", "backend"),
+    ("[build]\nbatch_tokens = 0\n", "batch_tokens = 0 must be an integer >= 1"),
+    ("[build]\nshard_tokens = 1.5\n", "shard_tokens"),
     ("[profile\n", "not valid TOML"),
 ])
 def test_bad_config_is_one_clear_error(tmp_path, text, message):

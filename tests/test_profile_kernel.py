@@ -268,7 +268,8 @@ def test_rejects_bad_input():
 def test_bits_kernel_matches_finish_bits(n_doc, tile, normalize, sink, dense):
     """The bit-packing kernel against the torch `finish_bits` on the same statistics: exactly equal, with
     tile maxima and concentrations placed exactly on, just below and just above the thresholds."""
-    from sift.kernels.profile import LA_BYTES_PER_PROGRAM, _launch_bits
+    from sift.kernels.packing import PackedDocs
+    from sift.kernels.profile import LA_BYTES_PER_PROGRAM, _launch_bits, plan_pack
     from sift.kernels.profile_ref import finish_bits
 
     hq, alpha, gamma = 3, 0.001, 0.25
@@ -294,9 +295,10 @@ def test_bits_kernel_matches_finish_bits(n_doc, tile, normalize, sink, dense):
     ca = torch.full_like(ref.ca, 0xAA)
     flags = torch.zeros(hq, dtype=torch.uint8)
     flags[list(dense)] = 1
-    for h0, h1 in ((0, 1), (1, hq)):  # two head chunks, as profile_layer launches them
-        _launch_bits(tile_max[h0:h1], counts, flags if dense else None, la, ca, range(h0, h1), n_doc=n_doc,
-                     tile=tile, alpha=alpha, gamma=gamma, ca_normalize=normalize, force_sink_page=sink)
+    plan = plan_pack(PackedDocs(0, (n_doc,), tile), head_dim=16, dtype=torch.float32, device="cpu")
+    for h0, h1 in ((0, 1), (1, hq)):  # two head chunks, as profile_packed launches them
+        _launch_bits(tile_max[h0:h1].reshape(h1 - h0, p * p), counts, flags if dense else None, la, ca,
+                     range(h0, h1), plan, alpha=alpha, gamma=gamma, ca_normalize=normalize, force_sink_page=sink)
     assert ref.la.shape[1] > LA_BYTES_PER_PROGRAM or n_doc < 4000
     print(f"\nLA density {unpack_msb(ref.la, p * (p + 1) // 2).float().mean():.2f}, "
           f"CA density {unpack_msb(ref.ca, p).float().mean():.2f}")
