@@ -173,6 +173,8 @@ def build_app(backend: Backend, *, model: str, defaults: ServerDefaults, rendere
         timing = _Timing(metrics, t0)
         timing.saw(first, mode)
         headers = {"x-sift-replica": first.replica}
+        if first.engine_ttft_s is not None:     # the engine's own TTFT of this request, beside the client's
+            headers["x-sift-engine-ttft"] = f"{first.engine_ttft_s:.6f}"
         if parsed.stream:
             return StreamingResponse(_events(parsed, first, gen, timing), media_type="text/event-stream",
                                      headers=headers)

@@ -45,9 +45,10 @@ def serve_local(cfg: ServeConfig, host: str, port: int, echo) -> None:
     import uvicorn
 
     from .app import LocalBackend, build_app
-    from .config import make_worker
+    from .config import make_worker, tune_process
     from .render import ChatRenderer
 
+    tune_process()
     worker, tokenizer, name = make_worker(cfg)
     renderer = ChatRenderer(tokenizer) if getattr(tokenizer, "chat_template", None) else None
     app = build_app(LocalBackend(worker), model=name, defaults=cfg.defaults, renderer=renderer)

@@ -20,7 +20,7 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 
 from .app import build_app
-from .config import ServeConfig, make_worker
+from .config import ServeConfig, make_worker, tune_process
 from .render import ChatRenderer
 from .metrics import BOARD
 from .routing import STATS_PERIOD_S, DocumentAffinityRouter
@@ -36,6 +36,7 @@ MAX_RUNNING = 256
 @serve.deployment(name=ENGINE)
 class SiftEngineReplica:
     def __init__(self, cfg: ServeConfig, threads: int | None = None):
+        tune_process()
         if threads:
             import torch
 

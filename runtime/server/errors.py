@@ -52,6 +52,7 @@ _ENGINE_REFUSALS = [
     (r"document '.*' has no tokens", "documents", "empty_document"),
     (r".*more than the model's context|.*exceeds the model's sliding window", "<prompt>", "context_length_exceeded"),
     (r"request \d+ has no tokens", "<prompt>", "empty_prompt"),
+    (r"request \d+ spans \d+ blocks", "documents", "too_many_documents"),
     (r"SamplingParams (\w+)=", None, "invalid_value"),
     (r"mode=", "sift_mode", "invalid_value"),
     (r".*(pages|KV pool|hbm_bytes)", None, "kv_capacity_exceeded"),

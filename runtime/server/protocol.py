@@ -4,13 +4,13 @@ JSON (plain) and server-sent events (streaming).
     POST /v1/completions        prompt (the query), optional "prefix" (the system part), "documents"
     POST /v1/chat/completions   messages rendered with the model's chat template (runtime/server/render.py)
 
-Both take OpenAI's sampling fields (`max_tokens`, `temperature`, `top_p`, `seed`, `stop`; `top_k` as vLLM does)
-and two of SIFT's, which the `openai` client sends through `extra_body`: `documents`, a list of
-`{"id": ..., "text": ...}` (the retrieved documents, in prompt order, ids as the index knows them), and
-`sift_mode`, the engine mode of this request (`sift`, `dense`, `reuse`, `hybrid[:policy][@fraction]`; the
-server's `--mode` when absent). Fields OpenAI defines but the server cannot honour (`n` > 1, `logprobs`, `echo`,
-penalties, `logit_bias`, tools) are refused with a 400 naming them rather than ignored; fields the server does
-not know are ignored, as OpenAI-compatible servers do.
+Both take OpenAI's sampling fields (`max_tokens`, `temperature`, `top_p`, `seed`, `stop`; `top_k` and
+`stop_token_ids` as vLLM does) and two of SIFT's, which the `openai` client sends through `extra_body`:
+`documents`, a list of `{"id": ..., "text": ...}` (the retrieved documents, in prompt order, ids as the index
+knows them), and `sift_mode`, the engine mode of this request (`sift`, `dense`, `reuse`,
+`hybrid[:policy][@fraction]`; the server's `--mode` when absent). Fields OpenAI defines but the server cannot
+honour (`n` > 1, `logprobs`, `echo`, penalties, `logit_bias`, tools) are refused with a 400 naming them rather
+than ignored; fields the server does not know are ignored, as OpenAI-compatible servers do.
 """
 from __future__ import annotations
 
@@ -89,6 +89,7 @@ class _Body(BaseModel):
     top_k: StrictInt | None = None
     seed: StrictInt | None = None
     stop: Any = None
+    stop_token_ids: list[StrictInt] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     documents: list[Document] = []
@@ -244,7 +245,8 @@ def _sampling(body: _Body, max_tokens: int | None, default_max: int) -> Sampling
         return SamplingParams(
             max_tokens=default_max if max_tokens is None else max_tokens,
             temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k, seed=body.seed, stop=body.stop)
+            top_p=1.0 if body.top_p is None else body.top_p, top_k=body.top_k, seed=body.seed, stop=body.stop,
+            stop_token_ids=tuple(body.stop_token_ids or ()))
     except SiftError as e:
         raise from_sift_error(e, "prompt") from None
 

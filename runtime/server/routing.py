@@ -2,14 +2,14 @@
 with load as the tie-breaker, so that N replicas keep N different hot sets rather than N copies of one
 (docs/design.md, "Serving: routing by documents").
 
-    rank(replicas, keys)        the policy, a pure function (the server's router and bench/bench_trace.py's
+    rank(replicas)              the policy, a pure function (the server's router and bench/bench_trace.py's
                                 model of a cluster both call it)
     DocumentAffinityRouter      Ray Serve's pluggable `RequestRouter` for the engine deployment
 
 What a replica holds is known two ways. Every replica reports the routing keys of the documents its store holds
 (`record_routing_stats`, every `STATS_PERIOD_S`; Ray Serve's controller carries the reports to every router);
 between reports, the router counts the documents it has just sent to a replica as held there for
-`routed_ttl_s`, so a burst of requests over the same new documents follows the first one rather than spreading
+`ROUTED_TTL_S`, so a burst of requests over the same new documents follows the first one rather than spreading
 before the next report. A document's routing key is a hash of its text (protocol.doc_key).
 """
 from __future__ import annotations
@@ -25,42 +25,46 @@ from . import metrics
 
 # How often each replica reports its warm documents and its counters (seconds).
 STATS_PERIOD_S = 1.0
-# A replica more loaded than the least loaded one by more than this (requests in flight) is passed over for
-# affinity: documents are worth recomputing once rather than waiting behind a queue.
-MAX_IMBALANCE = 8
+# How long the router counts documents it sent to a replica as held there, before that replica's reports.
+ROUTED_TTL_S = 10.0
+# How many requests above the mean load a replica may go for affinity: past it, documents are worth recomputing
+# elsewhere rather than waiting behind a queue, and every replica keeps its share of the traffic. One request
+# lets a warm replica take a second request while its peers idle, and no more (bench/bench_trace.py: with two,
+# a replica of eight can be left without traffic).
+HEADROOM = 1
 
 
 @dataclass(frozen=True)
 class ReplicaView:
-    """What the policy knows of one replica: warm (routing keys its store holds, or was just sent), load
-    (requests in flight)."""
+    """What the policy knows of one replica for one request: hits (how many of the request's documents it
+    holds), load (requests in flight there), held (documents it holds in all)."""
 
     id: Hashable
-    warm: frozenset | set
+    hits: int
     load: int
+    held: int
 
 
-def rank(replicas: Sequence[ReplicaView], keys: Sequence[str], *, max_imbalance: int = MAX_IMBALANCE,
+def rank(replicas: Sequence[ReplicaView], *, headroom: int = HEADROOM,
          rng: random.Random | None = None) -> list[Hashable]:
-    """Replica ids, best first: replicas within `max_imbalance` of the least load before the others; then most
-    of `keys` warm; then least loaded; then the fewest warm documents (a request that is cold everywhere starts
-    a hot set on the replica holding least); then at random."""
+    """Replica ids, best first. Bounded load first (consistent hashing with bounded loads, Mirrokni et al.): a
+    replica whose load with this request would exceed the mean load (this request counted) by more than
+    `headroom` requests comes after the others. Then the most hits; then the least load; then the fewest
+    documents held (a request cold everywhere starts a hot set where there is most room); then at random."""
     if not replicas:
         return []
     rng = rng or random
-    least = min(r.load for r in replicas)
-    keys = set(keys)
-    scored = [(r.load - least > max_imbalance, -len(keys & r.warm) if keys else 0, r.load, len(r.warm), rng.random(),
-               r.id) for r in replicas]
+    cap = (sum(r.load for r in replicas) + 1) / len(replicas) + headroom
+    scored = [(r.load + 1 > cap, -r.hits, r.load, r.held, rng.random(), r.id) for r in replicas]
     return [s[-1] for s in sorted(scored, key=lambda s: s[:-1])]
 
 
 class DocumentAffinityRouter(RequestRouter):
     """Ray Serve request router of the engine deployment (see the module docstring). Keyword arguments
-    (RequestRouterConfig.request_router_kwargs): max_imbalance, routed_ttl_s."""
+    (RequestRouterConfig.request_router_kwargs): headroom (HEADROOM), routed_ttl_s (ROUTED_TTL_S)."""
 
-    def initialize_state(self, max_imbalance: int = MAX_IMBALANCE, routed_ttl_s: float = 10.0):
-        self._max_imbalance = max_imbalance
+    def initialize_state(self, headroom: int = HEADROOM, routed_ttl_s: float = ROUTED_TTL_S):
+        self._headroom = headroom
         self._routed_ttl_s = routed_ttl_s
         self._reported: dict = {}       # ReplicaID -> frozenset of routing keys (its last report)
         self._routed: dict = {}         # ReplicaID -> {routing key: time sent}
@@ -101,10 +105,13 @@ class DocumentAffinityRouter(RequestRouter):
                 if n is not None:
                     loads[r.replica_id] = n
         now = time.time()
-        views = [ReplicaView(r.replica_id, self._warm(r.replica_id, now), loads.get(r.replica_id, 0))
-                 for r in candidate_replicas]
+        views = []
+        for r in candidate_replicas:
+            warm = self._warm(r.replica_id, now)
+            hits = len(warm.intersection(keys))
+            views.append(ReplicaView(r.replica_id, hits, loads.get(r.replica_id, 0), len(warm)))
         by_id = {r.replica_id: r for r in candidate_replicas}
-        return [[by_id[i]] for i in rank(views, keys, max_imbalance=self._max_imbalance)]
+        return [[by_id[i]] for i in rank(views, headroom=self._headroom)]
 
     def on_request_routed(self, pending_request, replica_id, result):
         keys = _doc_keys(pending_request)

@@ -5,17 +5,17 @@
     worker.snapshot()                   queue depth, running requests, the KV store's and the index's counters
     worker.warm_documents()             the routing keys of the documents the KV store holds (routing.py)
 
-Threads. One loop thread owns the engine's step: it aborts what the endpoints gave up on, runs `engine.step()`
-(prefill of newly admitted requests, one decode step of every running one) and hands each request's output to
-the asyncio loop of the endpoint waiting for it (`loop.call_soon_threadsafe` into the request's asyncio queue).
+Threads. One loop thread drives `engine.step()` (prefill of newly admitted requests, one decode step of every
+running one) and hands each request's output to the asyncio loop of the endpoint waiting for it
+(`loop.call_soon_threadsafe` into the request's asyncio queue); it sleeps while the engine has nothing to do.
 `engine.add_request` runs on one admission thread (it tokenises and validates: a bad request is refused there,
 before it costs the loop anything), so neither the event loop nor the step loop waits for tokenisation.
 Admission into the running batch is the engine's (by KV pages: a request runs once its pages are leased).
 
 Bounds. At most `max_queue` requests wait (added, no token yet); past that a request is refused at once with
 `Overloaded` (HTTP 503, `Retry-After` from the recent completion rate). A request past `call.timeout_s`, or whose
-client went away (the endpoint's generator is closed or cancelled), is aborted: the loop thread calls
-`engine.abort` before its next step, which frees the request's pages.
+client went away (the endpoint's generator is closed or cancelled), is aborted: `engine.abort`, which ends it
+and returns its pages to the pool at the next step.
 """
 from __future__ import annotations
 
@@ -25,14 +25,12 @@ import concurrent.futures
 import logging
 import math
 import os
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
 
 from sift.errors import SiftError
-from sift.format import content_hash
-from sift.runtime.kv_store import entry_key
+from sift.runtime import Request
 
 from .errors import Overloaded, RequestTimeout
 from .protocol import Call, Chunk
@@ -54,7 +52,6 @@ class _Stream:
     sent_text: int = 0                  # characters of the output's text already handed on
     sent_ids: int = 0
     prompt_tokens: int = 0
-    engine_ttft_s: float | None = None
 
     def put(self, item) -> None:
         try:
@@ -74,7 +71,7 @@ class _Counters:
 
 
 class EngineWorker:
-    """Drives `engine` (a SiftEngine, or any object with its step API) from one loop thread.
+    """Drives `engine` (a SiftEngine) from one loop thread.
 
     mode: the engine mode of calls that name none; max_queue: requests that may wait for admission;
     replica: this replica's name in chunks and metrics."""
@@ -85,12 +82,9 @@ class EngineWorker:
         self.engine, self.mode, self.max_queue, self.replica = engine, mode, max_queue, replica
         self._lock = threading.Lock()
         self._streams: dict[str, _Stream] = {}
-        self._early: dict[str, list] = {}         # outputs of a request whose add_request has not returned yet
-        self._gone: collections.deque = collections.deque(maxlen=4096)   # aborted requests: later outputs dropped
-        self._adding = 0                          # requests on the admission thread
-        self._aborts: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = False
+        self._step_error: BaseException | None = None
         self._counts = _Counters()
         self._known: collections.OrderedDict[str, str] = collections.OrderedDict()   # routing key -> store key
         self._unkeyed: dict[str, str] = {}        # routing key -> text, store key not computed yet
@@ -104,20 +98,22 @@ class EngineWorker:
         """Yield the request's `Chunk`s as the engine produces them. Raises SiftError (a bad request),
         Overloaded or RequestTimeout; closing or cancelling the generator aborts the request."""
         loop = asyncio.get_running_loop()
+        stream = _Stream(loop, asyncio.Queue(), time.perf_counter())
         with self._lock:
-            waiting = self._adding + sum(s.state == "waiting" for s in self._streams.values())
+            waiting = sum(s.state == "waiting" for s in self._streams.values())
             if waiting >= self.max_queue:
                 self._counts.rejected += 1
                 raise Overloaded(waiting, self._retry_after(waiting))
-            self._adding += 1
-        stream = _Stream(loop, asyncio.Queue(), time.perf_counter())
+            if call.id in self._streams:
+                raise SiftError(f"request id {call.id!r} is already in use")
+            self._streams[call.id] = stream     # before the engine can produce its first output
         deadline = stream.t_add + call.timeout_s
         added = loop.run_in_executor(self._admit, self._add, call, stream)
         try:
-            rid = await asyncio.shield(added)
+            await asyncio.shield(added)
         except asyncio.CancelledError:
             # the client left while the request was being added: abort it once it is in
-            added.add_done_callback(lambda f: f.cancelled() or f.exception() or self.abort(f.result()))
+            added.add_done_callback(lambda f: f.cancelled() or f.exception() or self.abort(call.id))
             raise
         done = False
         try:
@@ -139,34 +135,33 @@ class EngineWorker:
                     return
         finally:
             if not done:
-                self.abort(rid)
+                self.abort(call.id)
             self._remember_docs(call)
 
-    def _add(self, call: Call, stream: _Stream) -> str:
+    def _add(self, call: Call, stream: _Stream) -> None:
         """Admission thread: the engine validates, tokenises and queues the request."""
         try:
-            rid = self.engine.add_request(call.request, call.params, mode=call.mode)
-            stream.prompt_tokens = self._prompt_tokens(rid, call)
-        finally:
+            self.engine.add_request(call.request, call.params, mode=call.mode, request_id=call.id)
+        except BaseException:
             with self._lock:
-                self._adding -= 1
-        with self._lock:
-            self._streams[rid] = stream
-            early = self._early.pop(rid, [])
-        for out in early:
-            self._deliver(rid, stream, out)
+                self._streams.pop(call.id, None)
+            raise
+        stream.prompt_tokens = len(self.engine.prompt_ids(call.request))
         self._wake.set()
-        return rid
-
-    def _prompt_tokens(self, rid: str, call: Call) -> int:
-        n = getattr(self.engine, "prompt_tokens", None)
-        if callable(n):
-            return n(rid)
-        return len(self.engine.prompt_ids(call.request))
 
     def abort(self, rid: str) -> None:
-        """Abort request `rid` before the next step (thread-safe; a finished request is left alone)."""
-        self._aborts.put(rid)
+        """Abort request `rid` now (thread-safe): it ends at the engine's next step, which frees its pages. A
+        finished request is left alone."""
+        with self._lock:
+            stream = self._streams.pop(rid, None)
+            if stream is None:
+                return                  # finished before the abort
+            stream.state = "done"
+            self._counts.aborted += 1
+        try:
+            self.engine.abort(rid)
+        except SiftError:
+            pass                        # its add_request had failed: it never entered the engine
         self._wake.set()
 
     def _retry_after(self, waiting: int) -> int:
@@ -182,84 +177,48 @@ class EngineWorker:
     def _run(self) -> None:
         engine = self.engine
         while not self._stop:
-            self._drain_aborts()
             self._wake.clear()
             if not engine.has_unfinished():
-                if self._aborts.empty():
-                    self._wake.wait(timeout=1.0)
+                self._wake.wait(timeout=1.0)
                 continue
             try:
                 outputs = engine.step()
-            except Exception as e:  # noqa: BLE001 - the engine failed: every request in it fails, the loop goes on
+            except Exception as e:  # noqa: BLE001 - a prefill failed: its requests end (next step), others go on
                 log.exception("engine step failed")
-                self._fail_all(e)
+                self._step_error = e
                 continue
             now = time.perf_counter()
             for out in outputs:
-                with self._lock:
-                    stream = self._streams.get(out.request_id)
-                    if stream is None:
-                        if out.request_id not in self._gone:
-                            self._early.setdefault(out.request_id, []).append(out)
-                        continue
-                self._deliver(out.request_id, stream, out, now)
+                self._deliver(out, now)
 
-    def _deliver(self, rid: str, stream: _Stream, out, now: float | None = None) -> None:
-        now = time.perf_counter() if now is None else now
+    def _deliver(self, out, now: float) -> None:
         with self._lock:
-            if stream.state == "done":
-                return
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                return                  # aborted by its endpoint; the engine's "abort" output needs no one
             if stream.state == "waiting":
                 stream.state = "running"
-                stream.engine_ttft_s = now - stream.t_add
-                first = True
+                engine_ttft = now - stream.t_add
             else:
-                first = False
+                engine_ttft = None
             if out.finished:
                 stream.state = "done"
-                self._streams.pop(rid, None)
+                del self._streams[out.request_id]
                 if out.finish_reason == "abort":
-                    self._counts.aborted += 1
+                    self._counts.failed += 1
                 else:
                     self._counts.finished += 1
                     self._counts.completions.append(now)
+        if out.finished and out.finish_reason == "abort":
+            # the engine ended it without being asked: its prefill failed
+            stream.put(self._step_error or RuntimeError("the engine aborted the request"))
+            return
         text = out.text[stream.sent_text:] if len(out.text) > stream.sent_text else ""
         ids = tuple(out.token_ids[stream.sent_ids:])
         stream.sent_text, stream.sent_ids = max(stream.sent_text, len(out.text)), len(out.token_ids)
         stream.put(Chunk(text=text, token_ids=ids, finished=out.finished, finish_reason=out.finish_reason,
                          prompt_tokens=stream.prompt_tokens, completion_tokens=len(out.token_ids),
-                         replica=self.replica, engine_ttft_s=stream.engine_ttft_s if first else None,
-                         tile_fraction=getattr(out, "tile_fraction", None)))
-
-    def _drain_aborts(self) -> None:
-        while True:
-            try:
-                rid = self._aborts.get_nowait()
-            except queue.Empty:
-                return
-            with self._lock:
-                stream = self._streams.pop(rid, None)
-                if stream is None:
-                    continue            # finished before the abort reached the loop
-                self._gone.append(rid)
-                stream.state = "done"
-                self._counts.aborted += 1
-            try:
-                self.engine.abort(rid)
-            except SiftError:
-                pass                    # it finished in the step that just ran
-
-    def _fail_all(self, exc: Exception) -> None:
-        with self._lock:
-            streams, self._streams = self._streams, {}
-            self._counts.failed += len(streams)
-        for rid, stream in streams.items():
-            stream.state = "done"
-            stream.put(exc)
-            try:
-                self.engine.abort(rid)
-            except Exception:  # noqa: BLE001 - best effort: the engine is already failing
-                pass
+                         replica=self.replica, engine_ttft_s=engine_ttft))
 
     # --------------------------------------------------------------------------------------- reporting
 
@@ -277,12 +236,10 @@ class EngineWorker:
         """What /metrics reports of this replica: its queue, its counters, its KV store's and index's stats."""
         waiting, running = self.load()
         c = self._counts
-        store = getattr(self.engine, "kv_store", None)
-        index = getattr(self.engine, "index", None)
+        index = self.engine.index
         return dict(replica=self.replica, pid=os.getpid(), waiting=waiting, running=running, finished=c.finished,
                     aborted=c.aborted, timed_out=c.timed_out, rejected=c.rejected, failed=c.failed,
-                    store=store.stats() if store is not None and store.geometry is not None else {},
-                    index=index.stats() if index is not None else {})
+                    store=self.engine.kv_store.stats(), index=index.stats() if index is not None else {})
 
     def _remember_docs(self, call: Call) -> None:
         if not call.doc_keys:
@@ -297,33 +254,26 @@ class EngineWorker:
     def warm_documents(self) -> list[str]:
         """Routing keys of the documents whose KV this replica's store holds (either tier). Store keys of newly
         served documents are computed here, off the request path (it tokenises them)."""
-        store = getattr(self.engine, "kv_store", None)
-        if store is None or store.geometry is None:
-            return []
+        store = self.engine.kv_store
         with self._lock:
             new, self._unkeyed = self._unkeyed, {}
         for key, text in new.items():
-            self._known[key] = store_key_of(self.engine, text)
+            (_, ids), = [s for s in self.engine.tokenize(Request("", [("d", text)], "")) if s[0] == "doc"]
+            self._known[key] = self.engine.ctx.doc_key(ids)
         while len(self._known) > _KNOWN_DOCS:
             self._known.popitem(last=False)
         return [k for k, store_key in list(self._known.items()) if store_key in store]
 
-    def close(self) -> None:
-        """Stop the loop thread and abort whatever is still running."""
-        self._stop = True
-        self._wake.set()
-        self._thread.join(timeout=30)
-        self._admit.shutdown(wait=False, cancel_futures=True)
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Abort whatever is still in the engine, let the loop return its pages, stop the loop thread."""
         with self._lock:
             rids = list(self._streams)
         for rid in rids:
             self.abort(rid)
-        self._drain_aborts()
-
-
-def store_key_of(engine, text: str) -> str:
-    """The KV store key of a document's entry in `engine`'s store (runtime/kv_store.py `entry_key`)."""
-    ids = engine.tokenizer(text, add_special_tokens=False).input_ids
-    store = engine.kv_store
-    return entry_key(store.fingerprint, content_hash(ids), len(ids), store.geometry.dtype, engine.prefix_ids,
-                     engine.block)
+        deadline = time.monotonic() + timeout_s
+        while self.alive and self.engine.has_unfinished() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+        self._admit.shutdown(wait=False, cancel_futures=True)
