@@ -9,12 +9,15 @@
     serve_app(cfg, model_name, replicas, gpus)   -> the bound application, for `serve.run`
 
 A replica admits at most `max_queue` waiting requests (then 503) beside its running batch; Ray Serve's own
-limits are set above that (`MAX_RUNNING` more per replica), so the replica, which knows its queue, decides. The
+limits are set above that (the engine's batch, `MAX_RUNNING`, more per replica), so the replica, which knows its
+queue, decides. The
 ingress's handle queues at most `max_queue` requests more while every replica is full, then answers 503 too.
 A client that disconnects cancels its ingress request, Ray Serve cancels the replica's `generate`, and the
 worker aborts the request in its engine.
 """
 from __future__ import annotations
+
+import asyncio
 
 from ray import serve
 from ray.serve.config import RequestRouterConfig
@@ -28,9 +31,8 @@ from .routing import STATS_PERIOD_S, DocumentAffinityRouter
 APP = "sift"
 ENGINE = "SiftEngineReplica"
 INGRESS = "SiftIngress"
-# Requests a replica may run at once beside its queue, as far as Ray Serve's limit is concerned (the engine
-# admits by KV pages below it).
-MAX_RUNNING = 256
+# Requests an engine decodes at once at most (SiftEngine's max_running); it admits by KV pages below it.
+MAX_RUNNING = 64
 
 
 @serve.deployment(name=ENGINE)
@@ -48,8 +50,10 @@ class SiftEngineReplica:
         async for chunk in self.worker.generate(call):
             yield chunk
 
-    def record_routing_stats(self) -> dict:
-        return {"warm": self.worker.warm_documents(), "snapshot": self.worker.snapshot()}
+    async def record_routing_stats(self) -> dict:
+        # off the replica's event loop: the first report of a document tokenises it
+        warm = await asyncio.to_thread(self.worker.warm_documents)
+        return {"warm": warm, "snapshot": self.worker.snapshot()}
 
     def check_health(self) -> None:
         if not self.worker.alive:

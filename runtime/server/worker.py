@@ -257,12 +257,16 @@ class EngineWorker:
         store = self.engine.kv_store
         with self._lock:
             new, self._unkeyed = self._unkeyed, {}
+        keyed = {}
         for key, text in new.items():
             (_, ids), = [s for s in self.engine.tokenize(Request("", [("d", text)], "")) if s[0] == "doc"]
-            self._known[key] = self.engine.ctx.doc_key(ids)
-        while len(self._known) > _KNOWN_DOCS:
-            self._known.popitem(last=False)
-        return [k for k, store_key in list(self._known.items()) if store_key in store]
+            keyed[key] = self.engine.ctx.doc_key(ids)
+        with self._lock:
+            self._known.update(keyed)
+            while len(self._known) > _KNOWN_DOCS:
+                self._known.popitem(last=False)
+            known = list(self._known.items())
+        return [k for k, store_key in known if store_key in store]
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Abort whatever is still in the engine, let the loop return its pages, stop the loop thread."""
