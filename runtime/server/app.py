@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from .errors import ApiError
 from .metrics import CONTENT_TYPE, Metrics
 from .protocol import Call, Chunk, EventStream, Parsed, ServerDefaults, error_of, parse_chat, parse_completion
-from .protocol import parse_json, response
+from .protocol import response
 
 # How often a waiting handler checks whether its client went away.
 DISCONNECT_POLL_S = 0.1
@@ -154,7 +154,7 @@ def build_app(backend: Backend, *, model: str, defaults: ServerDefaults, rendere
         t0 = time.perf_counter()
         gen = None
         try:
-            parsed = _parse(kind, parse_json(await request.body()))
+            parsed = _parse(kind, await request.body())
             gen = backend.stream(parsed.call)
             first = await _unless_disconnected(request, gen.__anext__())
         except _Disconnected:

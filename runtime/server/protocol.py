@@ -203,26 +203,24 @@ def _param(loc) -> str:
     return out
 
 
-def _validate(model: type[BaseModel], body) -> BaseModel:
-    if not isinstance(body, dict):
-        raise bad_request("the request body must be a JSON object", None, "invalid_json")
+def _validate(model: type[BaseModel], body: bytes | dict) -> BaseModel:
+    """The request body (its raw bytes: parsed and validated in one pass by pydantic's JSON parser, or a dict)
+    -> the model, or a 400 naming the field at fault."""
     try:
+        if isinstance(body, (bytes, bytearray, str)):
+            return model.model_validate_json(body)
         return model.model_validate(body)
     except ValidationError as e:
         err = e.errors()[0]
         param = _param(err["loc"])
         reason = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "json_invalid":
+            raise bad_request(f"the request body is not valid JSON: {reason}", None, "invalid_json") from None
+        if err["type"] == "model_type" and not err["loc"]:
+            raise bad_request("the request body must be a JSON object", None, "invalid_json") from None
         if err["type"] == "missing":
             raise bad_request(f"missing required field {param!r}", param, "missing_field") from None
         raise bad_request(f"invalid {param!r}: {reason}", param) from None
-
-
-def parse_json(raw: bytes):
-    """The request body's JSON, or a 400 naming where it is malformed."""
-    try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise bad_request(f"the request body is not valid JSON: {e}", None, "invalid_json") from None
 
 
 # -------------------------------------------------------------------------------------- body -> engine call
@@ -257,7 +255,7 @@ def _call(body: _Body, request: Request, params: SamplingParams, defaults: Serve
                 timeout_s=defaults.timeout_s)
 
 
-def parse_completion(body, defaults: ServerDefaults) -> Parsed:
+def parse_completion(body: bytes | dict, defaults: ServerDefaults) -> Parsed:
     b = _validate(CompletionBody, body)
     params = _sampling(b, b.max_tokens, defaults.max_tokens_completion)
     request = Request(prefix=b.prefix, docs=[(d.id, d.text) for d in b.documents], query=b.prompt)
@@ -265,7 +263,7 @@ def parse_completion(body, defaults: ServerDefaults) -> Parsed:
                   bool(b.stream_options and b.stream_options.include_usage))
 
 
-def parse_chat(body, defaults: ServerDefaults, renderer) -> Parsed:
+def parse_chat(body: bytes | dict, defaults: ServerDefaults, renderer) -> Parsed:
     b = _validate(ChatBody, body)
     if b.max_tokens is not None and b.max_completion_tokens is not None and b.max_tokens != b.max_completion_tokens:
         raise bad_request("max_tokens and max_completion_tokens differ: give one of them", "max_completion_tokens")
