@@ -10,7 +10,8 @@ popularity (alpha 1.0, bench/bench_trace.py's sampler), a 512-token query of its
 The server runs in a child process (one engine, `sift-serve --replicas 0`'s app: an EngineWorker driving the
 step API; its KV store `--kv-hbm-gib` in HBM and `--kv-dram-gib` pinned DRAM), the load generator in this one.
 The transformers peer is the same FastAPI app over a worker that runs `model.generate` (SDPA, DynamicCache) on
-one request at a time, FIFO, streaming its tokens: how a model is served without a batching engine.
+one request at a time, FIFO, streaming its tokens: how a model is served without a batching engine. The peer and
+the engine share the model's weights, so the systems run one after another.
 
 Per system, rates rise until the system saturates (fewer than half its requests within the SLO, or a p50 TTFT
 over 10 s); each rate's arrivals last `--window-s` (at least `--min-requests` requests), then the requests still
@@ -48,7 +49,8 @@ import torch  # noqa: E402
 SLO_TTFT_S, SLO_TPOT_S = 1.0, 0.050
 SYSTEMS = ("reuse", "sift", "dense", "transformers")
 RATES = {"reuse": (0.5, 1, 2, 4, 6, 8), "sift": (0.25, 0.5, 1, 2), "dense": (0.125, 0.25, 0.5),
-         "transformers": (0.05, 0.1)}
+         "transformers": (0.1,)}
+PROBE_TOKENS = 16       # output tokens of the warm-up and idle-TTFT requests
 SMOKE_RATES = {"reuse": (1, 2), "sift": (1,), "dense": (1,), "transformers": (0.5,)}
 
 
@@ -234,26 +236,30 @@ class Workload:
         self.vocab = vocab
         self.next = 0
 
-    def body(self, mode: str) -> dict:
+    def body(self, mode: str, max_tokens: int | None = None) -> dict:
         sh = self.sh
         picks = self.picks[self.next % len(self.picks)]
         self.next += 1
         query = text(self.rng.integers(3, self.vocab, sh["query_tokens"]).tolist())
-        return dict(model="bench", prompt=query, max_tokens=int(self.rng.integers(sh["out_min"], sh["out_max"] + 1)),
-                    temperature=0, stream=True, stream_options={"include_usage": True},
+        if max_tokens is None:
+            max_tokens = int(self.rng.integers(sh["out_min"], sh["out_max"] + 1))
+        return dict(model="bench", prompt=query, max_tokens=max_tokens, temperature=0, stream=True,
+                    stream_options={"include_usage": True},
                     documents=[{"id": f"doc{d}", "text": self.docs[d]} for d in picks], sift_mode=mode)
 
 
 async def one_request(session, url: str, body: dict, out: list) -> None:
     """One streamed completion -> out.append(record) with client-side timings."""
     t0 = time.perf_counter()
-    rec = dict(t_send=t0, status=None, ttft=None, tokens=0, t_last=None, engine_ttft=None,
+    rec = dict(t_send=t0, status=None, ttft=None, tokens=0, t_last=None, engine_ttft=None, app_ttft=None,
                max_tokens=body["max_tokens"])
     out.append(rec)
     async with session.post(url, json=body) as resp:
         rec["status"] = resp.status
-        if resp.headers.get("x-sift-engine-ttft"):
-            rec["engine_ttft"] = float(resp.headers["x-sift-engine-ttft"])
+        for key in ("engine_ttft", "app_ttft"):
+            value = resp.headers.get("x-sift-" + key.replace("_", "-"))
+            if value:
+                rec[key] = float(value)
         if resp.status != 200:
             await resp.read()
             return
@@ -342,14 +348,30 @@ def scrape(base: str) -> dict:
 
 
 async def idle_ttft(url: str, work: Workload, mode: str, n: int) -> list[dict]:
-    """n requests one after another (nothing else running)."""
+    """n requests one after another (nothing else running), PROBE_TOKENS tokens each."""
     import aiohttp
 
     records: list[dict] = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
         for _ in range(n):
-            await one_request(session, url, work.body(mode), records)
+            await one_request(session, url, work.body(mode, PROBE_TOKENS), records)
     return records
+
+
+def http_overhead(records: list[dict]) -> dict:
+    """The HTTP layer's share of TTFT, per request: the client's TTFT minus the engine's own; split into the
+    app's part (request received -> first chunk, minus the engine's) and the rest (the connection, uvicorn,
+    the event stream, the client)."""
+    recs = [r for r in records if r["status"] == 200 and None not in (r["ttft"], r["engine_ttft"], r["app_ttft"])]
+    if not recs:
+        return {}
+    total = [r["ttft"] - r["engine_ttft"] for r in recs]
+    app = [r["app_ttft"] - r["engine_ttft"] for r in recs]
+    wire = [r["ttft"] - r["app_ttft"] for r in recs]
+    return dict(requests=len(recs), median_ms=1e3 * statistics.median(total), p90_ms=1e3 * pct(total, 90),
+                app_median_ms=1e3 * statistics.median(app), wire_median_ms=1e3 * statistics.median(wire),
+                client_ttft_median_ms=1e3 * statistics.median(r["ttft"] for r in recs),
+                engine_ttft_median_ms=1e3 * statistics.median(r["engine_ttft"] for r in recs))
 
 
 def wait_ready(ready, proc, timeout_s: float) -> None:
@@ -404,9 +426,9 @@ def main() -> None:
     ap.add_argument("--kv-dram-gib", type=float, default=32.0)
     ap.add_argument("--max-queue", type=int, default=256)
     ap.add_argument("--systems", default=",".join(SYSTEMS))
-    ap.add_argument("--window-s", type=float, default=15.0, help="arrival window per rate")
+    ap.add_argument("--window-s", type=float, default=12.0, help="arrival window per rate")
     ap.add_argument("--min-requests", type=int, default=4)
-    ap.add_argument("--drain-s", type=float, default=20.0)
+    ap.add_argument("--drain-s", type=float, default=15.0)
     ap.add_argument("--idle-requests", type=int, default=3)
     ap.add_argument("--budget-s", type=float, default=420.0, help="no new rate starts after this many seconds")
     ap.add_argument("--port", type=int, default=8765)
@@ -451,13 +473,7 @@ def main() -> None:
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 if system == "reuse" and rate == 1:
-                    pairs = [(r["ttft"], r["engine_ttft"]) for r in recs
-                             if r["status"] == 200 and r["ttft"] is not None and r["engine_ttft"] is not None]
-                    diffs = [a - b for a, b in pairs]
-                    overhead = dict(rate=rate, requests=len(diffs), median_ms=1e3 * statistics.median(diffs),
-                                    p90_ms=1e3 * pct(diffs, 90), client_ttft_median_ms=1e3 * statistics.median(
-                                        a for a, _ in pairs), engine_ttft_median_ms=1e3 * statistics.median(
-                                        b for _, b in pairs)) if diffs else {}
+                    overhead = http_overhead(recs)
                 if row["slo_share"] < 0.5 or (row["ttft_p50_s"] or 0) > 10:
                     break               # saturated: higher rates only queue
     finally:
@@ -506,7 +522,8 @@ def print_table(rows: list[dict], summary: dict, overhead: dict) -> None:
     if summary.get("reuse_over_dense_sustained") is not None:
         print(f"reuse / dense sustained rate: {summary['reuse_over_dense_sustained']:.1f}x")
     if overhead:
-        print(f"HTTP layer at 1 req/s (reuse): client TTFT - engine TTFT = {overhead['median_ms']:.2f} ms median, "
+        print(f"HTTP layer at 1 req/s (reuse): client TTFT - engine TTFT = {overhead['median_ms']:.2f} ms median "
+              f"({overhead['app_median_ms']:.2f} in the app, {overhead['wire_median_ms']:.2f} on the wire), "
               f"{overhead['p90_ms']:.2f} ms p90, over {overhead['requests']} requests")
 
 

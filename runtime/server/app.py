@@ -172,8 +172,10 @@ def build_app(backend: Backend, *, model: str, defaults: ServerDefaults, rendere
         mode = parsed.call.mode
         timing = _Timing(metrics, t0)
         timing.saw(first, mode)
-        headers = {"x-sift-replica": first.replica}
-        if first.engine_ttft_s is not None:     # the engine's own TTFT of this request, beside the client's
+        # Where this request's TTFT went: the app's (request received -> first chunk) and the engine's own
+        # (add_request -> first token), beside what the client measures.
+        headers = {"x-sift-replica": first.replica, "x-sift-app-ttft": f"{time.perf_counter() - t0:.6f}"}
+        if first.engine_ttft_s is not None:
             headers["x-sift-engine-ttft"] = f"{first.engine_ttft_s:.6f}"
         if parsed.stream:
             return StreamingResponse(_events(parsed, first, gen, timing), media_type="text/event-stream",
