@@ -52,13 +52,19 @@ def serve_local(cfg: ServeConfig, host: str, port: int, echo) -> None:
     worker, tokenizer, name = make_worker(cfg)
     renderer = ChatRenderer(tokenizer) if getattr(tokenizer, "chat_template", None) else None
     app = build_app(LocalBackend(worker), model=name, defaults=cfg.defaults, renderer=renderer)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False))
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                                           lifespan="off"))
     echo(f"sift-serve: serving {name} (mode {cfg.mode}) from {cfg.index} at http://{host}:{port}/v1 "
          f"(one engine in this process)")
+    # uvicorn shuts down on SIGINT / SIGTERM, then re-raises the signal to the handler it found: this one, which
+    # lets run() return so that the engine is closed and the exit code is 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: None)
     try:
-        server.run()    # returns on SIGINT / SIGTERM
+        server.run()
     finally:
         worker.close()
+    echo("sift-serve: stopped")
 
 
 def serve_ray(cfg: ServeConfig, host: str, port: int, replicas: int | None, ray_address: str | None,
