@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -436,3 +440,47 @@ def test_sampling_params_reach_the_engine(server):
     parsed = parse_completion({"model": MODEL, "prompt": "Q"}, ServerDefaults(mode="reuse"))
     assert parsed.call.params == SamplingParams(max_tokens=16, temperature=1.0, top_p=1.0)
     assert parsed.call.mode == "reuse"
+
+
+# ------------------------------------------------------------------------------------------ the command
+
+
+def _sift_serve(*args: str, **kw) -> subprocess.Popen:
+    return subprocess.Popen([str(Path(sys.executable).with_name("sift-serve")), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, **kw)
+
+
+def test_sift_serve_in_one_process_starts_serves_and_stops(server, tmp_path):
+    """`sift-serve INDEX --replicas 0`: serves the index's model, and SIGTERM stops it with exit code 0."""
+    index = str(server["engine"].index.path)
+    port = free_port()
+    proc = _sift_serve(index, "--replicas", "0", "--port", str(port), "--kv-hbm-gib", "0.0625")
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "sift-serve --replicas 0 did not start"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        name = client.models.list().data[0].id
+        assert name == server["engine"].index.model_name
+        out = client.completions.create(model=name, prompt="The capital of France is", max_tokens=3, temperature=0)
+        assert out.usage.completion_tokens >= 1
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=60)
+    log = proc.stdout.read()
+    assert rc == 0, log
+    assert "sift-serve: stopped" in log
+
+
+def test_sift_serve_refuses_a_missing_index_with_exit_code_2(tmp_path):
+    proc = _sift_serve(str(tmp_path / "no-index"), "--replicas", "0")
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert lines[-1].startswith("error: ") and "no-index" in lines[-1] and "Traceback" not in out, out
