@@ -161,10 +161,10 @@ def build_app(backend: Backend, *, model: str, defaults: ServerDefaults, rendere
             await _close(gen)
             metrics.requests.labels(kind, "disconnected").inc()
             return Response(status_code=499)
-        except BaseException as e:  # noqa: BLE001 - every failure becomes an HTTP error
-            if isinstance(e, asyncio.CancelledError):
-                await _close(gen)
-                raise
+        except asyncio.CancelledError:     # the server cancelled the request (its client went away)
+            await _close(gen)
+            raise
+        except Exception as e:  # noqa: BLE001 - every failure becomes an HTTP error
             await _close(gen)
             err = error_of(e, kind)
             metrics.requests.labels(kind, err.code or str(err.status)).inc()
