@@ -391,7 +391,11 @@ def test_metrics_parse_with_prometheus_client(server, client):
     hits = {s.labels["tier"]: s.value for s in families["sift_kv_store_hits"].samples}
     assert set(hits) == {"hbm", "dram"}
     assert {s.labels["direction"] for s in families["sift_kv_store_bytes_moved"].samples} == {"h2d", "d2h"}
-    assert "sift_kv_store_misses" in families and "sift_tile_fraction" in families
+    assert "sift_kv_store_misses" in families
+    fractions = {s.name: s.value for s in families["sift_tile_fraction"].samples if s.labels.get("mode") == "sift"}
+    assert fractions["sift_tile_fraction_count"] >= 1
+    # all-ones bits: every tile computed
+    assert fractions["sift_tile_fraction_sum"] == pytest.approx(fractions["sift_tile_fraction_count"])
     outcomes = {(s.labels["endpoint"], s.labels["outcome"]) for s in families["sift_requests"].samples
                 if s.name == "sift_requests_total" and s.value > 0}
     assert ("chat", "document_not_found") in outcomes

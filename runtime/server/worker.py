@@ -51,7 +51,6 @@ class _Stream:
     state: str = "waiting"              # "waiting" (no token yet) | "running" | "done"
     sent_text: int = 0                  # characters of the output's text already handed on
     sent_ids: int = 0
-    prompt_tokens: int = 0
 
     def put(self, item) -> None:
         try:
@@ -146,7 +145,6 @@ class EngineWorker:
             with self._lock:
                 self._streams.pop(call.id, None)
             raise
-        stream.prompt_tokens = len(self.engine.prompt_ids(call.request))
         self._wake.set()
 
     def abort(self, rid: str) -> None:
@@ -217,8 +215,9 @@ class EngineWorker:
         ids = tuple(out.token_ids[stream.sent_ids:])
         stream.sent_text, stream.sent_ids = max(stream.sent_text, len(out.text)), len(out.token_ids)
         stream.put(Chunk(text=text, token_ids=ids, finished=out.finished, finish_reason=out.finish_reason,
-                         prompt_tokens=stream.prompt_tokens, completion_tokens=len(out.token_ids),
-                         replica=self.replica, engine_ttft_s=engine_ttft))
+                         prompt_tokens=out.prompt_tokens, completion_tokens=len(out.token_ids),
+                         replica=self.replica, engine_ttft_s=engine_ttft,
+                         tile_fraction=out.tile_fraction if engine_ttft is not None else None))
 
     # --------------------------------------------------------------------------------------- reporting
 
