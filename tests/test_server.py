@@ -379,6 +379,7 @@ def test_request_past_the_timeout_is_a_504(server):
 
 def test_metrics_parse_with_prometheus_client(server, client):
     client.chat.completions.create(**chat_args(server, 0))
+    _bad(server, "/v1/chat/completions", _chat_body(server, documents=[{"id": "no such passage", "text": "x"}]))
     text = httpx.get(server["url"] + "/metrics").text
     families = {f.name: f for f in text_string_to_metric_families(text)}
     ttft = {s.name: s.value for s in families["sift_time_to_first_token_seconds"].samples
