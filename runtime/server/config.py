@@ -78,7 +78,9 @@ def make_engine(cfg: ServeConfig):
     import torch
 
     from sift.model import load_model, resolve_dtype
-    from sift.runtime import KVStore, SiftEngine, SiftIndex
+    from ..engine import SiftEngine
+    from ..kv_store import KVStore
+    from ..store import SiftIndex
 
     device = resolve_device(cfg.device)
     index = SiftIndex.open(cfg.index, device=device)

@@ -24,7 +24,8 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, field_validator
 
 from sift.errors import SiftError, one_line, root_cause
-from sift.runtime import Request, SamplingParams
+from ..request import Request
+from ..sampling import SamplingParams
 
 from .errors import ApiError, Overloaded, RequestTimeout, bad_request, from_sift_error
 

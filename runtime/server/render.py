@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 from typing import Sequence
 
-from sift.runtime import Request
+from ..request import Request
 
 from .errors import bad_request
 

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 
 from sift.errors import SiftError
-from sift.runtime import Request
+from ..request import Request
 
 from .errors import Overloaded, RequestTimeout
 from .protocol import Call, Chunk
