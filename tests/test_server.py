@@ -37,7 +37,7 @@ from .test_engine import hotpot, write_index
 CHARS = 260          # paragraphs cut to ~50-60 tokens: short prompts, fast on CPU
 SYSTEM = "You are a helpful assistant. Answer the question using the passages. Reply with a short answer only."
 MODEL = "smollm2-test"
-MAX_TOKENS = 12
+MAX_TOKENS = 8
 
 
 def chatml(system: str, docs: list[tuple[str, str]], question: str) -> Request:
