@@ -23,6 +23,10 @@ idle TTFT (one request at a time) and p99 TTFT against it below saturation; and 
 the client's TTFT minus the engine's own (add_request to its first token, header `x-sift-engine-ttft`) of the
 same requests, at 1 request / s in reuse mode.
 
+Checks (exit status 1 after writing the result if one fails): at every rate, each answered request got all its
+tokens and its whole prompt (usage), no request failed other than by a 503, and once the rate is over the engine
+holds nothing (no request, no pinned store entry, no page beyond the idle engine's).
+
 Writes bench/results/serve.json and serve.png; prints a table last.
 
     python bench/bench_serve.py                   # H200: ~8 minutes
@@ -114,10 +118,10 @@ class GenerateWorker:
                 item = await q.get()
                 if isinstance(item, BaseException):
                     raise item
-                ids, ttft, done = item
+                ids, n_prompt, ttft, done = item
                 n += len(ids)
                 yield Chunk(text=text(ids), token_ids=tuple(ids), finished=done,
-                            finish_reason="length" if done else None, prompt_tokens=0, completion_tokens=n,
+                            finish_reason="length" if done else None, prompt_tokens=n_prompt, completion_tokens=n,
                             replica="transformers", engine_ttft_s=ttft)
                 if done:
                     return
@@ -149,7 +153,7 @@ class GenerateWorker:
                         if self.first is None:
                             self.first = first = now - t0
                         done = self.calls >= call.params.max_tokens
-                        loop.call_soon_threadsafe(q.put_nowait, (value.view(-1).tolist(), first, done))
+                        loop.call_soon_threadsafe(q.put_nowait, (value.view(-1).tolist(), len(ids), first, done))
 
                 def end(self):
                     pass
@@ -251,8 +255,8 @@ class Workload:
 async def one_request(session, url: str, body: dict, out: list) -> None:
     """One streamed completion -> out.append(record) with client-side timings."""
     t0 = time.perf_counter()
-    rec = dict(t_send=t0, status=None, ttft=None, tokens=0, t_last=None, engine_ttft=None, app_ttft=None,
-               max_tokens=body["max_tokens"])
+    rec = dict(t_send=t0, status=None, ttft=None, tokens=0, prompt_tokens=None, t_last=None, engine_ttft=None,
+               app_ttft=None, max_tokens=body["max_tokens"])
     out.append(rec)
     async with session.post(url, json=body) as resp:
         rec["status"] = resp.status
@@ -272,6 +276,7 @@ async def one_request(session, url: str, body: dict, out: list) -> None:
                 return
             if event.get("usage"):
                 rec["tokens"] = event["usage"]["completion_tokens"]
+                rec["prompt_tokens"] = event["usage"]["prompt_tokens"]
             elif event["choices"] and event["choices"][0]["text"]:
                 now = time.perf_counter()
                 if rec["ttft"] is None:
@@ -330,21 +335,53 @@ def summarise(system: str, rate: float, records: list[dict], arrival_s: float, k
 
 
 def scrape(base: str) -> dict:
-    """The KV store's counters from /metrics."""
+    """The engine replica's figures from /metrics: the KV store's hits and misses (counters), its pinned entries
+    and free / scratch pages, the requests waiting and running (gauges)."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
 
+    names = {"sift_kv_store_hits": "hits", "sift_kv_store_misses": "misses", "sift_kv_store_pages": "pages",
+             "sift_kv_store_pinned_entries": "pinned", "sift_queue_depth": "waiting",
+             "sift_running_requests": "running"}
     out = {}
     with urllib.request.urlopen(base + "/metrics", timeout=30) as r:
         for fam in text_string_to_metric_families(r.read().decode()):
-            if fam.name in ("sift_kv_store_hits", "sift_kv_store_misses"):
-                for s in fam.samples:
-                    if s.name.endswith("_total"):
-                        key = fam.name.removeprefix("sift_kv_store_") + (f"_{s.labels['tier']}" if "tier" in s.labels
-                                                                          else "")
-                        out[key] = out.get(key, 0) + s.value
+            for s in fam.samples if fam.name in names else ():
+                if s.name.endswith("_created"):
+                    continue
+                label = s.labels.get("tier") or s.labels.get("state")
+                key = names[fam.name] + (f"_{label}" if label else "")
+                out[key] = out.get(key, 0) + s.value
     return out
+
+
+def settled(base: str, idle: dict, timeout_s: float = 30.0) -> dict:
+    """The engine's figures once the requests of a rate have left it (the cancelled ones end at its next step),
+    or as they are after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        now = scrape(base)
+        done = now.get("waiting") == now.get("running") == 0 and now.get("pages_scratch") == idle.get("pages_scratch")
+        if done or time.monotonic() > deadline:
+            return now
+        time.sleep(0.2)
+
+
+def check_point(checks, name: str, records: list[dict], prompt_tokens: int, after: dict, idle: dict) -> None:
+    """Gates of one rate: every request answered (200 with all its tokens and its whole prompt, 503, or cancelled
+    by the client after the drain), and once it is over the engine holds nothing: no request, no pinned store
+    entry, its scratch pages back to the idle engine's."""
+    answered = [r for r in records if r["status"] == 200 and r["tokens"]]
+    checks.true(f"{name}/answers_whole", all(r["tokens"] == r["max_tokens"] and r["prompt_tokens"] == prompt_tokens
+                                             for r in answered),
+                f"{len(answered)} answered; token counts and prompt lengths as sent")
+    bad = [r["status"] for r in records if r["status"] not in (200, 503, None)]
+    checks.true(f"{name}/no_errors", not bad, f"statuses {sorted(set(map(str, bad)))}" if bad else "")
+    checks.true(f"{name}/nothing_held", after.get("pinned", 0) == 0 and after.get("waiting", 0) == 0 and
+                after.get("running", 0) == 0 and after.get("pages_scratch") == idle.get("pages_scratch"),
+                f"pinned {after.get('pinned')}, waiting {after.get('waiting')}, running {after.get('running')}, "
+                f"scratch pages {after.get('pages_scratch')} (idle {idle.get('pages_scratch')})")
 
 
 async def idle_ttft(url: str, work: Workload, mode: str, n: int) -> list[dict]:
@@ -448,16 +485,21 @@ def main() -> None:
     proc = ctx.Process(target=serve, args=(args, args.port, ready), daemon=True)
     proc.start()
     rows, idle, overhead = [], {}, {}
+    checks = common.Checks()
     try:
         wait_ready(ready, proc, 900)
         base = f"http://127.0.0.1:{args.port}"
         print(f"server ready after {time.perf_counter() - t_start:.0f}s", flush=True)
         work = Workload(args, vocab)
+        sh = shape(args)
+        prompt_tokens = 1 + sh["per_request"] * sh["doc_tokens"] + sh["query_tokens"]    # BOS, documents, query
+        engine_idle = scrape(base)
         for system in systems:
             url = (base + "/hf" if system == "transformers" else base) + "/v1/completions"
             mode = "dense" if system == "transformers" else system
             warm = asyncio.run(idle_ttft(url, work, mode, 1))       # compilation, allocator
-            assert warm[0]["status"] == 200, warm
+            if not checks.true(f"{system}/warm_up_answered", warm[0]["status"] == 200, f"status {warm[0]['status']}"):
+                continue
             recs = asyncio.run(idle_ttft(url, work, mode, args.idle_requests))
             idle[system] = pct([r["ttft"] for r in recs], 50)
             for i, rate in enumerate(rates[system]):
@@ -467,9 +509,11 @@ def main() -> None:
                 kv0 = scrape(base)
                 recs = asyncio.run(run_point(url, work, mode, rate, args.window_s, args.min_requests, args.drain_s,
                                              seed=100 + i))
-                kv1 = scrape(base)
+                kv1 = settled(base, engine_idle)
+                check_point(checks, f"{system}/{rate:g}", recs, prompt_tokens, kv1, engine_idle)
                 arrival = max(r["t_send"] for r in recs) - min(r["t_send"] for r in recs) + 1.0 / rate
-                row = summarise(system, rate, recs, arrival, {k: kv1.get(k, 0) - kv0.get(k, 0) for k in kv1})
+                counters = {k: kv1.get(k, 0) - kv0.get(k, 0) for k in kv1 if k.startswith(("hits", "misses"))}
+                row = summarise(system, rate, recs, arrival, counters)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 if system == "reuse" and rate == 1:
@@ -496,11 +540,12 @@ def main() -> None:
                              slo_ttft_s=SLO_TTFT_S, slo_tpot_s=SLO_TPOT_S, smoke=args.smoke, args=vars(args) | {
                                  "out": str(args.out)}),
                   rows=rows, idle_ttft_s=idle, http_overhead=overhead, summary=summary,
-                  seconds=time.perf_counter() - t_start)
+                  seconds=time.perf_counter() - t_start, checks=checks.to_json(), ok=checks.ok)
     out = common.out_dir(args)
     common.write_result("serve", result, out)
     plot(rows, out / "serve.png")
     print_table(rows, summary, overhead)
+    raise SystemExit(checks.exit_status())
 
 
 def print_table(rows: list[dict], summary: dict, overhead: dict) -> None:

@@ -14,7 +14,8 @@ Reported by each engine replica (label `replica`), from its latest snapshot (`En
     sift_queue_depth, sift_running_requests            gauges
     sift_requests_aborted_total, ..._rejected_total, ..._timed_out_total
     sift_kv_store_hits_total{tier}, sift_kv_store_misses_total, sift_kv_store_bytes_moved_total{direction},
-    sift_kv_store_evictions_total, sift_kv_store_bytes{tier}, sift_kv_store_pinned_entries
+    sift_kv_store_evictions_total, sift_kv_store_bytes{tier}, sift_kv_store_pinned_entries,
+    sift_kv_store_pages{state}
     sift_index_bits_hits_total, sift_index_bits_misses_total
 
 Each app has its own registry, so several apps in one process (tests, benchmarks) never share series.
@@ -97,6 +98,8 @@ _REPLICA_SERIES = [
     (G, "sift_kv_store_bytes", "KV bytes held by documents",
      [("store.hbm_bytes", {"tier": "hbm"}), ("store.dram_bytes", {"tier": "dram"})]),
     (G, "sift_kv_store_pinned_entries", "KV store entries in use by running requests", [("store.pinned", {})]),
+    (G, "sift_kv_store_pages", "HBM pages of the KV pool no one holds (free) and held by requests (scratch)",
+     [("store.pages_free", {"state": "free"}), ("store.pages_scratch", {"state": "scratch"})]),
     (C, "sift_index_bits_hits", "Documents whose bits were on the device", [("index.hits", {})]),
     (C, "sift_index_bits_misses", "Documents whose bits were copied to the device", [("index.misses", {})]),
 ]
