@@ -21,13 +21,26 @@ store, as the engine refuses it: such points are reported as not feasible. Check
 result if one fails): the store ends every trace with nothing pinned and within its capacities, and the 8 requests
 of the one-copy measurement point at one set of pages.
 
+Routing across a cluster (`--replicas N`, default 8): the same trace over N replicas, each with a store of its
+own (`--route-hbm-gib` and `--dram-gib` per replica), routed by the server's policy
+(`sift.runtime.server.routing.rank`: most of the request's documents held, load as the tie-breaker) or at random
+(what a load balancer that ignores documents does). Load is the requests in flight on each replica, modelled as
+its share of the last 4N requests routed (a busy cluster holding about 4 requests per replica). The bound beside
+them: one store holding all N replicas' memory ("pooled"), what a perfect partition of the documents reaches.
+Reported per policy: the share of requests landing on a replica that holds all of their documents (and the mean
+share held), the documents' HBM / DRAM / miss ratios, the modelled TTFT, and the busiest replica's share of
+requests.
+
     python bench/bench_trace.py [--requests 6000] [--alphas 0.8,1.0,1.2] [--hbm-gib 1,2.5,5,10,20,40]
+        [--replicas 8] [--route-hbm-gib 10,20]
     python bench/bench_trace.py --smoke
 """
 from __future__ import annotations
 
+import collections
 import json
 import pathlib
+import random
 import time
 
 import common  # bench/common.py
@@ -81,6 +94,52 @@ def run_trace(requests, hbm_gib: float, dram_gib: float, doc_tokens: int, warmup
     return dict(counts=np.array(counts), pages=pages, dram_pages=dram_pages, stats=s)
 
 
+def route_trace(requests, replicas: int, policy: str, hbm_gib: float, dram_gib: float, doc_tokens: int,
+                warmup: int, checks: common.Checks, seed: int = 0) -> dict:
+    """The requests over `replicas` stores (the 8B shape's page counts each), routed by `policy` ("affinity":
+    the server's `rank`; "random"; "pooled": one store of all replicas' memory, the bound a perfect partition
+    of the documents would reach) -> per-request (hbm, dram, miss) counts and requests per replica."""
+    from sift.runtime.server.routing import ReplicaView, rank
+
+    pooled = policy == "pooled"
+    pages = int(hbm_gib * 2**30) // REAL_PAGE * (replicas if pooled else 1)
+    dram_pages = int(dram_gib * 2**30) // REAL_PAGE * (replicas if pooled else 1)
+    stores = []
+    for _ in range(1 if pooled else replicas):
+        store = KVStore(hbm_bytes=pages * TINY.page_bytes, dram_bytes=dram_pages * TINY.page_bytes)
+        store.attach(TINY, "trace")
+        stores.append(store)
+    own = -(-512 // BLOCK) + 1
+    rng = random.Random(seed)
+    in_flight = collections.deque(maxlen=4 * replicas)
+    counts, served = [], np.zeros(replicas, dtype=np.int64)
+    for i, docs in enumerate(requests):
+        keys = [f"d{d}" for d in docs]
+        if policy == "affinity":
+            load = collections.Counter(in_flight)
+            views = []
+            for r, store in enumerate(stores):
+                st = store.stats()
+                held = st["entries_hbm"] + st["entries_dram"]
+                views.append(ReplicaView(r, sum(k in store for k in keys), load[r], held))
+            chosen = rank(views, rng=rng)[0]
+        elif pooled:
+            chosen = 0
+        else:
+            chosen = rng.randrange(replicas)
+        in_flight.append(chosen)
+        lease = stores[chosen].lease({k: doc_tokens for k in keys}, scratch_pages=own)
+        st = list(lease.status.values())
+        lease.commit()
+        lease.release()
+        if i >= warmup:
+            counts.append((st.count("hbm"), st.count("dram"), st.count("miss")))
+            served[chosen] += 1
+    pinned = sum(s.stats()["pinned"] for s in stores)
+    checks.true(f"routing/{policy}/{hbm_gib:g}GiB/store_released", pinned == 0, f"{pinned} entries pinned")
+    return dict(counts=np.array(counts), served=served)
+
+
 def ttft_model(costs: dict, counts: np.ndarray, per_request: int) -> np.ndarray:
     hbm, dram, miss = costs["reuse_hbm_s"], costs["reuse_dram_s"], costs["reuse_cold_s"]
     return hbm + counts[:, 1] * (dram - hbm) / per_request + counts[:, 2] * (miss - hbm) / per_request
@@ -113,6 +172,28 @@ def one_copy_check() -> dict:
         return dict(requests=8, distinct_page_lists_of_the_document=len(doc0_pages), offsets=sorted(offsets),
                     store_entries=s["entries_hbm"], store_hbm_bytes=s["hbm_bytes"],
                     one_document_bytes=entry_bytes, copies_per_document=s["hbm_bytes"] / (8 * entry_bytes))
+
+
+def routing(args, costs: dict, rng, checks: common.Checks) -> list[dict]:
+    """Affinity against random routing over --replicas stores, for each alpha and --route-hbm-gib."""
+    rows = []
+    for alpha in map(float, args.alphas.split(",")):
+        reqs = zipf_requests(args.documents, args.requests + args.warmup, 8, alpha, rng)
+        for gib in map(float, args.route_hbm_gib.split(",")):
+            for policy in ("affinity", "random", "pooled"):
+                t = route_trace(reqs, args.replicas, policy, gib, args.dram_gib, 2048, args.warmup, checks)
+                c = t["counts"]
+                n = c.sum(0) / c.sum()
+                ttft = ttft_model(costs, c, 8)
+                row = dict(alpha=alpha, replicas=args.replicas, hbm_gib=gib, dram_gib=args.dram_gib, policy=policy,
+                           all_docs_warm=float(((c[:, 0] + c[:, 1]) == 8).mean()),
+                           all_docs_in_hbm=float((c[:, 0] == 8).mean()),
+                           warm_share=float(n[0] + n[1]), hit_hbm=float(n[0]), hit_dram=float(n[1]), miss=float(n[2]),
+                           ttft_mean_s=float(ttft.mean()), ttft_p99_s=float(np.percentile(ttft, 99)),
+                           busiest_share=None if policy == "pooled" else float(t["served"].max() / t["served"].sum()))
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    return rows
 
 
 def plot(result: dict, path: pathlib.Path) -> None:
@@ -152,11 +233,14 @@ def main() -> None:
     ap.add_argument("--alphas", default="0.8,1.0,1.2")
     ap.add_argument("--hbm-gib", default="1,2.5,5,10,20,40")
     ap.add_argument("--dram-gib", type=float, default=64.0)
+    ap.add_argument("--replicas", type=int, default=8, help="replicas of the routing model")
+    ap.add_argument("--route-hbm-gib", default="10,20", help="HBM budget per replica in the routing model")
     ap.add_argument("--costs", default=str(common.RESULTS / "reuse.json"),
                     help="bench_reuse.py's result (its 16K row gives the per-request costs)")
     args = ap.parse_args()
     if args.smoke:
         args.documents, args.requests, args.warmup, args.alphas, args.hbm_gib = 300, 200, 50, "1.0", "1,5"
+        args.replicas, args.route_hbm_gib = 2, "5"
     t0 = time.perf_counter()
     rows = json.loads(pathlib.Path(args.costs).read_text())["rows"]
     costs = next(r for r in rows if r["context"] == 16384) if not args.smoke else rows[0]
@@ -186,6 +270,7 @@ def main() -> None:
                        evictions=t["stats"]["evictions"], demotions=t["stats"]["demotions"])
             result["alphas"][str(alpha)].append(row)
             print(json.dumps(dict(alpha=alpha, **row)), flush=True)
+    result["routing"] = routing(args, costs, rng, checks)
     result["one_copy"] = one = one_copy_check()
     print(json.dumps(one), flush=True)
     checks.true("one_copy/one_set_of_pages", one["distinct_page_lists_of_the_document"] == 1

@@ -495,6 +495,11 @@ class SiftEngine:
         timer = Timer(self.device)
         timer.add("store", group.lease_s)
         plan = build_plan(self.ctx, self.runner, group.mode, group.states, timer, group.supplied)
+        # each request's tile fraction, copied to the host without a wait (read once its first token is out)
+        computed = plan.computed if group.mode.kind != "dense" else float(plan.dense)
+        tiles = (HostCopy(torch.as_tensor(computed, dtype=torch.float32, device=self.device).reshape(1)), plan.dense)
+        for s in group.states:
+            s.tiles = tiles
         hidden = self.runner.forward(plan.ids, plan.positions, plan.meta, plan.cache, timer)
         logits = self.runner.logits(hidden[plan.logit_rows])
         t = time.perf_counter()

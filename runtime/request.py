@@ -30,13 +30,16 @@ class RequestOutput:
     included); text: their text (special tokens skipped, the ending stop token or stop string and what follows
     it excluded; while the request runs, the last characters that could still begin a stop string are held
     back); finish_reason: None while it runs, then "stop" (eos, a stop token id or a stop string), "length"
-    (max_tokens reached) or "abort"."""
+    (max_tokens reached) or "abort"; prompt_tokens: the prompt's token count; tile_fraction: attention tiles its
+    prefill computed over the dense causal count (of the group prefilled with it; None before its prefill)."""
 
     request_id: str
     token_ids: list[int]
     text: str
     finished: bool
     finish_reason: str | None = None
+    prompt_tokens: int = 0
+    tile_fraction: float | None = None
 
 
 class OutputText:
@@ -124,6 +127,8 @@ class RequestState:
     first_token_s: float | None = None
     finish_s: float | None = None
     latest: RequestOutput | None = None
+    tiles: tuple | None = None          # (tiles its prefill computed, on their way to the host; the dense count)
+    tile_fraction: float | None = None
 
     @property
     def finished(self) -> bool:
@@ -131,7 +136,11 @@ class RequestState:
 
     def output(self) -> RequestOutput:
         text = self.text.final() if self.finished else self.text.visible()
-        out = RequestOutput(self.request_id, list(self.token_ids), text, self.finished, self.finish_reason)
+        if self.tile_fraction is None and self.tiles is not None and self.token_ids:
+            computed, dense = self.tiles      # copied when the prefill was planned: no wait once it has run
+            self.tile_fraction = computed.values()[0] / dense if dense else 0.0
+        out = RequestOutput(self.request_id, list(self.token_ids), text, self.finished, self.finish_reason,
+                            self.n_prompt, self.tile_fraction)
         self.latest = out
         return out
 

@@ -33,22 +33,24 @@ def _imports(path: Path):
 
 
 def _package_files():
-    for folder in STAGES + ("sift",):
+    for folder in STAGES + ("sift", "runtime/server"):
         yield from sorted((ROOT / folder).glob("*.py"))
 
 
-def test_import_sift_runtime_loads_neither_ray_nor_the_builder_nor_the_research_tools():
+def test_import_sift_runtime_loads_neither_ray_nor_the_builder_nor_the_research_tools_nor_the_server():
     code = ("import sys, sift.runtime\n"
-            "bad = sorted(m for m in sys.modules if m in ('ray', 'sift.pipeline', 'sift.quality')\n"
-            "             or m.startswith(('ray.', 'sift.pipeline.', 'sift.quality.')))\n"
+            "names = ('ray', 'sift.pipeline', 'sift.quality', 'sift.runtime.server', 'fastapi', 'uvicorn',\n"
+            "         'prometheus_client')\n"
+            "bad = sorted(m for m in sys.modules if m in names or m.startswith(tuple(n + '.' for n in names)))\n"
             "print(bad)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
 
 
-@pytest.mark.parametrize("path", list(_package_files()), ids=lambda p: f"{p.parent.name}/{p.name}")
+@pytest.mark.parametrize("path", list(_package_files()), ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_import_names_lead_to_files(path):
-    folder = path.parent.name
+    parts = path.parent.relative_to(ROOT).parts      # ("runtime",) or ("runtime", "server")
+    folder = parts[0]
     for module, level, line in _imports(path):
         where = f"{path.relative_to(ROOT)}:{line}"
         if level == 0 and module.startswith("sift."):
@@ -57,12 +59,17 @@ def test_import_names_lead_to_files(path):
                                          f"(from ..{top} import ...) so the name leads to {top}/")
         if folder == "runtime":
             for stage, what in (("pipeline", "the builder"), ("quality", "the research tools")):
-                assert not (level == 2 and module.split(".")[0] == stage), f"{where}: runtime/ imports {what}"
+                assert not (level == len(parts) + 1 and module.split(".")[0] == stage), (
+                    f"{where}: runtime/ imports {what}")
                 assert not module.startswith(f"sift.{stage}"), f"{where}: runtime/ imports {what}"
-        if level == 2:
+        if level == len(parts) + 1:
             target = module.split(".")[0]
             assert folder in STAGES and (ROOT / target).is_dir() and target in STAGES, (
-                f"{where}: relative import ..{module} does not name a stage folder")
+                f"{where}: relative import {'.' * level}{module} does not name a stage folder")
+        elif 2 <= level <= len(parts):     # a module of an enclosing package: its file must be there
+            base = ROOT.joinpath(*parts[:len(parts) - level + 1], *module.split(".")[:1])
+            assert base.with_suffix(".py").is_file() or base.is_dir(), (
+                f"{where}: relative import {'.' * level}{module} names no file")
 
 
 def test_the_index_format_has_one_home():
