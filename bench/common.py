@@ -8,8 +8,8 @@ Each script is run from the repository root with the package installed (`pip ins
 and writes `bench/results/<name>.json` (or `--out DIR/<name>.json`), the figures the docs quote; earlier results
 live in git history. Every result records where it comes from (`provenance`): the script and its arguments, the
 commit and whether tracked files differed from it, the date, the device and the software versions. On a copy of
-the tree without git (a GPU host the tree was copied to), set `SIFT_COMMIT` to the commit the copy was made from
-(and `SIFT_DIRTY=1` if the copy carried uncommitted changes).
+the tree (a GPU host the tree was copied to, with no git folder or a stale one), set `SIFT_COMMIT` to the
+commit the copy was made from (and `SIFT_DIRTY=1` if the copy carried uncommitted changes): it wins over git.
 
 Correctness gates (`Checks`): a script checks what it runs against a reference before it times anything, records
 every check in its result, and exits with status 1 after writing the result when a check failed.
@@ -74,12 +74,12 @@ def _git(*args: str) -> str | None:
 def commit() -> tuple[str, bool | None]:
     """(HEAD's commit, whether tracked files differ from it) of the tree the script runs from; from $SIFT_COMMIT
     and $SIFT_DIRTY where the tree has no git; ("unknown", None) where neither says."""
+    if os.environ.get("SIFT_COMMIT"):   # a copy of the tree: its own git folder, if any, may be of another commit
+        dirty = os.environ.get("SIFT_DIRTY")
+        return os.environ["SIFT_COMMIT"], None if dirty is None else dirty not in ("", "0")
     head = _git("rev-parse", "HEAD")
     if head:
         return head, bool(_git("status", "--porcelain", "--untracked-files=no"))
-    if os.environ.get("SIFT_COMMIT"):
-        dirty = os.environ.get("SIFT_DIRTY")
-        return os.environ["SIFT_COMMIT"], None if dirty is None else dirty not in ("", "0")
     return "unknown", None
 
 
