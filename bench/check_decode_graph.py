@@ -105,7 +105,10 @@ def drive(engine: SiftEngine, reqs: list[Request], steps: int, check_syncs: bool
             finally:
                 if guard:
                     torch.cuda.set_sync_debug_mode(0)
-        syncs += sum("synchroniz" in str(w.message) for w in seen)
+        found = [str(w.message) for w in seen if "synchroniz" in str(w.message)]
+        syncs += len(found)
+        for message in found:   # which call synchronised, with the step it happened in
+            print(f"step {len(times) + 1}: {message.splitlines()[0][:200]}", flush=True)
         if not first:
             times.append(time.perf_counter() - t)
         first = False
