@@ -51,7 +51,8 @@ from .backends import select_backend
 from .forward import ATTN_NAME, Timer, sift_attention
 from .kv_store import Geometry, KVStore
 from .modes import Mode
-from .plan import PlanContext, build_plan, n_blocks, page_need
+from .plan import PlanContext, n_blocks, page_need, sift_plan
+from .reuse_prefill import reuse_plan
 from .request import OutputText, Request, RequestOutput, RequestState
 from .runner import BUCKETS, HostCopy, ModelRunner
 from .sampling import MAX_STOP_TOKEN_IDS, SamplingParams, seed_key
@@ -494,7 +495,10 @@ class SiftEngine:
             torch.cuda.current_stream(self.device).synchronize()
         timer = Timer(self.device)
         timer.add("store", group.lease_s)
-        plan = build_plan(self.ctx, self.runner, group.mode, group.states, timer, group.supplied)
+        if group.mode.reuses:   # the per-mode builder (runtime/plan.py, runtime/reuse_prefill.py)
+            plan = reuse_plan(self.ctx, self.runner, group.mode, group.states, timer)
+        else:   # supplied: bits given instead of the index's (mode "sift"; runtime/supplied_bits.py)
+            plan = sift_plan(self.ctx, group.mode, group.states, timer, group.supplied)
         # each request's tile fraction, copied to the host without a wait (read once its first token is out)
         computed = plan.computed if group.mode.kind != "dense" else float(plan.dense)
         tiles = (HostCopy(torch.as_tensor(computed, dtype=torch.float32, device=self.device).reshape(1)), plan.dense)

@@ -6,8 +6,8 @@
     PlanContext    what the builders read: the engine's configuration (block, index, store, backend)
     PrefillPlan    one forward, frozen: token ids and positions, the metadata, the cache view, the rows whose
                    logits are kept, each request's decode block table, and the figures of the result
-    build_plan     the per-mode builder: `sift_plan` here (modes "sift" and "dense"), `reuse_plan` in
-                   runtime/reuse_prefill.py (modes "reuse" and "hybrid")
+    sift_plan      the builder of modes "sift" and "dense"; modes "reuse" and "hybrid" have theirs in
+                   runtime/reuse_prefill.py (`reuse_plan`); the engine picks one per group
 
 Every mode writes into pages of the pool: a request's lease (runtime/kv_store.py) holds its documents' pages
 (reuse modes) and its own scratch pages, cut as [own blocks | generation pages | the profiling prefix of each
@@ -130,16 +130,6 @@ def page_need(ctx: PlanContext, mode: Mode, segments: list, max_tokens: int) -> 
     recompute = sum(reuse.budget(n_blocks(len(ids), blk), fraction, mode.policy) for ids in docs)
     own = sum(n_blocks(len(ids), blk) for kind, ids in segments if kind != "doc") + 1 + recompute
     return PageNeed({ctx.doc_key(ids): len(ids) for ids in docs}, own, gen, n_blocks(len(ctx.prefix_ids), blk))
-
-
-def build_plan(ctx: PlanContext, runner, mode: Mode, states, timer: Timer, supplied=None) -> PrefillPlan:
-    """The plan of one forward over `states` (RequestStates of one mode, their leases taken). supplied: bits
-    given instead of the index's (mode "sift"; runtime/supplied_bits.py)."""
-    if mode.reuses:
-        from .reuse_prefill import reuse_plan
-
-        return reuse_plan(ctx, runner, mode, states, timer)
-    return sift_plan(ctx, mode, states, timer, supplied)
 
 
 def sift_plan(ctx: PlanContext, mode: Mode, states, timer: Timer, supplied=None) -> PrefillPlan:
