@@ -327,7 +327,7 @@ def main() -> None:
               f"weights, SmolLM2 tokenizer", "model_kind": kind, "dtype": dtype, "backend": backend,
               "batch_tokens": args.batch_tokens, "tile": 64, "peak_tflops": args.peak_tflops,
               "model_folder": model_cost, "cold_build": cold, "corpora": results,
-              "args": {k: str(v) for k, v in vars(args).items()}}
+              "options": {k: str(v) for k, v in vars(args).items()}}   # `args` is the argv (provenance)
     name = "build" if gpu else "build-cpu"
     path = write_result(name, result, out_dir(args))
     print_table(json.loads(path.read_text()))

@@ -1,23 +1,22 @@
 """A RAG request trace through the document KV store: hit ratios per tier and TTFT, against the HBM budget.
 
-10,000 documents of 2048 tokens, requests of 8 distinct documents drawn by Zipf popularity (alpha 0.8 / 1.0 /
-1.2) in random order, the HBM budget swept from 1 to 40 GiB with a pinned DRAM tier behind it. The trace runs
+10,000 documents of 2048 tokens, requests of N distinct documents (N those of the measured row below) drawn by
+Zipf popularity (alpha 0.8 / 1.0 / 1.2) in random order, the HBM budget swept from 1 to 40 GiB with a pinned DRAM tier behind it. The trace runs
 through the store's own code (`KVStore.lease` / `commit` / `release`: its LRU, pinning, write-back, demotion
 and promotion), with pages scaled down: the pool has exactly as many pages as the 8B Llama shape would have in
 that budget (one page = 128 tokens of K and V, 32 layers, 8 KV heads, head_dim 128, bf16 = 16 MiB), each page
 just holds a few bytes, so the bookkeeping is the real one without the memory.
 
 TTFT per request is then modelled from the per-request costs measured on the GPU by bench_reuse.py (its JSON
-in bench/results/reuse.json, the 16K row: 8 documents of 2048 tokens + a 512-token query, the same shape as a
-request here): the HBM-warm TTFT, plus per DRAM-hit document 1/8 of (DRAM-warm - HBM-warm), plus per missed
-document 1/8 of (cold - HBM-warm). Dense and sift TTFT are those measured ones (no cache). The model assumes
+in bench/results/reuse.json, the row of --costs-context, by default its shortest context: N documents of 2048
+tokens + a 512-token query, the shape of a request here): the HBM-warm TTFT, plus per DRAM-hit document 1/N of
+(DRAM-warm - HBM-warm), plus per missed document 1/N of (cold - HBM-warm). Dense and sift TTFT are those measured ones (no cache). The model assumes
 per-document costs add up, which the measured rows support only approximately: it is labelled as a model.
 
 Also: the memory one document uses when 8 requests of one batch hold it at 8 different offsets, measured with
 the engine itself on a small random Llama on CPU (pool pages referenced by the 8 block tables, store bytes).
 
-A budget below one request's pages (8 x 256 MiB of documents plus its own pages, 2.06 GiB) is refused by the
-store, as the engine refuses it: such points are reported as not feasible. Checks (exit status 1 after writing the
+A budget below one request's pages (N x 256 MiB of documents plus its own pages) is refused by the store, as the engine refuses it: such points are reported as not feasible. Checks (exit status 1 after writing the
 result if one fails): the store ends every trace with nothing pinned and within its capacities, and the 8 requests
 of the one-copy measurement point at one set of pages.
 
@@ -32,7 +31,7 @@ share held), the documents' HBM / DRAM / miss ratios, the modelled TTFT, and the
 requests.
 
     python bench/bench_trace.py [--requests 6000] [--alphas 0.8,1.0,1.2] [--hbm-gib 1,2.5,5,10,20,40]
-        [--replicas 8] [--route-hbm-gib 10,20]
+        [--replicas 8] [--route-hbm-gib 10,20] [--costs-context 32768]
     python bench/bench_trace.py --smoke
 """
 from __future__ import annotations
@@ -174,20 +173,20 @@ def one_copy_check() -> dict:
                     one_document_bytes=entry_bytes, copies_per_document=s["hbm_bytes"] / (8 * entry_bytes))
 
 
-def routing(args, costs: dict, rng, checks: common.Checks) -> list[dict]:
+def routing(args, costs: dict, per_request: int, rng, checks: common.Checks) -> list[dict]:
     """Affinity against random routing over --replicas stores, for each alpha and --route-hbm-gib."""
     rows = []
     for alpha in map(float, args.alphas.split(",")):
-        reqs = zipf_requests(args.documents, args.requests + args.warmup, 8, alpha, rng)
+        reqs = zipf_requests(args.documents, args.requests + args.warmup, per_request, alpha, rng)
         for gib in map(float, args.route_hbm_gib.split(",")):
             for policy in ("affinity", "random", "pooled"):
                 t = route_trace(reqs, args.replicas, policy, gib, args.dram_gib, 2048, args.warmup, checks)
                 c = t["counts"]
                 n = c.sum(0) / c.sum()
-                ttft = ttft_model(costs, c, 8)
+                ttft = ttft_model(costs, c, per_request)
                 row = dict(alpha=alpha, replicas=args.replicas, hbm_gib=gib, dram_gib=args.dram_gib, policy=policy,
-                           all_docs_warm=float(((c[:, 0] + c[:, 1]) == 8).mean()),
-                           all_docs_in_hbm=float((c[:, 0] == 8).mean()),
+                           all_docs_warm=float(((c[:, 0] + c[:, 1]) == per_request).mean()),
+                           all_docs_in_hbm=float((c[:, 0] == per_request).mean()),
                            warm_share=float(n[0] + n[1]), hit_hbm=float(n[0]), hit_dram=float(n[1]), miss=float(n[2]),
                            ttft_mean_s=float(ttft.mean()), ttft_p99_s=float(np.percentile(ttft, 99)),
                            busiest_share=None if policy == "pooled" else float(t["served"].max() / t["served"].sum()))
@@ -214,7 +213,7 @@ def plot(result: dict, path: pathlib.Path) -> None:
     ax2.axhline(c["sift_s"] * 1e3, color="grey", lw=1, ls=":", label="sift")
     ax1.set(xscale="log", xlabel="HBM budget (GiB)", ylabel="share of documents", title="Hit ratio per tier")
     ax2.set(xscale="log", ylim=(0, None), xlabel="HBM budget (GiB)", ylabel="TTFT (ms, modelled)",
-            title="TTFT per request (8 x 2K documents + 512-token query)")
+            title=f"TTFT per request ({result['per_request']} x 2K documents + 512-token query)")
     budgets = sorted({r["hbm_gib"] for rows in result["alphas"].values() for r in rows if r["feasible"]})
     for ax in (ax1, ax2):
         ax.xaxis.set_minor_locator(NullLocator())
@@ -236,24 +235,35 @@ def main() -> None:
     ap.add_argument("--replicas", type=int, default=8, help="replicas of the routing model")
     ap.add_argument("--route-hbm-gib", default="10,20", help="HBM budget per replica in the routing model")
     ap.add_argument("--costs", default=str(common.RESULTS / "reuse.json"),
-                    help="bench_reuse.py's result (its 16K row gives the per-request costs)")
+                    help="bench_reuse.py's result: one of its rows gives the per-request costs")
+    ap.add_argument("--costs-context", type=int, default=None,
+                    help="the context of that row (default: the shortest measured); its documents make a request")
     args = ap.parse_args()
     if args.smoke:
         args.documents, args.requests, args.warmup, args.alphas, args.hbm_gib = 300, 200, 50, "1.0", "1,5"
         args.replicas, args.route_hbm_gib = 2, "5"
     t0 = time.perf_counter()
-    rows = json.loads(pathlib.Path(args.costs).read_text())["rows"]
-    costs = next(r for r in rows if r["context"] == 16384) if not args.smoke else rows[0]
-    costs = {k: costs[k] for k in ("dense_s", "sift_s", "reuse_cold_s", "reuse_hbm_s", "reuse_dram_s")}
+    measured = json.loads(pathlib.Path(args.costs).read_text())
+    setup, rows = measured["setup"], measured["rows"]
+    if (setup["doc_tokens"], setup["query_tokens"]) != (2048, 512):
+        raise SystemExit(f"{args.costs} measured documents of {setup['doc_tokens']} tokens and a query of "
+                         f"{setup['query_tokens']}: the trace models 2048 and 512 (re-run bench_reuse.py)")
+    context = args.costs_context or min(r["context"] for r in rows)
+    row = next((r for r in rows if r["context"] == context), None)
+    if row is None:
+        raise SystemExit(f"{args.costs} has no row of context {context} (it has "
+                         f"{', '.join(str(r['context']) for r in rows)}): pass --costs-context")
+    per_request = row["documents"]
+    costs = {k: row[k] for k in ("dense_s", "sift_s", "reuse_cold_s", "reuse_hbm_s", "reuse_dram_s")}
     rng = np.random.default_rng(0)
     checks = common.Checks()
-    result = dict(costs=costs, documents=args.documents, requests=args.requests, warmup=args.warmup,
-                  per_request=8, doc_tokens=2048, dram_gib=args.dram_gib, page_bytes_modelled=REAL_PAGE, alphas={})
+    result = dict(costs=costs, costs_context=context, documents=args.documents, requests=args.requests,
+                  warmup=args.warmup, per_request=per_request, doc_tokens=2048, dram_gib=args.dram_gib, page_bytes_modelled=REAL_PAGE, alphas={})
     for alpha in map(float, args.alphas.split(",")):
-        reqs = zipf_requests(args.documents, args.requests + args.warmup, 8, alpha, rng)
+        reqs = zipf_requests(args.documents, args.requests + args.warmup, per_request, alpha, rng)
         result["alphas"][str(alpha)] = []
         for gib in map(float, args.hbm_gib.split(",")):
-            need = 8 * (2048 // BLOCK) + -(-512 // BLOCK) + 1
+            need = per_request * (2048 // BLOCK) + -(-512 // BLOCK) + 1
             if int(gib * 2**30) // REAL_PAGE < need:
                 # the engine refuses such a store (every page a call attends to must fit): no reuse possible
                 row = dict(hbm_gib=gib, feasible=False, needs_gib=need * REAL_PAGE / 2**30)
@@ -262,7 +272,7 @@ def main() -> None:
                 continue
             t = run_trace(reqs, gib, args.dram_gib, 2048, args.warmup, checks)
             n = t["counts"].sum(0) / t["counts"].sum()
-            ttft = ttft_model(costs, t["counts"], 8)
+            ttft = ttft_model(costs, t["counts"], per_request)
             row = dict(hbm_gib=gib, feasible=True, hbm_pages=t["pages"], hit_hbm=float(n[0]), hit_dram=float(n[1]),
                        miss=float(n[2]), ttft_mean_s=float(ttft.mean()), ttft_p99_s=float(np.percentile(ttft, 99)),
                        speedup_mean_vs_dense=costs["dense_s"] / float(ttft.mean()),
@@ -270,7 +280,7 @@ def main() -> None:
                        evictions=t["stats"]["evictions"], demotions=t["stats"]["demotions"])
             result["alphas"][str(alpha)].append(row)
             print(json.dumps(dict(alpha=alpha, **row)), flush=True)
-    result["routing"] = routing(args, costs, rng, checks)
+    result["routing"] = routing(args, costs, per_request, rng, checks)
     result["one_copy"] = one = one_copy_check()
     print(json.dumps(one), flush=True)
     checks.true("one_copy/one_set_of_pages", one["distinct_page_lists_of_the_document"] == 1
