@@ -386,6 +386,27 @@ def finish_packed(
     ca_out.copy_(pack_msb(ca))
 
 
+def reader_masses_ref(q: torch.Tensor, k: torch.Tensor, docs: PackedDocs, *, scale: float,
+                      softcap: float | None = None, v: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                      block_bytes: int = 64 << 20) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reader criterion's masses of a pack whose sequences end with the reader (the twin of the kernels'
+    `reader_masses`): (tile masses [Hq, sum P^2], page masses [Hq, sum P]) float64, each document's from its own
+    rows. q: [Hq, T, D], k / v: [Hkv, T, D(v)]; with v, the layer's output goes to out [Hq, T, Dv]."""
+    hq = q.shape[0]
+    t = _finish_tables(docs)
+    tile_mass = torch.zeros(hq, sum(p * p for p in docs.pages), dtype=torch.float64, device=q.device)
+    page_mass = torch.zeros(hq, sum(docs.pages), dtype=torch.float64, device=q.device)
+    page_off = 0
+    for s, p in enumerate(docs.pages):
+        rows, tiles = docs.seq_rows(s), slice(t.tmax_off[s], t.tmax_off[s] + p * p)
+        _reader_masses(q[:, rows], k[:, rows], v[:, rows] if v is not None else None,
+                       tile_mass[:, tiles].view(hq, p, p), page_mass[:, page_off:page_off + p],
+                       out[:, rows] if out is not None else None, scale=scale, n_prefix=docs.n_prefix,
+                       n_reader=docs.n_reader, tile=docs.tile, softcap=softcap, block_bytes=block_bytes)
+        page_off += p
+    return tile_mass, page_mass
+
+
 def profile_packed_ref(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -422,16 +443,8 @@ def profile_packed_ref(
     out = torch.empty(hq, docs.total, v.shape[-1], dtype=v.dtype, device=v.device) if v is not None else None
     squares = sum(p * p for p in docs.pages)
     if criterion == "reader":
-        tile_mass = torch.zeros(hq, squares, dtype=torch.float64, device=q.device)
-        page_mass = torch.zeros(hq, sum(docs.pages), dtype=torch.float64, device=q.device)
-        page_off = 0
-        for s, (n, p) in enumerate(zip(docs.lengths, docs.pages)):
-            rows, tiles = docs.seq_rows(s), slice(t.tmax_off[s], t.tmax_off[s] + p * p)
-            _reader_masses(q[:, rows], k[:, rows], v[:, rows] if v is not None else None,
-                           tile_mass[:, tiles].view(hq, p, p), page_mass[:, page_off:page_off + p],
-                           out[:, rows] if out is not None else None, scale=scale, n_prefix=docs.n_prefix,
-                           n_reader=docs.n_reader, tile=docs.tile, softcap=softcap, block_bytes=block_bytes)
-            page_off += p
+        tile_mass, page_mass = reader_masses_ref(q, k, docs, scale=scale, softcap=softcap, v=v, out=out,
+                                                 block_bytes=block_bytes)
         kept, ca_kept = select_packed(tile_mass, page_mass, docs, coverage=coverage, force_sink_page=force_sink_page)
         finish_packed(tile_mass, None, docs, la_out=la_out, ca_out=ca_out, alpha=alpha, gamma=gamma,
                       ca_normalize=ca_normalize, force_sink_page=force_sink_page, dense_heads=dense_heads, kept=kept,

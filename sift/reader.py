@@ -22,7 +22,7 @@ def default_reader_path() -> Path:
     return Path(spec.submodule_search_locations[0]) / "sample_corpus" / "wiki_vital_leads.jsonl"
 
 
-def reader_ids(tokenizer, text: str | None = None, n_tokens: int = READER_TOKENS) -> list[int]:
+def reader_ids(tokenizer, text: str | None = None, *, n_tokens: int = READER_TOKENS) -> list[int]:
     """The reader's token ids (no special tokens). text None: the default reader, cut at n_tokens tokens; else
     the text's own tokens, all of them."""
     if text is not None:
