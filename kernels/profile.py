@@ -27,6 +27,14 @@ matrix:
    diagonal, sink page, dense heads, MSB-first packing) straight into the layer's uint8 outputs; one launch
    instead of ~20 small torch ops per document, which dominated short (RAG-sized) documents.
 
+The reader criterion (`criterion="reader"`; every sequence is [prefix, document, reader], `PackedDocs.n_reader`)
+replaces passes 2 and 3: `_mass_kernel`, per (query head, block of BLOCK_N keys of one document), sums
+A = exp2(s2 - lse2) over each (query tile, key tile) of the document rows at or below the key block -> tile masses
+[sum P^2], and over the reader rows for each page -> page masses [sum P], reading the same lse as pass 2; each
+program owns its outputs (no atomics, deterministic). The choice (`reader_select.select_packed`: a sort per head
+over the pack's candidates) and the packing (`profile_ref.finish_packed`) are torch ops shared with the reference,
+so the two backends' bits differ only where their masses' rounding straddles a decision.
+
 Memory: lse2 and key_counts are O(Hq * T); tile_max is O(Hq * sum P^2) (4 bytes per tile), so `profile_packed`
 runs pass 2 and the bits kernel over chunks of heads whose tile maxima fit `stats_bytes`.
 
