@@ -268,6 +268,18 @@ def _stats_rows(acc, Q, q_ptrs, k_op, q_lse, tmax_ptr, m_lo, m_from, m_to, h, n0
 
 
 @triton.jit
+def _key_block(BLOCKS, SEQ0, DOC_LEN, n_prefix, h_first, n_heads, TILE: tl.constexpr):
+    """A key-block program's place (program_id(0) = blk * n_heads + hc, heads fastest; (d, n0) = BLOCKS[blk]):
+    (hc, head h_first + hc, document d, first key n0, pack row of d's first token, L, P)."""
+    hc = tl.program_id(0) % n_heads
+    blk = tl.program_id(0) // n_heads
+    doc = tl.load(BLOCKS + 2 * blk)
+    n_doc = tl.load(DOC_LEN + doc)
+    return (hc, h_first + hc, doc, tl.load(BLOCKS + 2 * blk + 1), tl.load(SEQ0 + doc) + n_prefix, n_doc,
+            tl.cdiv(n_doc, TILE))
+
+
+@triton.jit
 def _stats_kernel(
     Q, K, LSE, TMAX, COUNTS, SEQ0, DOC_LEN, TMAX_OFF, BLOCKS,
     stride_qh, stride_ql, stride_qd, stride_kh, stride_kl, stride_kd, stride_lh, stride_th, stride_ch,
@@ -287,14 +299,7 @@ def _stats_kernel(
     log2_beta: log2 of beta (beta > 0; COUNT False when beta = 0). Q: pointer, or with TMA a [Hq, T, D] tensor
     descriptor of block [1, BLOCK_M, BLOCK_D].
     """
-    hc = tl.program_id(0) % n_heads
-    h = h_first + hc
-    blk = tl.program_id(0) // n_heads
-    doc = tl.load(BLOCKS + 2 * blk)
-    n0 = tl.load(BLOCKS + 2 * blk + 1)
-    doc0 = tl.load(SEQ0 + doc) + n_prefix
-    n_doc = tl.load(DOC_LEN + doc)
-    n_pages = tl.cdiv(n_doc, TILE)
+    hc, h, doc, n0, doc0, n_doc, n_pages = _key_block(BLOCKS, SEQ0, DOC_LEN, n_prefix, h_first, n_heads, TILE)
     stride_ti = n_pages
     rm = tl.arange(0, BLOCK_M)
     rn = tl.arange(0, BLOCK_N)
@@ -386,14 +391,7 @@ def _mass_kernel(
     LSE[h, row] * lse_mul, as the stats pass reads it. fp32 sums: over the rows of a block, then over the
     blocks, then (pages) over the tile's keys; each program owns its outputs (no atomics, deterministic).
     """
-    hc = tl.program_id(0) % n_heads
-    h = h_first + hc
-    blk = tl.program_id(0) // n_heads
-    doc = tl.load(BLOCKS + 2 * blk)
-    n0 = tl.load(BLOCKS + 2 * blk + 1)
-    doc0 = tl.load(SEQ0 + doc) + n_prefix
-    n_doc = tl.load(DOC_LEN + doc)
-    n_pages = tl.cdiv(n_doc, TILE)
+    hc, h, doc, n0, doc0, n_doc, n_pages = _key_block(BLOCKS, SEQ0, DOC_LEN, n_prefix, h_first, n_heads, TILE)
     rm = tl.arange(0, BLOCK_M)
     rn = tl.arange(0, BLOCK_N)
     rd = tl.arange(0, BLOCK_D)
