@@ -35,6 +35,7 @@ import torch
 from sift.format import TILES, n_pages
 
 from .bits import pack_msb, square_to_tril
+from .device import upload
 from .packing import PackedDocs
 from .reader_select import select_packed
 
@@ -338,6 +339,16 @@ def _finish_tables(docs: PackedDocs) -> _FinishTables:
                          tuple(tmax_off), tuple(key_off))
 
 
+@functools.lru_cache(maxsize=8)
+def _finish_tables_on(docs: PackedDocs, device: torch.device) -> _FinishTables:
+    """`_finish_tables` on `device`, uploaded once per pack: a per-layer upload would wait for the device's
+    queued work."""
+    t = _finish_tables(docs)
+    on = lambda x: upload(x, device)  # noqa: E731
+    return _FinishTables(on(t.la_tile), on(t.la_diag), on(t.la_col0), on(t.ca_page), on(t.page_keys),
+                         {k: on(v) for k, v in t.denom.items()}, t.tmax_off, t.key_off)
+
+
 def _gather(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """x[:, index] with index -1 reading False."""
     return torch.nn.functional.pad(x, (0, 1))[:, index]
@@ -366,22 +377,22 @@ def finish_packed(
     read), else from key_counts and gamma. Writes la_out [Hq, la_total] / ca_out [Hq, ca_total]; equal to
     `finish_bits` document by document.
     """
-    t = _finish_tables(docs)
     dev = tile_max.device
-    alpha32 = torch.tensor(alpha, dtype=torch.float32, device=dev)
-    gamma32 = torch.tensor(gamma, dtype=torch.float32, device=dev)
-    tiles = tile_max >= alpha32 if kept is None else kept
-    la = _gather(tiles, t.la_tile.to(dev)) | t.la_diag.to(dev)
+    t = _finish_tables_on(docs, dev)
+    if kept is None:
+        kept = tile_max >= torch.tensor(alpha, dtype=torch.float32, device=dev)
+    la = _gather(kept, t.la_tile) | t.la_diag
     if force_sink_page:
-        la |= t.la_col0.to(dev)
-    la &= (t.la_tile >= 0).to(dev)
+        la |= t.la_col0
+    la &= t.la_tile >= 0
     if ca_kept is None:
-        hot = key_counts.to(torch.float32) / t.denom[ca_normalize].to(dev) >= gamma32
-        ca_kept = _gather(hot, t.page_keys.to(dev)).any(dim=-1)
-    ca = _gather(ca_kept, t.ca_page.to(dev))
+        hot = key_counts.to(torch.float32) / t.denom[ca_normalize] >= torch.tensor(gamma, dtype=torch.float32,
+                                                                                  device=dev)
+        ca_kept = _gather(hot, t.page_keys).any(dim=-1)
+    ca = _gather(ca_kept, t.ca_page)
     for h in dense_heads:
-        la[h] = (t.la_tile >= 0).to(dev)
-        ca[h] = (t.ca_page >= 0).to(dev)
+        la[h] = t.la_tile >= 0
+        ca[h] = t.ca_page >= 0
     la_out.copy_(pack_msb(la))
     ca_out.copy_(pack_msb(ca))
 

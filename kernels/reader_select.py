@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .device import upload
 from .packing import PackedDocs
 
 
@@ -59,7 +60,15 @@ class ReaderTables:
 
 
 @functools.lru_cache(maxsize=8)
-def reader_tables(docs: PackedDocs, force_sink_page: bool) -> ReaderTables:
+def reader_tables(docs: PackedDocs, force_sink_page: bool, device: torch.device) -> ReaderTables:
+    """The pack's candidates on `device`, built and uploaded once per pack (a per-layer upload would wait for the
+    device's queued work)."""
+    t = _reader_tables(docs, force_sink_page)
+    return ReaderTables(upload(t.source, device), upload(t.cost, device), upload(t.segment, device),
+                        upload(t.rows, device), t.n_la)
+
+
+def _reader_tables(docs: PackedDocs, force_sink_page: bool) -> ReaderTables:
     if docs.n_reader < 1:
         raise ValueError("the reader criterion needs a reader: PackedDocs(..., n_reader > 0)")
     reader_tiles = -(-docs.n_reader // docs.tile)
@@ -87,13 +96,11 @@ def select_packed(tile_mass: torch.Tensor, page_mass: torch.Tensor, docs: Packed
     page_mass: [Hq, sum P] the reader rows' mass on each page; any float dtype (the choice is made in float64).
     -> (kept tiles [Hq, sum P^2] bool, True off the candidates; kept pages [Hq, sum P] bool), for
     `profile_ref.finish_packed(kept=..., ca_kept=...)`."""
-    t = reader_tables(docs, force_sink_page)
-    dev = tile_mass.device
+    t = reader_tables(docs, force_sink_page, tile_mass.device)
     masses = torch.cat([tile_mass, page_mass], dim=-1).to(torch.float64)
-    source = t.source.to(dev)
-    values = masses[:, source]
-    budget = ((1.0 - coverage) * t.rows).to(dev).expand(masses.shape[0], -1)
-    drop = drop_least_mass(values, t.cost.to(dev), t.segment.to(dev), budget)
+    values = masses[:, t.source]
+    budget = ((1.0 - coverage) * t.rows).expand(masses.shape[0], -1)
+    drop = drop_least_mass(values, t.cost, t.segment, budget)
     kept = torch.ones_like(masses, dtype=torch.bool)
-    kept[:, source] = ~drop
+    kept[:, t.source] = ~drop
     return kept[:, :t.n_la], kept[:, t.n_la:]
