@@ -4,6 +4,7 @@ same device, all in one run -> bench/results/build.json (GPU) or build-cpu.json 
     python bench/bench_build.py --model 8b             # H200: 8B Llama shape, random bf16 weights, passages + chunks
     python bench/bench_build.py --device cpu           # CPU: SmolLM2-135M fp32 (torch backend), passages
     python bench/bench_build.py --smoke                # CPU: a 2-layer random model, tiny corpora (checks the script)
+    python bench/bench_build.py --model 8b --criterion reader --passages 1000 --chunks 64   # the reader criterion
 
 Models: "8b" (32 layers, 32 query / 8 KV heads, head_dim 128; random bf16 weights made on the device, saved with
 SmolLM2's tokenizer as a local model folder), "smollm2" (the default model). Corpora, from the Wikipedia leads of
@@ -20,6 +21,11 @@ rate extrapolated), a padded batched forward (length-sorted, at most --batch-tok
 attention mask, SDPA) before and after the build's own profiler on the same documents (the builder's steady
 state without Ray, at the same moment and threads: on a shared machine the ratio to trust). The FLOP floor is
 2 x non-embedding parameters x tokens + causal attention, at --peak-tflops. Prints a table last.
+
+--criterion reader builds with `[profile] criterion = "reader"` (every document profiled before the shipped reader
+text, 1024 tokens) -> build-reader.json / build-cpu-reader.json; tokens counted are still the documents' own, so
+the rates say what a corpus costs. The in-process profiler then also runs the threshold criterion on the same
+documents (`profiler_threshold_in_process`, `reader_over_threshold`: the reader criterion's time over it).
 """
 from __future__ import annotations
 
@@ -131,8 +137,10 @@ def write_corpus(folder: Path, texts: list[str], files: int = 8) -> Path:
 # ------------------------------------------------------------------------------------------------ builds
 
 
-def write_config(path: Path, model: str, dtype: str, backend: str, batch_tokens: int, threads: int) -> Path:
-    path.write_text(f'model = "{model}"\n[profile]\ntile = 64\ndtype = "{dtype}"\n[corpus]\ntoo_long = "split"\n'
+def write_config(path: Path, model: str, dtype: str, backend: str, batch_tokens: int, threads: int,
+                 criterion: str = "threshold") -> Path:
+    path.write_text(f'model = "{model}"\n[profile]\ntile = 64\ndtype = "{dtype}"\ncriterion = "{criterion}"\n'
+                    f'[corpus]\ntoo_long = "split"\n'
                     f'[build]\nbackend = "{backend}"\nbatch_tokens = {batch_tokens}\nthreads = {threads}\n')
     return path
 
@@ -217,14 +225,15 @@ def padded_forward(model, seqs: list[list[int]], device: str, budget: int) -> di
     return out
 
 
-def profile_in_process(model, tokenizer, ids: list[list[int]], dtype: str, device: str, batch_tokens: int) -> dict:
+def profile_in_process(model, tokenizer, ids: list[list[int]], dtype: str, device: str, batch_tokens: int,
+                       criterion: str = "threshold") -> dict:
     """The build's profiler (packs of batch_tokens, the backend a build picks) over the documents, timed after a
     warm-up pack."""
     from sift.pipeline.config import ProfileConfig
     from sift.pipeline.profiler import Profiler
 
-    profiler = Profiler(model, tokenizer, ProfileConfig(dtype=dtype), "triton" if device == "cuda" else "torch",
-                        batch_tokens=batch_tokens)
+    profiler = Profiler(model, tokenizer, ProfileConfig(dtype=dtype, criterion=criterion),
+                        "triton" if device == "cuda" else "torch", batch_tokens=batch_tokens)
     profiler.profile_batch(ids[:4])
     _sync(device)
     t0 = time.perf_counter()
@@ -233,8 +242,9 @@ def profile_in_process(model, tokenizer, ids: list[list[int]], dtype: str, devic
     seconds = time.perf_counter() - t0
     failed = sum(isinstance(r, Exception) for r in results)
     tokens = sum(len(i) for i in ids)
-    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "failed": failed,
-            "backend": profiler.backend_label}
+    rows = sum(len(i) + len(profiler.prefix_ids) + len(profiler.reader_ids) for i in ids)
+    return {"criterion": criterion, "tokens": tokens, "forward_rows": rows, "seconds": seconds,
+            "tokens_per_s": tokens / seconds, "failed": failed, "backend": profiler.backend_label}
 
 
 def flop_floor(model, seqs: list[list[int]], peak_tflops: float) -> dict:
@@ -255,7 +265,7 @@ def flop_floor(model, seqs: list[list[int]], peak_tflops: float) -> dict:
 
 def print_table(result: dict) -> None:
     print(f"\n{result['device']}  {result['model']}  dtype {result['dtype']}  backend {result['backend']}  "
-          f"batch_tokens {result['batch_tokens']}")
+          f"batch_tokens {result['batch_tokens']}  criterion {result.get('criterion', 'threshold')}")
     print(f"{'corpus':10s}{'docs':>6s}{'tokens':>9s}{'e2e s':>8s}{'e2e t/s':>9s}{'steady t/s':>11s}{'fixed s':>8s}"
           f"{'padded t/s':>11s}{'steady/pad':>11s}{'prof/pad':>9s}{'batch-1 t/s':>12s}{'floor s':>8s}"
           f"{'peak GiB':>9s}")
@@ -266,6 +276,10 @@ def print_table(result: dict) -> None:
               f"{c['steady_over_padded']:11.2f}{c['profiler_over_padded']:9.2f}"
               f"{c['batch1_forward']['tokens_per_s']:12.0f}"
               f"{c['flop_floor']['seconds']:8.1f}{peak if peak is not None else float('nan'):9.1f}")
+        if "reader_over_threshold" in c:
+            r, t = c["profiler_in_process"], c["profiler_threshold_in_process"]
+            print(f"{'':10s}in-process profiler: reader {r['seconds']:.2f} s ({r['forward_rows']} rows), threshold "
+                  f"{t['seconds']:.2f} s ({t['forward_rows']} rows): {c['reader_over_threshold']:.2f}x")
         start = c["build_whole"]["last_build"].get("startup", {})
         print(f"{'':10s}start-up of the whole build: " + ", ".join(f"{k} {v:.1f} s" for k, v in start.items()))
 
@@ -282,6 +296,8 @@ def main() -> None:
     ap.add_argument("--peak-tflops", type=float, default=790.0, help="the device's dense bf16 rate, for the floor")
     ap.add_argument("--build-timeout", type=float, default=300.0, help="seconds one sift-build may take")
     ap.add_argument("--work", type=Path, default=None, help="folder for the model, corpora and indexes (a temp one)")
+    ap.add_argument("--criterion", choices=("threshold", "reader"), default="threshold",
+                    help="[profile] criterion of the builds and the in-process profiler")
     ap.add_argument("--threads", type=int, default=None,
                     help="CPU: torch threads of the builds' actors (build.threads) and of this process's forwards")
     args = ap.parse_args()
@@ -301,7 +317,8 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
 
     model, model_cost = make_model(kind, device, work / "model")
-    config = write_config(work / "build.toml", model, dtype, backend, args.batch_tokens, args.threads or 0)
+    config = write_config(work / "build.toml", model, dtype, backend, args.batch_tokens, args.threads or 0,
+                          args.criterion)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir() if model == DEFAULT_MODEL else model)
@@ -325,10 +342,11 @@ def main() -> None:
         run_forwards(results[name], name, docs, model_obj, tok, args, dtype, device, prefix)
     result = {"smoke": args.smoke, "model": model if kind == "smollm2" else f"{kind}: Llama shape, random {dtype} "
               f"weights, SmolLM2 tokenizer", "model_kind": kind, "dtype": dtype, "backend": backend,
-              "batch_tokens": args.batch_tokens, "tile": 64, "peak_tflops": args.peak_tflops,
+              "batch_tokens": args.batch_tokens, "tile": 64, "criterion": args.criterion,
+              "peak_tflops": args.peak_tflops,
               "model_folder": model_cost, "cold_build": cold, "corpora": results,
               "options": {k: str(v) for k, v in vars(args).items()}}   # `args` is the argv (provenance)
-    name = "build" if gpu else "build-cpu"
+    name = ("build" if gpu else "build-cpu") + ("-reader" if args.criterion == "reader" else "")
     path = write_result(name, result, out_dir(args))
     print_table(json.loads(path.read_text()))
     if args.work is None:
@@ -365,7 +383,13 @@ def run_forwards(out: dict, name: str, docs: list[str], model_obj, tok, args, dt
     # The builder's steady state without Ray: its profiler on the same documents in this process, after a padded
     # forward and, on a CPU (a machine others may share), before another one, so load moves both alike.
     padded = [padded_forward(model_obj, seqs, device, args.batch_tokens)]
-    out["profiler_in_process"] = profile_in_process(model_obj, tok, ids, dtype, device, args.batch_tokens)
+    out["profiler_in_process"] = profile_in_process(model_obj, tok, ids, dtype, device, args.batch_tokens,
+                                                    args.criterion)
+    if args.criterion == "reader":
+        out["profiler_threshold_in_process"] = profile_in_process(model_obj, tok, ids, dtype, device,
+                                                                  args.batch_tokens)
+        out["reader_over_threshold"] = (out["profiler_in_process"]["seconds"]
+                                        / out["profiler_threshold_in_process"]["seconds"])
     if device == "cpu":
         model_obj.set_attn_implementation("sdpa")
         padded.append(padded_forward(model_obj, seqs, device, args.batch_tokens))

@@ -40,3 +40,12 @@ def resolve_backend(name: str, device, *, choices: tuple[str, ...], setting: str
         raise SiftError(f"{setting}='triton' needs a CUDA device (or TRITON_INTERPRET=1): use {setting}='auto' or "
                         f"'torch' on CPU")
     return name
+
+
+def upload(x: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on `device` without waiting for the device's queued work: on a GPU through pinned memory,
+    asynchronously (a pageable copy would wait for the stream)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return x.pin_memory().to(device, non_blocking=True)
+    return x.to(device)

@@ -1,7 +1,8 @@
 """Documents packed back to back for one profiling forward: the geometry every stage of a pack reads.
 
-A pack holds sequences s = 0..B-1, each the profiling prefix (`n_prefix` tokens) followed by document s
-(`lengths[s]` tokens), at rows [starts[s], starts[s] + n_prefix + lengths[s]) of one [1, total] forward. Positions
+A pack holds sequences s = 0..B-1, each the profiling prefix (`n_prefix` tokens), document s (`lengths[s]` tokens)
+and, for the reader criterion, the reader text (`n_reader` tokens, 0 otherwise), at rows [starts[s], starts[s] +
+n_prefix + lengths[s] + n_reader) of one [1, total] forward. Positions
 restart at 0 in every sequence and no sequence attends to another (block-diagonal causal attention), so each
 document sees exactly what it sees when it is profiled alone.
 
@@ -20,11 +21,13 @@ from sift.format import TILES, ca_nbytes, la_nbytes, n_pages
 
 @dataclass(frozen=True)
 class PackedDocs:
-    """The layout of one pack (host side, plain ints). Build with `PackedDocs(n_prefix, lengths, tile)`."""
+    """The layout of one pack (host side, plain ints). Build with `PackedDocs(n_prefix, lengths, tile)`, or
+    `PackedDocs(n_prefix, lengths, tile, n_reader)` where a reader text follows every document."""
 
     n_prefix: int
     lengths: tuple[int, ...]  # document tokens of each sequence (the prefix not included), all >= 1
     tile: int
+    n_reader: int = 0         # reader tokens after every document (the reader criterion), else 0
     starts: tuple[int, ...] = field(init=False)      # first row (the prefix's first token) of each sequence
     total: int = field(init=False)                   # rows of the pack
     pages: tuple[int, ...] = field(init=False)       # P = ceil(L / tile) per document
@@ -40,11 +43,11 @@ class PackedDocs:
         if not lengths or min(lengths) < 1:
             raise ValueError(f"a pack needs at least one document and every document at least one token; got "
                              f"lengths {lengths[:8]}{'...' if len(lengths) > 8 else ''}")
-        if self.n_prefix < 0:
-            raise ValueError(f"n_prefix={self.n_prefix} must be >= 0")
+        if self.n_prefix < 0 or self.n_reader < 0:
+            raise ValueError(f"n_prefix={self.n_prefix} and n_reader={self.n_reader} must be >= 0")
         if self.tile not in TILES:
             raise ValueError(f"tile={self.tile} must be one of {', '.join(map(str, TILES))}")
-        seq = [self.n_prefix + n for n in lengths]
+        seq = [self.n_prefix + n + self.n_reader for n in lengths]
         la = tuple(la_nbytes(n, self.tile) for n in lengths)
         ca = tuple(ca_nbytes(n, self.tile) for n in lengths)
         derived = dict(lengths=lengths, starts=tuple(accumulate(seq, initial=0))[:-1], total=sum(seq),
@@ -64,11 +67,11 @@ class PackedDocs:
 
     @property
     def max_seqlen(self) -> int:
-        return self.n_prefix + max(self.lengths)
+        return self.n_prefix + max(self.lengths) + self.n_reader
 
     def seq_rows(self, s: int) -> slice:
-        """Rows of sequence s (prefix and document)."""
-        return slice(self.starts[s], self.starts[s] + self.n_prefix + self.lengths[s])
+        """Rows of sequence s (prefix, document and reader)."""
+        return slice(self.starts[s], self.starts[s] + self.n_prefix + self.lengths[s] + self.n_reader)
 
     def doc_rows(self, s: int) -> slice:
         """Rows of document s (its prefix excluded)."""

@@ -27,6 +27,14 @@ matrix:
    diagonal, sink page, dense heads, MSB-first packing) straight into the layer's uint8 outputs; one launch
    instead of ~20 small torch ops per document, which dominated short (RAG-sized) documents.
 
+The reader criterion (`criterion="reader"`; every sequence is [prefix, document, reader], `PackedDocs.n_reader`)
+replaces passes 2 and 3: `_mass_kernel`, per (query head, block of BLOCK_N keys of one document), sums
+A = exp2(s2 - lse2) over each (query tile, key tile) of the document rows at or below the key block -> tile masses
+[sum P^2], and over the reader rows for each page -> page masses [sum P], reading the same lse as pass 2; each
+program owns its outputs (no atomics, deterministic). The choice (`reader_select.select_packed`: a sort per head
+over the pack's candidates) and the packing (`profile_ref.finish_packed`) are torch ops shared with the reference,
+so the two backends' bits differ only where their masses' rounding straddles a decision.
+
 Memory: lse2 and key_counts are O(Hq * T); tile_max is O(Hq * sum P^2) (4 bytes per tile), so `profile_packed`
 runs pass 2 and the bits kernel over chunks of heads whose tile maxima fit `stats_bytes`.
 
@@ -51,7 +59,8 @@ from sift.format import ca_nbytes, la_nbytes
 
 from .numerics import LOG2E
 from .packing import PackedDocs
-from .profile_ref import LayerBits, validate_packed, validate_profile_args
+from .profile_ref import LayerBits, finish_packed, validate_criterion, validate_packed, validate_profile_args
+from .reader_select import select_packed
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -78,12 +87,13 @@ def _attention_kernel(
     Q, K, V, O, LSE2, SEQ0, DOC_LEN, BLOCKS,
     stride_qh, stride_ql, stride_qd, stride_kh, stride_kl, stride_kd, stride_vh, stride_vl, stride_vd,
     stride_ol, stride_oh, stride_od, stride_lh,
-    n_prefix, n_heads, qk_mul, cap_mul,
+    n_fixed, n_heads, qk_mul, cap_mul,
     GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_V: tl.constexpr,
 ):
     """Rows [r0, r0 + BLOCK_M) of sequence s, (s, r0) = BLOCKS[program_id(1)] (r0 counted from the sequence's
-    first row SEQ0[s]) and query head h, program_id(0) = blk * n_heads + h (heads fastest):
+    first row SEQ0[s]; the sequence holds n_fixed + DOC_LEN[s] rows: prefix, document and reader, if any) and
+    query head h, program_id(0) = blk * n_heads + h (heads fastest):
     LSE2[h, row] = log2 sum_{key <= row, key in s} exp2(s2[row, key]) and, with HAS_V, O[row, h] = the softmax
     of those scores times V (rows and keys as pack rows)."""
     h = tl.program_id(0) % n_heads
@@ -91,7 +101,7 @@ def _attention_kernel(
     seq = tl.load(BLOCKS + 2 * blk)
     row0 = tl.load(BLOCKS + 2 * blk + 1)
     base = tl.load(SEQ0 + seq).to(tl.int64)
-    seq_len = n_prefix + tl.load(DOC_LEN + seq)
+    seq_len = n_fixed + tl.load(DOC_LEN + seq)
     rm = tl.arange(0, BLOCK_M)
     rn = tl.arange(0, BLOCK_N)
     rd = tl.arange(0, BLOCK_D)
@@ -258,6 +268,18 @@ def _stats_rows(acc, Q, q_ptrs, k_op, q_lse, tmax_ptr, m_lo, m_from, m_to, h, n0
 
 
 @triton.jit
+def _key_block(BLOCKS, SEQ0, DOC_LEN, n_prefix, h_first, n_heads, TILE: tl.constexpr):
+    """A key-block program's place (program_id(0) = blk * n_heads + hc, heads fastest; (d, n0) = BLOCKS[blk]):
+    (hc, head h_first + hc, document d, first key n0, pack row of d's first token, L, P)."""
+    hc = tl.program_id(0) % n_heads
+    blk = tl.program_id(0) // n_heads
+    doc = tl.load(BLOCKS + 2 * blk)
+    n_doc = tl.load(DOC_LEN + doc)
+    return (hc, h_first + hc, doc, tl.load(BLOCKS + 2 * blk + 1), tl.load(SEQ0 + doc) + n_prefix, n_doc,
+            tl.cdiv(n_doc, TILE))
+
+
+@triton.jit
 def _stats_kernel(
     Q, K, LSE, TMAX, COUNTS, SEQ0, DOC_LEN, TMAX_OFF, BLOCKS,
     stride_qh, stride_ql, stride_qd, stride_kh, stride_kl, stride_kd, stride_lh, stride_th, stride_ch,
@@ -277,14 +299,7 @@ def _stats_kernel(
     log2_beta: log2 of beta (beta > 0; COUNT False when beta = 0). Q: pointer, or with TMA a [Hq, T, D] tensor
     descriptor of block [1, BLOCK_M, BLOCK_D].
     """
-    hc = tl.program_id(0) % n_heads
-    h = h_first + hc
-    blk = tl.program_id(0) // n_heads
-    doc = tl.load(BLOCKS + 2 * blk)
-    n0 = tl.load(BLOCKS + 2 * blk + 1)
-    doc0 = tl.load(SEQ0 + doc) + n_prefix
-    n_doc = tl.load(DOC_LEN + doc)
-    n_pages = tl.cdiv(n_doc, TILE)
+    hc, h, doc, n0, doc0, n_doc, n_pages = _key_block(BLOCKS, SEQ0, DOC_LEN, n_prefix, h_first, n_heads, TILE)
     stride_ti = n_pages
     rm = tl.arange(0, BLOCK_M)
     rn = tl.arange(0, BLOCK_N)
@@ -332,6 +347,85 @@ def _stats_kernel(
     else:
         counts = n_doc - offs_n  # beta = 0: every document query q >= key
     tl.store(COUNTS + h.to(tl.int64) * stride_ch + doc0 + offs_n, counts, mask=n_ok)
+
+
+@triton.jit
+def _tile_sum(x, ROWS: tl.constexpr, COLS: tl.constexpr, TILE: tl.constexpr):
+    """x: [ROWS, COLS] -> [ROWS / TILE, COLS / TILE] sums of its TILE x TILE tiles (rows first, then columns)."""
+    RT: tl.constexpr = ROWS // TILE
+    CT: tl.constexpr = COLS // TILE
+    r = tl.sum(tl.reshape(x, [RT, TILE, COLS]), 1)   # [RT, COLS]
+    return tl.sum(tl.reshape(r, [RT, CT, TILE]), 2)
+
+
+@triton.jit
+def _mass_probs(Q, q_ptrs, k_op, q_lse, m0, offs_n, rm, d_ok, rows_end, lse_mul, qk_mul, cap_mul,
+                CAUSAL: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Probabilities A = exp2(s2 - lse2) of query rows [m0, m0 + BLOCK_M) (< rows_end; q_ptrs at row m0) on the
+    program's keys offs_n; 0 on rows past rows_end and, with CAUSAL, on keys after the row."""
+    offs_m = m0 + rm
+    row_ok = offs_m < rows_end
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    lse2 = tl.load(q_lse + offs_m, mask=row_ok, other=float("inf")) * lse_mul
+    y = _log2_scores(tl.dot(q, k_op, input_precision=DOT_PRECISION), qk_mul, cap_mul, SOFTCAP) - lse2[:, None]
+    if CAUSAL:
+        y = tl.where(offs_n[None, :] <= offs_m[:, None], y, float("-inf"))
+    return tl.exp2(y)
+
+
+@triton.jit
+def _mass_kernel(
+    Q, K, LSE, TMASS, PMASS, SEQ0, DOC_LEN, TMAX_OFF, PAGE_OFF, BLOCKS,
+    stride_qh, stride_ql, stride_qd, stride_kh, stride_kl, stride_kd, stride_lh, stride_th, stride_ph,
+    n_prefix, n_reader, h_first, n_heads, qk_mul, cap_mul, lse_mul,
+    GROUPS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TILE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """The reader criterion's masses: keys [n0, n0 + BLOCK_N) of document d, (d, n0) = BLOCKS[blk], head
+    h = h_first + hc (program_id(0) = blk * n_heads + hc), against every document row q >= key, then every reader
+    row of its sequence (rows L .. L + n_reader after the document's first token).
+
+    TMASS[hc, TMAX_OFF[d] + i * P + j] = sum of A over tile (i, j)'s causal cells (each tile of the lower triangle
+    written by exactly one program and query block; 0 above the diagonal where a block reaches there);
+    PMASS[hc, PAGE_OFF[d] + j] = sum of A over the reader rows and page j's keys. A = exp2(s2 - lse2), lse2 =
+    LSE[h, row] * lse_mul, as the stats pass reads it. fp32 sums: over the rows of a block, then over the
+    blocks, then (pages) over the tile's keys; each program owns its outputs (no atomics, deterministic).
+    """
+    hc, h, doc, n0, doc0, n_doc, n_pages = _key_block(BLOCKS, SEQ0, DOC_LEN, n_prefix, h_first, n_heads, TILE)
+    rm = tl.arange(0, BLOCK_M)
+    rn = tl.arange(0, BLOCK_N)
+    rd = tl.arange(0, BLOCK_D)
+    d_ok = rd < HEAD_DIM
+    offs_n = n0 + rn
+    n_ok = offs_n < n_doc
+    k_base = K + (h // GROUPS).to(tl.int64) * stride_kh + (doc0 + n0).to(tl.int64) * stride_kl
+    k_op = tl.load(k_base + (rd[:, None] * stride_kd + rn[None, :] * stride_kl),
+                   mask=d_ok[:, None] & n_ok[None, :], other=0.0)
+    q_base = Q + h.to(tl.int64) * stride_qh + doc0.to(tl.int64) * stride_ql + (rm[:, None] * stride_ql
+                                                                               + rd[None, :] * stride_qd)
+    q_lse = LSE + h.to(tl.int64) * stride_lh + doc0
+    ti0 = tl.arange(0, BLOCK_M // TILE)
+    tj = n0 // TILE + tl.arange(0, BLOCK_N // TILE)
+    tmass = TMASS + hc.to(tl.int64) * stride_th + tl.load(TMAX_OFF + doc).to(tl.int64)
+    m_lo = (n0 // BLOCK_M) * BLOCK_M
+    q_ptrs = q_base + m_lo.to(tl.int64) * stride_ql
+    for m0 in range(m_lo, n_doc, BLOCK_M):
+        a = _mass_probs(Q, q_ptrs, k_op, q_lse, m0, offs_n, rm, d_ok, n_doc, lse_mul, qk_mul, cap_mul, True,
+                        SOFTCAP, DOT_PRECISION)
+        ti = m0 // TILE + ti0
+        tl.store(tmass + ti[:, None] * n_pages + tj[None, :], _tile_sum(a, BLOCK_M, BLOCK_N, TILE),
+                 mask=(ti < n_pages)[:, None] & (tj < n_pages)[None, :])
+        q_ptrs += BLOCK_M * stride_ql
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    q_ptrs = q_base + n_doc.to(tl.int64) * stride_ql
+    for m0 in range(n_doc, n_doc + n_reader, BLOCK_M):  # reader rows: every document key is causal for them
+        a = _mass_probs(Q, q_ptrs, k_op, q_lse, m0, offs_n, rm, d_ok, n_doc + n_reader, lse_mul, qk_mul, cap_mul,
+                        False, SOFTCAP, DOT_PRECISION)
+        acc += tl.sum(a, 0)
+        q_ptrs += BLOCK_M * stride_ql
+    acc = tl.where(n_ok, acc, 0.0)
+    pages = tl.sum(tl.reshape(acc, [BLOCK_N // TILE, TILE]), 1)
+    tl.store(PMASS + hc.to(tl.int64) * stride_ph + tl.load(PAGE_OFF + doc) + tj, pages, mask=tj < n_pages)
 
 
 @triton.jit
@@ -507,7 +601,8 @@ class PackPlan:
     tmax_off: torch.Tensor
     la_off: torch.Tensor
     ca_off: torch.Tensor
-    lse_blocks: torch.Tensor    # [n, 2] (sequence, first row within it): document rows, for the first pass
+    page_off: torch.Tensor      # where each document's pages start in a head's [sum P] page masses (reader)
+    lse_blocks: torch.Tensor    # [n, 2] (sequence, first row within it): document and reader rows, first pass
     fwd_blocks: torch.Tensor    # [n, 2] the same over every row, prefix included, for `attention_packed`
     stats_blocks: torch.Tensor  # [n, 2] (document, first key within it)
     bits_progs: torch.Tensor    # [n, 2] (document, first byte): LA programs first, then CA
@@ -563,9 +658,9 @@ def plan_pack(docs: PackedDocs, *, head_dim: int, dtype: torch.dtype, device,
         raise ValueError(f"a pack of {docs.total} rows and {tmax_per_head} tiles per head exceeds the kernels' "
                          f"int32 offsets; profile fewer tokens per pack")
     zeros = np.zeros_like(lengths)
-    lse_blocks = _blocks(zeros + n_prefix, lengths, lse_cfg.block_m)
+    lse_blocks = _blocks(zeros + n_prefix, lengths + docs.n_reader, lse_cfg.block_m)  # document and reader rows
     lse_blocks = _heaviest_first(lse_blocks, lse_blocks[:, 1])  # later rows have more keys
-    fwd_blocks = _blocks(zeros, lengths + n_prefix, fwd_cfg.block_m)
+    fwd_blocks = _blocks(zeros, lengths + n_prefix + docs.n_reader, fwd_cfg.block_m)
     fwd_blocks = _heaviest_first(fwd_blocks, fwd_blocks[:, 1])
     stats_blocks = _blocks(zeros, lengths, stats_cfg.block_n)
     stats_blocks = _heaviest_first(stats_blocks, lengths[stats_blocks[:, 0]] - stats_blocks[:, 1])
@@ -573,7 +668,7 @@ def plan_pack(docs: PackedDocs, *, head_dim: int, dtype: torch.dtype, device,
     la_progs = _blocks(zeros, np.asarray(docs.la_nbytes, dtype=np.int64), LA_BYTES_PER_PROGRAM)
     ca_progs = _blocks(zeros, np.asarray(docs.ca_nbytes, dtype=np.int64), ca_per_program)
     per_doc = [np.asarray(docs.starts), np.asarray(docs.cu_seqlens), lengths, np.cumsum(squares) - squares,
-               np.asarray(docs.la_offsets), np.asarray(docs.ca_offsets)]
+               np.asarray(docs.la_offsets), np.asarray(docs.ca_offsets), np.cumsum(pages) - pages]
     tables = [lse_blocks, fwd_blocks, stats_blocks, np.concatenate([la_progs, ca_progs])]
     flat = np.concatenate([a.reshape(-1) for a in per_doc + tables]).astype(np.int32)
     host = torch.from_numpy(flat)
@@ -635,7 +730,7 @@ def _launch_attention(q, k, v, out, lse2, plan: PackPlan, blocks: torch.Tensor, 
         _attention_kernel[(hq * blocks.shape[0],)](
             q, k, v if has_v else q, out if has_v else q, lse2, plan.seq0, plan.doc_len, blocks,
             *q.stride(), *k.stride(), *v_args, lse2.stride(0),
-            plan.docs.n_prefix, hq, qk_mul, cap_mul,
+            plan.docs.n_prefix + plan.docs.n_reader, hq, qk_mul, cap_mul,
             GROUPS=hq // k.shape[0], HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), BLOCK_M=cfg.block_m,
             BLOCK_N=cfg.block_n, SOFTCAP=softcap is not None, DOT_PRECISION=_dot_precision(q.dtype), HAS_V=has_v,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -732,6 +827,45 @@ def _q_descriptor(q: torch.Tensor, block_m: int, block_d: int):
     return TensorDescriptor(q, list(q.shape), list(q.stride()), [1, block_m, block_d])
 
 
+def _launch_mass(q, k, plan: PackPlan, lse: _Lse, tile_mass, page_mass, heads: range, *, scale, softcap) -> None:
+    """The reader criterion's masses of heads `heads` into rows of tile_mass [Hq, sum P^2] / page_mass
+    [Hq, sum P] fp32 (`_mass_kernel`; the stats pass's blocks, [queries, keys] scores, pointer loads)."""
+    hq, _, d = q.shape
+    cfg = plan.stats_cfg
+    qk_mul, cap_mul = _score_muls(scale, softcap)
+    tm, pm = tile_mass[heads.start:heads.stop], page_mass[heads.start:heads.stop]
+    with _device_of(q):
+        _mass_kernel[(len(heads) * plan.stats_blocks.shape[0],)](
+            q, k, lse.tensor, tm, pm, plan.seq0, plan.doc_len, plan.tmax_off, plan.page_off, plan.stats_blocks,
+            *q.stride(), *k.stride(), lse.tensor.stride(0), tm.stride(0), pm.stride(0),
+            plan.docs.n_prefix, plan.docs.n_reader, heads.start, len(heads), qk_mul, cap_mul, lse.mul,
+            GROUPS=hq // k.shape[0], HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), TILE=plan.docs.tile,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SOFTCAP=softcap is not None,
+            DOT_PRECISION=_dot_precision(q.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+
+
+def reader_masses(q: torch.Tensor, k: torch.Tensor, plan: PackPlan, *, scale: float, softcap: float | None = None,
+                  lse: torch.Tensor | None = None, lse2: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reader criterion's masses of a pack whose sequences end with the reader (`plan.docs.n_reader > 0`):
+    (tile masses [Hq, sum P^2], page masses [Hq, sum P]) fp32, as `reader_select.select_packed` reads them.
+    q / k / lse / lse2 as `profile_packed`."""
+    docs = plan.docs
+    validate_profile_args(q, k, n_prefix=docs.n_prefix, tile=docs.tile, alpha=0.0, beta=0.0, gamma=0.0,
+                          ca_normalize="causal")
+    _check_kernel_inputs(q, k, scale=scale, softcap=softcap, lse=lse if lse is not None else lse2)
+    if docs.n_reader < 1 or q.shape[1] != docs.total:
+        raise ValueError(f"reader masses need a pack with the reader (n_reader={docs.n_reader}) and q of its "
+                         f"{docs.total} rows; got q {tuple(q.shape)}")
+    hq = q.shape[0]
+    lse_in = _lse_input(lse, lse2, q, k, plan, scale=scale, softcap=softcap)
+    tile_mass = torch.zeros(hq, plan.tmax_per_head, dtype=torch.float32, device=q.device)
+    page_mass = torch.empty(hq, sum(docs.pages), dtype=torch.float32, device=q.device)
+    _launch_mass(q, k, plan, lse_in, tile_mass, page_mass, range(hq), scale=scale, softcap=softcap)
+    return tile_mass, page_mass
+
+
 def _launch_bits(tile_max, key_counts, dense, la, ca, heads: range, plan: PackPlan, *, alpha, gamma,
                  ca_normalize, force_sink_page) -> None:
     """`finish_bits` as one kernel for every document of the pack: writes la[heads] / ca[heads] (rows of the
@@ -770,6 +904,8 @@ def profile_packed(
     lse: torch.Tensor | None = None,
     lse2: torch.Tensor | None = None,
     stats_bytes: int = 256 << 20,
+    criterion: str = "threshold",
+    coverage: float = 0.95,
 ) -> None:
     """One layer's SIFT bits for every document of a pack, on the GPU; same meaning as `profile_packed_ref`.
 
@@ -779,15 +915,30 @@ def profile_packed(
     lse / lse2: optional [Hq, T] row log-sum-exp of this layer's scores from the forward pass, natural log or log2
        (`attention_packed`); skips the first pass. Only document rows are read.
     stats_bytes: budget for the [heads, sum P^2] fp32 tile maxima; heads are processed in chunks that fit it.
+    criterion: "threshold" (SPEC section 2's thresholds) or "reader" (the pack's sequences end with the reader,
+       `plan.docs.n_reader`; `reader_masses` then `reader_select.select_packed` at `coverage`, every head at
+       once; alpha, beta, gamma and ca_normalize are not read). The "mass" criterion runs on the reference only.
     """
     docs = plan.docs
     validate_profile_args(q, k, n_prefix=docs.n_prefix, tile=docs.tile, alpha=alpha, beta=beta, gamma=gamma,
                           ca_normalize=ca_normalize)
     validate_packed(q, k, docs, la_out, ca_out)
+    validate_criterion(criterion, coverage, docs)
+    if criterion == "mass":
+        raise ValueError("criterion='mass' runs on the torch reference only (profile_packed_ref)")
     _check_kernel_inputs(q, k, scale=scale, softcap=softcap, lse=lse if lse is not None else lse2)
     hq = q.shape[0]
     if dense is not None and (dense.dtype != torch.uint8 or tuple(dense.shape) != (hq,) or dense.device != q.device):
         raise ValueError(f"dense must be uint8 [{hq}] flags on {q.device}; got {dense.dtype} {tuple(dense.shape)}")
+    if criterion == "reader":
+        tile_mass, page_mass = reader_masses(q, k, plan, scale=scale, softcap=softcap, lse=lse, lse2=lse2)
+        kept, ca_kept = select_packed(tile_mass, page_mass, docs, coverage=coverage, force_sink_page=force_sink_page)
+        if dense is not None:  # a dense head keeps every tile and page
+            kept |= dense.bool()[:, None]
+            ca_kept |= dense.bool()[:, None]
+        finish_packed(tile_mass, None, docs, la_out=la_out, ca_out=ca_out, alpha=alpha, gamma=gamma,
+                      ca_normalize=ca_normalize, force_sink_page=force_sink_page, kept=kept, ca_kept=ca_kept)
+        return
     lse_in = _lse_input(lse, lse2, q, k, plan, scale=scale, softcap=softcap)
     key_counts = torch.empty(hq, docs.total, dtype=torch.int32, device=q.device)
     chunk = max(1, stats_bytes // (plan.tmax_per_head * 4))

@@ -14,6 +14,11 @@ is kept if some row of its query tile keeps it. Under "mass" alpha is not read; 
 CA (beta, gamma) and dense heads are unchanged. Only this reference implements "mass" (the builder refuses
 the Triton backend for it).
 
+The reader criterion (`criterion="reader"`, packs whose sequences end with the reader text, `PackedDocs.n_reader`)
+decides LA and CA together: each document's tile masses (its rows' fp32 probabilities summed per tile, in
+float64) and page masses (the reader rows' probabilities summed per page) go to `reader_select.select_packed`,
+the choice the Triton launcher makes on its kernel's masses; alpha, beta, gamma and ca_normalize are not read.
+
 `profile_packed_ref` computes every document of a pack (`packing.PackedDocs`) as `profile_layer_ref` computes it
 alone, its statistics and output rows from its own rows only, and the bits of the whole pack in one
 `finish_packed`: each document's bits are those of profiling it alone, whatever it is packed with.
@@ -30,11 +35,13 @@ import torch
 from sift.format import TILES, n_pages
 
 from .bits import pack_msb, square_to_tril
+from .device import upload
 from .packing import PackedDocs
+from .reader_select import select_packed
 
 CA_NORMALIZE = ("causal", "key_index")
 BLOCK_ROWS = 256  # document rows per block of `profile_layer_ref` (at most; fewer where block_bytes says so)
-CRITERIA = ("threshold", "mass")
+CRITERIA = ("threshold", "mass", "reader")  # "reader" decides CA too, on packs only (`profile_packed_ref`)
 
 
 @dataclass(frozen=True)
@@ -120,6 +127,60 @@ def mass_tiles(ad: torch.Tensor, *, tile: int, p: int, coverage: float) -> torch
     return keep.reshape(hq, row_tiles, tile, p).any(dim=2)
 
 
+def _block_probs(q_grouped, k, v, out, r0: int, r1: int, *, scale, softcap):
+    """Rows [r0, r1) of one sequence against its keys [0, r1): the fp32 probabilities a [Hq, rows, r1] (0 on
+    non-causal cells) and the non-causal mask above [rows, r1]; with v, the rows' attention output goes to out.
+    q_grouped: [Hkv, groups, Lp, D], k / v: [Hkv, Lp, D(v)] (query head h reads key head h // groups)."""
+    hkv, groups, _, d = q_grouped.shape
+    hq, rows = hkv * groups, r1 - r0
+    qb = q_grouped[:, :, r0:r1].reshape(hkv, groups * rows, d)
+    s = torch.matmul(qb, k[:, :r1].transpose(-1, -2)).view(hq, rows, r1).mul_(scale)
+    if softcap is not None:
+        s.div_(softcap).tanh_().mul_(softcap)
+    above = torch.ones(rows, r1, dtype=torch.bool, device=k.device).triu_(r0 + 1)  # key > row: not causal
+    a = torch.softmax(s.masked_fill_(above, float("-inf")), dim=-1, dtype=torch.float32)
+    if out is not None:
+        pv = torch.matmul(a.to(v.dtype).view(hkv, groups * rows, r1), v[:, :r1])
+        out[:, r0:r1] = pv.view(hq, rows, -1)
+    return a, above
+
+
+def _rows_per_block(hq: int, lp: int, tile: int, block_bytes: int) -> int:
+    return max(tile, min(BLOCK_ROWS, block_bytes // (hq * lp * 4)) // tile * tile)
+
+
+def _reader_masses(q, k, v, tile_mass, page_mass, out, *, scale, n_prefix, n_reader, tile, softcap,
+                   block_bytes) -> None:
+    """One sequence [prefix, document, reader]'s masses for the reader criterion (and its attention output
+    where `out` is given), written in place.
+
+    q: [Hq, Lp, D], k / v: [Hkv, Lp, D(v)], Lp = n_prefix + L + n_reader; tile_mass: [Hq, P, P] float64 zeros
+    (the document rows' attention on each document tile, lower triangle); page_mass: [Hq, P] float64 zeros (the
+    reader rows' attention on each page); out: [Hq, Lp, Dv] or None. Probabilities are fp32 (the model's
+    softmax), their sums float64."""
+    hq, lp, d = q.shape
+    hkv = k.shape[0]
+    n_doc = lp - n_prefix - n_reader
+    p = n_pages(n_doc, tile)
+    q_grouped = q.reshape(hkv, hq // hkv, lp, d)
+    step = _rows_per_block(hq, lp, tile, block_bytes)
+    # Blocks of whole tiles of document rows (the first one also carries the prefix rows), then of reader rows.
+    starts = [(0 if m0 == 0 else n_prefix + m0, n_prefix + min(m0 + step, n_doc)) for m0 in range(0, n_doc, step)]
+    starts += [(r0, min(r0 + step, lp)) for r0 in range(n_prefix + n_doc, lp, step)]
+    for r0, r1 in starts:
+        a, _ = _block_probs(q_grouped, k, v, out, r0, r1, scale=scale, softcap=softcap)
+        if r1 <= n_prefix + n_doc:
+            m0, m1 = max(r0 - n_prefix, 0), r1 - n_prefix
+            ad = a[:, a.shape[1] - (m1 - m0):, n_prefix:]  # [Hq, the block's document rows, document keys < m1]
+            row_tiles, col_tiles = -(-(m1 - m0) // tile), -(-m1 // tile)
+            padded = torch.nn.functional.pad(ad, (0, col_tiles * tile - m1, 0, row_tiles * tile - (m1 - m0)))
+            sums = padded.reshape(hq, row_tiles, tile, col_tiles, tile).sum(dim=(2, 4), dtype=torch.float64)
+            tile_mass[:, m0 // tile:m0 // tile + row_tiles, :col_tiles] = sums
+        else:
+            keys = a[:, :, n_prefix:n_prefix + n_doc].sum(dim=1, dtype=torch.float64)  # [Hq, L]
+            page_mass += torch.nn.functional.pad(keys, (0, p * tile - n_doc)).view(hq, p, tile).sum(dim=-1)
+
+
 def _doc_stats(q, k, v, tile_max, key_counts, kept, out, *, scale, n_prefix, tile, beta, softcap, block_bytes,
                coverage) -> None:
     """One document's statistics (and its attention output where `out` is given), written in place.
@@ -137,20 +198,12 @@ def _doc_stats(q, k, v, tile_max, key_counts, kept, out, *, scale, n_prefix, til
     beta32 = torch.tensor(beta, dtype=torch.float32, device=q.device)
     # Blocks of whole tiles of document rows (the first one also carries the prefix rows), each against the keys
     # up to its last row only: the causal half of the work, in scratch of at most block_bytes.
-    rows_per_block = max(tile, min(BLOCK_ROWS, block_bytes // (hq * lp * 4)) // tile * tile)
+    rows_per_block = _rows_per_block(hq, lp, tile, block_bytes)
     for m0 in range(0, n_doc, rows_per_block):
         m1 = min(m0 + rows_per_block, n_doc)
         r0, r1 = (0 if m0 == 0 else n_prefix + m0), n_prefix + m1  # rows of the block; keys [0, r1)
         rows, doc_rows = r1 - r0, m1 - m0
-        qb = q_grouped[:, :, r0:r1].reshape(hkv, groups * rows, d)
-        s = torch.matmul(qb, k[:, :r1].transpose(-1, -2)).view(hq, rows, r1).mul_(scale)
-        if softcap is not None:
-            s.div_(softcap).tanh_().mul_(softcap)
-        above = torch.ones(rows, r1, dtype=torch.bool, device=q.device).triu_(r0 + 1)  # key > row: not causal
-        a = torch.softmax(s.masked_fill_(above, float("-inf")), dim=-1, dtype=torch.float32)
-        if out is not None:
-            pv = torch.matmul(a.to(v.dtype).view(hkv, groups * rows, r1), v[:, :r1])
-            out[:, r0:r1] = pv.view(hq, rows, -1)
+        a, above = _block_probs(q_grouped, k, v, out, r0, r1, scale=scale, softcap=softcap)
         ad = a[:, rows - doc_rows:, n_prefix:]  # [Hq, block's document rows, document keys < m1]
         hits = ad >= beta32  # a masked cell is 0: below any beta > 0
         if beta32 <= 0:
@@ -199,10 +252,7 @@ def profile_layer_ref(
     """
     validate_profile_args(q, k, n_prefix=n_prefix, tile=tile, alpha=alpha, beta=beta, gamma=gamma,
                           ca_normalize=ca_normalize)
-    if criterion not in CRITERIA:
-        raise ValueError(f"criterion={criterion!r} must be one of {CRITERIA}")
-    if not 0.0 < coverage <= 1.0:
-        raise ValueError(f"coverage={coverage} must lie in (0, 1]")
+    validate_criterion(criterion, coverage, PackedDocs(n_prefix, (q.shape[1] - n_prefix,), tile))
     hq, lp, _ = q.shape
     n_doc = lp - n_prefix
     p = n_pages(n_doc, tile)
@@ -216,6 +266,18 @@ def profile_layer_ref(
                        ca_normalize=ca_normalize, force_sink_page=force_sink_page, dense_heads=dense_heads,
                        kept=kept)
     return bits, out
+
+
+def validate_criterion(criterion: str, coverage: float, docs: PackedDocs) -> None:
+    """The criterion of a pack: "reader" needs the reader after every document (docs.n_reader > 0), the others
+    none."""
+    if criterion not in CRITERIA:
+        raise ValueError(f"criterion={criterion!r} must be one of {CRITERIA}")
+    if not 0.0 < coverage <= 1.0:
+        raise ValueError(f"coverage={coverage} must lie in (0, 1]")
+    if (criterion == "reader") != (docs.n_reader > 0):
+        raise ValueError(f"criterion={criterion!r} with a pack of n_reader={docs.n_reader}: the reader criterion "
+                         f"profiles [prefix, document, reader] (n_reader > 0), the others [prefix, document]")
 
 
 def validate_packed(q, k, docs: PackedDocs, la_out, ca_out, v=None) -> None:
@@ -277,6 +339,16 @@ def _finish_tables(docs: PackedDocs) -> _FinishTables:
                          tuple(tmax_off), tuple(key_off))
 
 
+@functools.lru_cache(maxsize=8)
+def _finish_tables_on(docs: PackedDocs, device: torch.device) -> _FinishTables:
+    """`_finish_tables` on `device`, uploaded once per pack: a per-layer upload would wait for the device's
+    queued work."""
+    t = _finish_tables(docs)
+    on = lambda x: upload(x, device)  # noqa: E731
+    return _FinishTables(on(t.la_tile), on(t.la_diag), on(t.la_col0), on(t.ca_page), on(t.page_keys),
+                         {k: on(v) for k, v in t.denom.items()}, t.tmax_off, t.key_off)
+
+
 def _gather(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """x[:, index] with index -1 reading False."""
     return torch.nn.functional.pad(x, (0, 1))[:, index]
@@ -295,30 +367,55 @@ def finish_packed(
     force_sink_page: bool,
     dense_heads: Sequence[int] = (),
     kept: torch.Tensor | None = None,
+    ca_kept: torch.Tensor | None = None,
 ) -> None:
     """`finish_bits` for every document of a pack at once (the torch twin of the kernels' `_launch_bits`).
 
     tile_max: [Hq, sum P^2] fp32, each document's [P, P] tile maxima row-major in document order; key_counts:
-    [Hq, sum L] int, each document's key counts in order; kept: like tile_max, bool ("mass"), else tile_max >=
-    alpha. Writes la_out [Hq, la_total] / ca_out [Hq, ca_total]; equal to `finish_bits` document by document.
+    [Hq, sum L] int, each document's key counts in order; kept: like tile_max, bool ("mass", "reader"), else
+    tile_max >= alpha; ca_kept: [Hq, sum P] bool, the pages chosen ("reader"; tile_max and key_counts are then not
+    read), else from key_counts and gamma. Writes la_out [Hq, la_total] / ca_out [Hq, ca_total]; equal to
+    `finish_bits` document by document.
     """
-    t = _finish_tables(docs)
     dev = tile_max.device
-    alpha32 = torch.tensor(alpha, dtype=torch.float32, device=dev)
-    gamma32 = torch.tensor(gamma, dtype=torch.float32, device=dev)
-    tiles = tile_max >= alpha32 if kept is None else kept
-    la = _gather(tiles, t.la_tile.to(dev)) | t.la_diag.to(dev)
+    t = _finish_tables_on(docs, dev)
+    if kept is None:
+        kept = tile_max >= torch.tensor(alpha, dtype=torch.float32, device=dev)
+    la = _gather(kept, t.la_tile) | t.la_diag
     if force_sink_page:
-        la |= t.la_col0.to(dev)
-    la &= (t.la_tile >= 0).to(dev)
-    hot = key_counts.to(torch.float32) / t.denom[ca_normalize].to(dev) >= gamma32
-    page_hot = _gather(hot, t.page_keys.to(dev)).any(dim=-1)
-    ca = _gather(page_hot, t.ca_page.to(dev))
+        la |= t.la_col0
+    la &= t.la_tile >= 0
+    if ca_kept is None:
+        hot = key_counts.to(torch.float32) / t.denom[ca_normalize] >= torch.tensor(gamma, dtype=torch.float32,
+                                                                                  device=dev)
+        ca_kept = _gather(hot, t.page_keys).any(dim=-1)
+    ca = _gather(ca_kept, t.ca_page)
     for h in dense_heads:
-        la[h] = (t.la_tile >= 0).to(dev)
-        ca[h] = (t.ca_page >= 0).to(dev)
+        la[h] = t.la_tile >= 0
+        ca[h] = t.ca_page >= 0
     la_out.copy_(pack_msb(la))
     ca_out.copy_(pack_msb(ca))
+
+
+def reader_masses_ref(q: torch.Tensor, k: torch.Tensor, docs: PackedDocs, *, scale: float,
+                      softcap: float | None = None, v: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                      block_bytes: int = 64 << 20) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reader criterion's masses of a pack whose sequences end with the reader (the twin of the kernels'
+    `reader_masses`): (tile masses [Hq, sum P^2], page masses [Hq, sum P]) float64, each document's from its own
+    rows. q: [Hq, T, D], k / v: [Hkv, T, D(v)]; with v, the layer's output goes to out [Hq, T, Dv]."""
+    hq = q.shape[0]
+    t = _finish_tables(docs)
+    tile_mass = torch.zeros(hq, sum(p * p for p in docs.pages), dtype=torch.float64, device=q.device)
+    page_mass = torch.zeros(hq, sum(docs.pages), dtype=torch.float64, device=q.device)
+    page_off = 0
+    for s, p in enumerate(docs.pages):
+        rows, tiles = docs.seq_rows(s), slice(t.tmax_off[s], t.tmax_off[s] + p * p)
+        _reader_masses(q[:, rows], k[:, rows], v[:, rows] if v is not None else None,
+                       tile_mass[:, tiles].view(hq, p, p), page_mass[:, page_off:page_off + p],
+                       out[:, rows] if out is not None else None, scale=scale, n_prefix=docs.n_prefix,
+                       n_reader=docs.n_reader, tile=docs.tile, softcap=softcap, block_bytes=block_bytes)
+        page_off += p
+    return tile_mass, page_mass
 
 
 def profile_packed_ref(
@@ -351,12 +448,19 @@ def profile_packed_ref(
     validate_profile_args(q, k, n_prefix=docs.n_prefix, tile=docs.tile, alpha=alpha, beta=beta, gamma=gamma,
                           ca_normalize=ca_normalize)
     validate_packed(q, k, docs, la_out, ca_out, v)
-    if criterion not in CRITERIA:
-        raise ValueError(f"criterion={criterion!r} must be one of {CRITERIA}")
+    validate_criterion(criterion, coverage, docs)
     hq = q.shape[0]
     t = _finish_tables(docs)
     out = torch.empty(hq, docs.total, v.shape[-1], dtype=v.dtype, device=v.device) if v is not None else None
     squares = sum(p * p for p in docs.pages)
+    if criterion == "reader":
+        tile_mass, page_mass = reader_masses_ref(q, k, docs, scale=scale, softcap=softcap, v=v, out=out,
+                                                 block_bytes=block_bytes)
+        kept, ca_kept = select_packed(tile_mass, page_mass, docs, coverage=coverage, force_sink_page=force_sink_page)
+        finish_packed(tile_mass, None, docs, la_out=la_out, ca_out=ca_out, alpha=alpha, gamma=gamma,
+                      ca_normalize=ca_normalize, force_sink_page=force_sink_page, dense_heads=dense_heads, kept=kept,
+                      ca_kept=ca_kept)
+        return out
     tile_max = torch.zeros(hq, squares, dtype=torch.float32, device=q.device)
     key_counts = torch.zeros(hq, sum(docs.lengths), dtype=torch.int64, device=q.device)
     kept = torch.zeros(hq, squares, dtype=torch.bool, device=q.device) if criterion == "mass" else None

@@ -2,8 +2,9 @@
 boundary (unknown keys are an error), hashed, and written into the index it produced.
 
     model = "smollm2-135m-instruct"       # or a local transformers folder
-    [profile]   tile, alpha, beta, gamma, la_criterion ("threshold" | "mass"), la_coverage, ca_normalize,
-                force_sink_page, dense_heads, ca_full_layers, ca_full_heads, prefix_text, dtype
+    [profile]   tile, criterion ("threshold" | "reader"), alpha, beta, gamma, la_criterion ("threshold" |
+                "mass"), la_coverage, ca_normalize (the threshold criterion's), coverage, reader (the reader
+                criterion's), force_sink_page, dense_heads, ca_full_layers, ca_full_heads, prefix_text, dtype
     [corpus]    id_field, text_field, too_long ("error" | "split"), max_tokens (0: the model's context),
                 follow_symlinks (read files whose symlink leads outside the corpus folder)
     [build]     batch_tokens (tokens of one forward: documents packed back to back), shard_tokens and
@@ -25,11 +26,13 @@ from typing import Any
 from sift.errors import SiftError
 from sift.format import TILES
 from sift.model import DEFAULT_MODEL, DTYPES
+from sift.reader import reader_digest
 
 CONFIGS_DIR = Path(__file__).resolve().parent.parent / "configs"
 # build.backend: "torch" profiles with the kernel's ref twin (`profile_layer_ref`), "triton" with the kernel;
 # "auto" is resolved per actor (`kernels.device.resolve_backend`).
 BACKENDS = ("auto", "torch", "triton")
+CRITERIA = ("threshold", "reader")  # profile.criterion
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,11 @@ class ProfileConfig:
     """Everything that decides the bits (SPEC sections 1-2). A change here re-profiles every document."""
 
     tile: int = 64
+    # "threshold": SPEC section 2's thresholds (alpha, beta, gamma; la_criterion, la_coverage, ca_normalize);
+    # "reader": LA and CA chosen together on [prefix, document, reader] to keep `coverage` of the attention mass
+    criterion: str = "threshold"
+    coverage: float = 0.997         # read by the reader criterion only
+    reader: str | None = None       # the reader text (reader criterion); None: the shipped one (sift.reader)
     alpha: float = 0.001
     beta: float = 0.01
     gamma: float = 0.1
@@ -57,6 +65,18 @@ class ProfileConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
                 raise SiftError(f"profile.{name} = {value!r} must be a number in [0, 1]")
+        if self.criterion not in CRITERIA:
+            raise SiftError(f"profile.criterion = {self.criterion!r} must be one of {', '.join(CRITERIA)}")
+        if isinstance(self.coverage, bool) or not isinstance(self.coverage, (int, float)) \
+                or not 0.0 < self.coverage <= 1.0:
+            raise SiftError(f"profile.coverage = {self.coverage!r} must be a number in (0, 1]: the share of the "
+                            f"attention mass the reader criterion keeps, e.g. 0.997")
+        if self.reader is not None and (not isinstance(self.reader, str) or not self.reader.strip()):
+            raise SiftError(f"profile.reader = {self.reader!r} must be a non-empty text, or absent for the "
+                            f"shipped reader")
+        if self.criterion == "reader" and self.la_criterion != "threshold":
+            raise SiftError(f"profile.la_criterion = {self.la_criterion!r} does not apply with criterion = "
+                            f"\"reader\", which chooses LA and CA tiles itself: remove la_criterion")
         if self.la_criterion not in ("threshold", "mass"):
             raise SiftError(f"profile.la_criterion = {self.la_criterion!r} must be 'threshold' or 'mass'")
         if not isinstance(self.la_coverage, (int, float)) or not 0.0 < self.la_coverage <= 1.0:
@@ -142,13 +162,21 @@ class BuildConfig:
     def to_dict(self) -> dict[str, Any]:
         return json.loads(json.dumps(dataclasses.asdict(self)))
 
-    def profile_key(self, model_fingerprint: str, format_version: int) -> str:
-        """Hash of everything that decides the bits: equal keys mean reusable rows. The threshold criterion
-        does not read la_coverage, so neither criterion field enters a threshold config's key; an empty
-        ca_full_layers or ca_full_heads does not enter it either (indexes built before the keys existed stay
-        reusable)."""
+    def profile_key(self, model_fingerprint: str, format_version: int, reader_ids: tuple[int, ...] = ()) -> str:
+        """Hash of everything that decides the bits: equal keys mean reusable rows. Only the keys a criterion
+        reads enter it: a threshold config's key holds neither la_criterion and la_coverage (unless "mass") nor
+        criterion, coverage and reader, so indexes built before those keys existed stay reusable; a reader
+        config's holds coverage and the reader's token ids (`reader_ids`, a digest: the text as the model's
+        tokenizer cuts it), not the thresholds. An empty ca_full_layers or ca_full_heads does not enter it
+        either."""
         profile = dataclasses.asdict(self.profile)
-        if profile["la_criterion"] == "threshold":
+        if profile["criterion"] == "threshold":
+            del profile["criterion"], profile["coverage"], profile["reader"]
+        else:
+            for key in ("alpha", "beta", "gamma", "ca_normalize", "reader"):
+                del profile[key]
+            profile["reader_sha256"] = reader_digest(list(reader_ids))
+        if profile.get("la_criterion") == "threshold":
             del profile["la_criterion"], profile["la_coverage"]
         for key in ("ca_full_layers", "ca_full_heads"):
             if not profile[key]:

@@ -34,6 +34,7 @@ from sift import format as fmt
 from sift.errors import SiftError, one_line, root_cause
 from sift.format import Manifest, ShardInfo
 from sift.model import DEFAULT_MODEL, resolve_model_dir
+from sift.reader import reader_digest
 from sift.storage import Location, is_uri, redact
 
 from . import index as idx
@@ -425,11 +426,17 @@ def _count_tokens(index: Location, shards: list[ShardInfo]) -> int:
 def _manifest(build: BuildPlan, cfg: BuildConfig, stats: BuildStats, shards: list[ShardInfo],
               errors: ShardInfo | None, index: Location) -> Manifest:
     target, config = build.target, cfg.to_dict()
+    profile = {**config["profile"], "prefix_token_ids": list(target.prefix_ids), "profile_key": target.profile_key}
+    if cfg.profile.criterion == "reader":
+        profile.update(reader_tokens=len(target.reader_ids), reader_sha256=reader_digest(list(target.reader_ids)))
+    else:  # the reader criterion's keys: absent from a threshold index, as before they existed
+        for key in ("coverage", "reader"):
+            del profile[key]
     return Manifest(
         generation=stats.generation,
         created_at=idx.now_iso(),
         model=target.model,
-        profile={**config["profile"], "prefix_token_ids": list(target.prefix_ids), "profile_key": target.profile_key},
+        profile=profile,
         corpus={"path": build.corpus, **config["corpus"], "max_tokens": target.max_tokens},
         backends=stats.backends,
         shards=shards,

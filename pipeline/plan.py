@@ -33,7 +33,7 @@ from sift.storage import Location
 
 from .config import BuildConfig
 from .corpus import FirstOccurrence, Source, SourceDoc, read_source
-from .profiler import profiling_prefix_ids
+from .profiler import profiling_prefix_ids, profiling_reader_ids
 
 log = logging.getLogger("sift.build")
 
@@ -50,6 +50,7 @@ class BuildTarget:
     previous: Manifest | None   # the committed generation this build replaces, None for a first build
     model: ModelIdentity
     prefix_ids: tuple[int, ...]  # the tokens placed before every document while profiling (SPEC section 1)
+    reader_ids: tuple[int, ...]  # the reader placed after every document (reader criterion), else empty
     max_tokens: int              # the longest document the model can profile after the prefix
     profile_key: str             # hash of everything that decides the bits: equal keys mean reusable rows
 
@@ -107,11 +108,13 @@ def resolve_target(cfg: BuildConfig, model_dir: Path, index: Location) -> BuildT
     previous = _previous_generation(index)
     name = DEFAULT_MODEL if cfg.model == DEFAULT_MODEL else str(model_dir)
     model = ModelIdentity.from_config(name, fingerprint(model_dir), AutoConfig.from_pretrained(model_dir))
-    prefix_ids = profiling_prefix_ids(_tokenizer(str(model_dir)), cfg.profile)
-    room = model.max_position_embeddings - len(prefix_ids)
-    return BuildTarget(previous=previous, model=model, prefix_ids=tuple(prefix_ids),
+    tokenizer = _tokenizer(str(model_dir))
+    prefix_ids = profiling_prefix_ids(tokenizer, cfg.profile)
+    reader = tuple(profiling_reader_ids(tokenizer, cfg.profile))
+    room = model.max_position_embeddings - len(prefix_ids) - len(reader)
+    return BuildTarget(previous=previous, model=model, prefix_ids=tuple(prefix_ids), reader_ids=reader,
                        max_tokens=min(cfg.corpus.max_tokens or room, room),
-                       profile_key=cfg.profile_key(model.fingerprint, fmt.FORMAT_VERSION))
+                       profile_key=cfg.profile_key(model.fingerprint, fmt.FORMAT_VERSION, reader))
 
 
 # ------------------------------------------------------------------------------------------------------------

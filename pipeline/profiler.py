@@ -16,7 +16,9 @@ Backends: "torch" (the reference of `sift.kernels.profile_ref`, which also produ
 the same probabilities, document by document) and "triton" (the packed kernels; the layer's output and
 log-sum-exp come from an SDPA backend where one returns it, `sift.kernels.attention_lse`: flash's varlen
 forward for a pack, cuDNN else flash for a single sequence; else from the kernels' own attention forward).
-The "mass" LA criterion (profile.la_criterion) exists in the torch backend only; "triton" refuses it.
+The "mass" LA criterion (profile.la_criterion) exists in the torch backend only; "triton" refuses it. The reader
+criterion (profile.criterion = "reader") runs on both: every sequence of a pack is then [prefix, document,
+reader], so each document costs its reader's tokens too, in the forward and in the pack's token budget.
 `profile.ca_full_layers` / `ca_full_heads` are applied here, after either backend: those layers' (heads') CA
 bits are set whole.
 """
@@ -29,6 +31,7 @@ import numpy as np
 import torch
 
 from sift.errors import SiftError
+from sift.reader import reader_ids
 
 from ..kernels.attention_lse import LSE_CHOICES, AttentionWithLse, Sequences
 from ..kernels.packing import PackedDocs
@@ -46,9 +49,18 @@ def profiling_prefix_ids(tokenizer, profile: ProfileConfig) -> list[int]:
     return [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
 
 
+def profiling_reader_ids(tokenizer, profile: ProfileConfig) -> list[int]:
+    """The tokens placed after every document (the reader criterion's reader, `sift.reader`); none for the
+    threshold criterion."""
+    if profile.criterion != "reader":
+        return []
+    return reader_ids(tokenizer, profile.reader)
+
+
 def pack_documents(lengths: Sequence[int], n_prefix: int, batch_tokens: int) -> list[list[int]]:
     """Indices of documents, in order, grouped into packs of at most `batch_tokens` rows (each document's
-    prefix counted); a document that does not fit the budget on its own is a pack of its own."""
+    n_prefix more rows counted: its prefix and reader); a document that does not fit the budget on its own is a
+    pack of its own."""
     packs, current, rows = [], [], 0
     for i, n in enumerate(lengths):
         need = n_prefix + n
@@ -139,16 +151,19 @@ def _profile_attention(module, query, key, value, attention_mask, scaling=None, 
     args = dict(scale=scaling, alpha=p.alpha, beta=p.beta, gamma=p.gamma, softcap=softcap,
                 ca_normalize=p.ca_normalize, force_sink_page=p.force_sink_page)
     if profiler.backend == "torch":
+        criterion, coverage = ((p.criterion, p.coverage) if p.criterion == "reader"
+                               else (p.la_criterion, p.la_coverage))
         out = profile_packed_ref(query[0], key[0], c.docs, la_out=c.la[layer], ca_out=c.ca[layer], v=value[0],
-                                 dense_heads=profiler.dense.get(layer, ()), criterion=p.la_criterion,
-                                 coverage=p.la_coverage, **args)
+                                 dense_heads=profiler.dense.get(layer, ()), criterion=criterion,
+                                 coverage=coverage, **args)
         out = out.transpose(0, 1).unsqueeze(0)
     else:
         from ..kernels.profile import profile_packed
 
         out, lse, lse2 = _attention_with_lse(query, key, value, scaling, softcap, c)
         profile_packed(query[0], key[0], c.plan, la_out=c.la[layer], ca_out=c.ca[layer],
-                       dense=profiler.dense_flags.get(layer), lse=lse, lse2=lse2, **args)
+                       dense=profiler.dense_flags.get(layer), lse=lse, lse2=lse2, criterion=p.criterion,
+                       coverage=p.coverage, **args)
     c.layers.add(layer)
     return out, None
 
@@ -219,6 +234,7 @@ class Profiler:
         self.backend = backend
         self.batch_tokens = batch_tokens
         self.prefix_ids = profiling_prefix_ids(tokenizer, profile)
+        self.reader_ids = profiling_reader_ids(tokenizer, profile)
         self.window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads
         self.dense_flags = {}
@@ -245,9 +261,11 @@ class Profiler:
         """Why a document of n_tokens cannot be profiled, or None."""
         if n_tokens == 0:
             return "empty document: nothing to profile"
-        if self.window and len(self.prefix_ids) + n_tokens > self.window:
-            return (f"document of {n_tokens} tokens exceeds the model's sliding window ({self.window}); SIFT "
-                    f"profiles full causal attention only: set corpus.max_tokens <= {self.window - len(self.prefix_ids)}")
+        fixed = len(self.prefix_ids) + len(self.reader_ids)
+        if self.window and fixed + n_tokens > self.window:
+            return (f"document of {n_tokens} tokens exceeds the model's sliding window ({self.window}) with the "
+                    f"profiling prefix and reader; SIFT profiles full causal attention only: set "
+                    f"corpus.max_tokens <= {self.window - fixed}")
         return None
 
     def profile(self, token_ids: Sequence[int]) -> ProfiledBits:
@@ -270,7 +288,8 @@ class Profiler:
             else:
                 valid.append(i)
         pending = None
-        for pack in pack_documents([len(docs[i]) for i in valid], len(self.prefix_ids), self.batch_tokens):
+        fixed = len(self.prefix_ids) + len(self.reader_ids)
+        for pack in pack_documents([len(docs[i]) for i in valid], fixed, self.batch_tokens):
             members = [valid[j] for j in pack]
             launched = self._try(self._launch, [docs[i] for i in members])
             if pending is not None:  # the device runs this pack while the previous one's bits are read
@@ -314,14 +333,15 @@ class Profiler:
 
     def _launch(self, docs: list[Sequence[int]]) -> _Launched:
         """Queue one pack's forward and the copy of its bits to the host."""
-        n_prefix = len(self.prefix_ids)
-        packed = PackedDocs(n_prefix, tuple(len(d) for d in docs), self.profile_cfg.tile)
+        n_prefix, n_reader = len(self.prefix_ids), len(self.reader_ids)
+        packed = PackedDocs(n_prefix, tuple(len(d) for d in docs), self.profile_cfg.tile, n_reader)
         ids = np.empty(packed.total, dtype=np.int64)
         for s, d in enumerate(docs):
-            rows = packed.seq_rows(s)
-            ids[rows.start:rows.start + n_prefix] = self.prefix_ids
-            ids[rows.start + n_prefix:rows.stop] = d
-        lens = np.asarray(packed.lengths) + n_prefix
+            rows, doc = packed.seq_rows(s), packed.doc_rows(s)
+            ids[rows.start:doc.start] = self.prefix_ids
+            ids[doc] = d
+            ids[doc.stop:rows.stop] = self.reader_ids
+        lens = np.asarray(packed.lengths) + n_prefix + n_reader
         positions = np.arange(packed.total) - np.repeat(np.asarray(packed.starts), lens)
         plan = seqs = None
         if self.backend == "triton":

@@ -7,8 +7,8 @@
                    [--guard-prompts N] [--guard-at-block]]
 
 1. The first --held-in questions of QA_FILE are held in, the rest (up to --limit) held out.
-2. Sweep: for every setting (tile, alpha, beta, gamma, LA criterion and coverage; `DEFAULT_GRID` unless
-   --setting is given), build an index of the held-in questions' documents with `sift-build --config` (a
+2. Sweep: for every setting (tile, alpha, beta, gamma, LA criterion and coverage, or the reader criterion and its
+   coverage; `DEFAULT_GRID` unless --setting is given, e.g. --setting "tile=16,criterion=reader,coverage=0.997"), build an index of the held-in questions' documents with `sift-build --config` (a
    generated TOML, as an operator would: serving code never imports the builder) and run the held-in questions
    densely and with SIFT: whole-answer and first-token agreement with dense, and the tiles computed.
    With --guard-ca, each setting's guarded twins are swept too (`guard`: CA pages kept whole in the layers,
@@ -56,7 +56,8 @@ from .eval import REFERENCE, aggregate, check_output_dir, evaluate, skip_reason,
 from .qa import FORMATS, QAItem, load_qa, write_corpus, write_qa
 
 EXIT_OK, EXIT_ERROR = 0, 2
-CRITERIA = ("threshold", "mass")
+CRITERIA = ("threshold", "mass")          # la_criterion of the threshold criterion
+PROFILE_CRITERIA = ("threshold", "reader")  # [profile] criterion
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,8 @@ class Setting:
     gamma: float = 0.1
     la_criterion: str = "threshold"
     la_coverage: float = 0.95
+    criterion: str = "threshold"  # "reader": LA and CA chosen on [prefix, document, reader] at `coverage`
+    coverage: float = 0.997
     ca_full_layers: tuple[int, ...] = ()  # layers whose CA pages are all kept (a guarded setting, `guard`)
     ca_full_heads: tuple[tuple[int, int], ...] = ()  # (layer, head) pairs whose CA pages are all kept
 
@@ -80,9 +83,15 @@ class Setting:
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise SiftError(f"{name} = {getattr(self, name)!r} must be in [0, 1]")
         if self.la_criterion not in CRITERIA:
-            raise SiftError(f"criterion = {self.la_criterion!r} must be one of {', '.join(CRITERIA)}")
+            raise SiftError(f"criterion = {self.la_criterion!r} must be one of {', '.join(CRITERIA + ('reader',))}")
         if not 0.0 < self.la_coverage <= 1.0:
             raise SiftError(f"coverage = {self.la_coverage!r} must be in (0, 1]")
+        if self.criterion not in PROFILE_CRITERIA:
+            raise SiftError(f"criterion = {self.criterion!r} must be one of {', '.join(PROFILE_CRITERIA)}")
+        if not 0.0 < self.coverage <= 1.0:
+            raise SiftError(f"coverage = {self.coverage!r} must be in (0, 1]")
+        if self.criterion == "reader" and self.la_criterion != "threshold":
+            raise SiftError("the reader criterion chooses LA tiles itself: it takes no la_criterion")
         object.__setattr__(self, "ca_full_layers", tuple(sorted({int(layer) for layer in self.ca_full_layers})))
         object.__setattr__(self, "ca_full_heads", tuple(sorted({(int(l), int(h)) for l, h in self.ca_full_heads})))
         if any(layer < 0 for layer in self.ca_full_layers) or any(min(pair) < 0 for pair in self.ca_full_heads):
@@ -100,12 +109,15 @@ class Setting:
         if self.ca_full_heads:  # too many pairs for a folder name: their count and a digest
             digest = hashlib.sha256(json.dumps(self.ca_full_heads).encode()).hexdigest()[:8]
             guarded += f"-cah{len(self.ca_full_heads)}.{digest}"
+        if self.criterion == "reader":
+            return f"t{self.tile}-reader{self.coverage:g}{guarded}"
         return f"t{self.tile}-{la}-b{self.beta:g}-g{self.gamma:g}{guarded}"
 
     def toml(self, model: str) -> str:
         """A complete `sift-build --config` file: this setting, the other keys at their defaults."""
         return (f'model = "{model}"\n\n[profile]\ntile = {self.tile}\nalpha = {self.alpha!r}\nbeta = {self.beta!r}\n'
                 f'gamma = {self.gamma!r}\nla_criterion = "{self.la_criterion}"\nla_coverage = {self.la_coverage!r}\n'
+                f'criterion = "{self.criterion}"\ncoverage = {self.coverage!r}\n'
                 f'ca_full_layers = {list(self.ca_full_layers)}\n'
                 f'ca_full_heads = {[list(pair) for pair in self.ca_full_heads]}\n')
 
@@ -136,8 +148,9 @@ DEFAULT_GRID = (
 
 def parse_setting(text: str) -> Setting:
     """"tile=16,alpha=0.001,beta=0.01,gamma=0.1,criterion=mass,coverage=0.99,ca_full=14/17,ca_heads=0.3/5.1"
-    -> Setting (unset keys: defaults; ca_full: the layers whose CA pages are all kept, separated by "/";
-    ca_heads: the same for (layer, head) pairs written layer.head)."""
+    -> Setting (unset keys: defaults; criterion: mass (la_criterion, coverage its la_coverage) or reader (the
+    reader criterion, coverage its share of the mass kept); ca_full: the layers whose CA pages are all kept,
+    separated by "/"; ca_heads: the same for (layer, head) pairs written layer.head)."""
     values: dict = {}
     names = {"criterion": "la_criterion", "coverage": "la_coverage", "ca_full": "ca_full_layers",
              "ca_heads": "ca_full_heads"}
@@ -159,6 +172,10 @@ def parse_setting(text: str) -> Setting:
             kind = {"ca_full_layers": "layers separated by /",
                     "ca_full_heads": "layer.head pairs separated by /"}.get(key, "a number")
             raise SiftError(f"--setting {text!r}: {key} = {value!r} is not {kind}") from None
+    if values.get("la_criterion") == "reader":  # the reader criterion is [profile] criterion, with its own coverage
+        values["criterion"] = values.pop("la_criterion")
+        if "la_coverage" in values:
+            values["coverage"] = values.pop("la_coverage")
     try:
         return Setting(**values)
     except SiftError as e:

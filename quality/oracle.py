@@ -20,28 +20,29 @@ the oracle needs more blocks than an index's thresholds compute for an agreement
 their own is not expected to reach that target at fewer blocks.
 
 The reader criterion (`reader@C`) is the same choice made where a builder could make it: on the prompt [profiling
-prefix, document, a fixed reader text] (`reader_ids`: the shipped sample corpus's Wikipedia leads, 1024 tokens),
-keeping the document's tiles and pages only. Its bits depend on the document alone, so an index could store them;
-it is measured here, against the oracle and the thresholds, before it becomes a profile criterion of the builder.
+prefix, document, a fixed reader text] (`sift.reader.reader_ids`: the shipped sample corpus's Wikipedia leads,
+1024 tokens), keeping the document's tiles and pages only. Its bits depend on the document alone: an index built
+with `[profile] criterion = "reader"`, `coverage = C` and `force_sink_page = false` stores the same bits (the
+greedy cut is `sift.kernels.reader_select.drop_least_mass` in both; SPEC section 2), up to the float rounding of
+the two computations of the masses.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
 import torch
 
 from sift.errors import SiftError
+from sift.reader import reader_ids
 
 from ..kernels.bits import pack_msb, square_to_tril
 from ..kernels.block_indices import pack_doc_bits
+from ..kernels.reader_select import drop_least_mass
 from ..runtime.request import Request
 from ..runtime.supplied_bits import SuppliedBits
-from .prompts import sample_corpus
 from .recall import DocMasks, row_blocks, run_exact, spans_of, tile_sums
 
 MODES = ("oracle", "reader")
-READER_TOKENS = 1024
 
 
 def parse_mode(mode: str) -> tuple[str, float] | None:
@@ -135,10 +136,10 @@ def select(mass: PromptMass, coverage: float) -> list[DocMasks]:
     if items:
         values = torch.cat(items, dim=-1)                                          # [layers, Hq, N]
         cost = torch.cat(costs)                                                    # [N]
-        order = torch.argsort(values / cost, dim=-1, stable=True)
-        dropped_mass = torch.cumsum(torch.gather(values, -1, order), dim=-1)
-        drop_sorted = dropped_mass <= (1.0 - coverage) * mass.rows
-        drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
+        one = torch.zeros(cost.shape, dtype=torch.int64, device=cost.device)       # one budget for the prompt
+        budget = torch.full((*values.shape[:-1], 1), (1.0 - coverage) * mass.rows, dtype=torch.float64,
+                            device=values.device)
+        drop = drop_least_mass(values, cost, one, budget)
         start = 0
         for (kind, m, rows, cols), part in zip(where, items):
             d = drop[..., start:start + part.shape[-1]]
@@ -157,17 +158,6 @@ def pack(masks: list[DocMasks], n_tokens: list[int], tile: int, device) -> Suppl
     ca = [pack_msb(m.ca).numpy().tobytes() for m in masks]
     bits = pack_doc_bits(la, ca, n_tokens, tile=tile, n_layers=n_layers, n_heads=n_heads, device=device)
     return SuppliedBits(bits=bits, tile=tile)
-
-
-def reader_ids(tokenizer, n_tokens: int = READER_TOKENS) -> list[int]:
-    """The fixed reader: the shipped sample corpus's Wikipedia leads, in file order, cut at n_tokens tokens."""
-    ids: list[int] = []
-    with open(sample_corpus() / "wiki_vital_leads.jsonl") as f:
-        for line in f:
-            ids += tokenizer("\n\n" + json.loads(line)["text"], add_special_tokens=False).input_ids
-            if len(ids) >= n_tokens:
-                break
-    return ids[:n_tokens]
 
 
 def reader_mass(engine, doc_ids: list[int], reader: list[int]) -> PromptMass:

@@ -9,7 +9,8 @@ from sift.errors import SiftError
 from sift.kernels.bits import tril_to_square, unpack_msb
 from sift.runtime import Request, SiftEngine
 from sift.runtime.supplied_bits import generate_with_bits
-from sift.quality.oracle import (PromptMass, ReaderCache, batch_bits, batch_masses, parse_mode, prompt_mass, reader_bits, reader_ids,
+from sift.reader import reader_ids
+from sift.quality.oracle import (PromptMass, ReaderCache, batch_bits, batch_masses, parse_mode, prompt_mass, reader_bits,
                                  reader_mass, select)
 
 from .helpers import model_rounding, smollm2, wiki_texts
@@ -148,7 +149,7 @@ def test_reader_bits_depend_on_the_document_only():
     model, tokenizer = smollm2()
     engine = SiftEngine(model, tokenizer, None, block=TILE, backend="torch")
     texts = [t[:300] for t in wiki_texts(3)]
-    reader = reader_ids(tokenizer, 96)
+    reader = reader_ids(tokenizer, n_tokens=96)
     assert len(reader) == 96
     first = Request(prefix="Read.\n", docs=[("a", texts[0]), ("b", texts[1])], query="\nWhich?")
     second = Request(prefix="Other words.\n", docs=[("c", texts[2]), ("b", texts[1])], query="\nWhat?")
