@@ -30,7 +30,7 @@ demo: $(STAMP)
 	$(BIN)/sift-inspect $(INDEX) --plot $(PLOTS)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=15
+	$(BIN)/python -X faulthandler -m pytest -q --durations=15
 
 clean:
 	rm -rf $(VENV) index *.egg-info

@@ -543,5 +543,8 @@ def run_build(corpus: str | Path, out: str | Path, cfg: BuildConfig, *, ray_addr
         startup = {"ray": t1 - t0, "plan": time.perf_counter() - t1}
         planner = Planner(target, reuse, corpus_name(corpus))
         records = tokenised(sources, model_dir, cfg, target.max_tokens)
-        profiled = profile(records, planner, pool, cfg, echo, progress or ProgressLines(echo), t_start)
+        try:
+            profiled = profile(records, planner, pool, cfg, echo, progress or ProgressLines(echo), t_start)
+        finally:
+            records.close()
         return commit(planner.finish(index), profiled, index, cfg, t_start, lock, startup)

@@ -199,14 +199,19 @@ def tokenised(sources: list[Source], model_dir: Path, cfg: BuildConfig, max_toke
         rest = _Ahead(ray.data.from_items(rows[1:], override_num_blocks=max(1, min(len(rows) - 1, 256))).map_batches(
             read_and_tokenize, batch_size=1, fn_kwargs=kwargs).iter_batches(batch_size=None, batch_format="numpy",
                                                                              prefetch_batches=4))
-    yield read_and_tokenize({"index": [0], "source": [rows[0]["source"]]}, **kwargs)
-    if rest is not None:
-        yield from rest
+    try:
+        yield read_and_tokenize({"index": [0], "source": [rows[0]["source"]]}, **kwargs)
+        if rest is not None:
+            yield from rest
+    finally:  # a build that stops early (an error, an interrupt) stops the reading thread with it
+        if rest is not None:
+            rest.close()
 
 
 class _Ahead:
     """Iterates `batches` on a thread of its own from the moment it is made (up to `depth` batches ahead), so the
-    work behind them starts before the first one is asked for; an error is raised where the batch would be."""
+    work behind them starts before the first one is asked for; an error is raised where the batch would be.
+    `close` stops the thread: one left blocked inside Ray's client when the process exits can crash it."""
 
     _END = object()
 
@@ -215,15 +220,36 @@ class _Ahead:
         import threading
 
         self.queue = queue.Queue(depth)
-        threading.Thread(target=self._pull, args=(batches,), daemon=True, name="sift-records").start()
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._pull, args=(batches,), daemon=True, name="sift-records")
+        self.thread.start()
 
     def _pull(self, batches) -> None:
         try:
             for batch in batches:
-                self.queue.put(batch)
-            self.queue.put(self._END)
+                if not self._put(batch):
+                    return
+            self._put(self._END)
         except BaseException as e:  # noqa: BLE001 - handed to the consumer
-            self.queue.put(e)
+            self._put(e)
+
+    def _put(self, item) -> bool:
+        """Queue `item`, waiting for room unless closed meanwhile -> whether it was queued."""
+        import queue
+
+        while not self.stopped.is_set():
+            try:
+                self.queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Stop reading ahead: the thread returns at once if it waits for room in the queue, else once the batch
+        it waits for arrives (or Ray, shut down, fails it); the caller waits at most `timeout_s` for that."""
+        self.stopped.set()
+        self.thread.join(timeout_s)
 
     def __iter__(self):
         while (item := self.queue.get()) is not self._END:

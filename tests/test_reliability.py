@@ -538,3 +538,34 @@ def test_killed_build_leaves_no_ray_process(workspace, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_reading_ahead_stops_when_the_build_stops_reading():
+    """A build that stops early (an actor's error, an interrupt) must not leave the thread that reads the corpus
+    ahead running: one left inside Ray's client when the process exits can crash the process."""
+    from sift.pipeline.plan import _Ahead
+
+    made = []
+
+    def endless():
+        i = 0
+        while True:
+            made.append(i)
+            yield i
+            i += 1
+
+    ahead = _Ahead(endless(), depth=2)
+    items = iter(ahead)
+    assert [next(items), next(items)] == [0, 1]
+    deadline = time.monotonic() + 10
+    while len(made) < 4 and time.monotonic() < deadline:   # the thread fills the queue and waits for room
+        time.sleep(0.01)
+    ahead.close()
+    assert not ahead.thread.is_alive()
+    n = len(made)
+    time.sleep(0.3)
+    assert len(made) == n                                  # nothing more is read once closed
+
+    failing = _Ahead(iter([1, 2]), depth=1)
+    failing.close()                                       # closed before anything was taken: still stops
+    assert not failing.thread.is_alive()
