@@ -61,7 +61,9 @@ def modes_of(fractions: list[float], policies=POLICIES) -> tuple[str, ...]:
 
 
 def hybrid_modes(modes) -> list[str]:
-    return [m for m in modes if m.startswith("hybrid:") and m != "hybrid:none"]
+    """The modes that reuse documents' KV and recover some of what it costs (every mode but dense, sift, reuse
+    and hybrid:none)."""
+    return [m for m in modes if m not in ("dense", "sift", "reuse", "hybrid:none")]
 
 
 def parse_args():
@@ -90,6 +92,13 @@ def parse_args():
     ap.add_argument("--policies", default=",".join(POLICIES), help="comma-separated hybrid policies to run")
     ap.add_argument("--hybrid-fractions", default="0.15", help="comma-separated budgets: each hybrid policy "
                     "runs at each share of each document's blocks recomputed")
+    ap.add_argument("--modes", dest="modes_text", default=None, help="comma-separated modes to run instead of the default list "
+                    "(dense is always run, as the reference), e.g. sift,reuse,ape@0.9:0.9")
+    ap.add_argument("--start", type=int, default=0, help="skip each set's first N questions (held-out runs: "
+                    "questions N+1 .. N+limit)")
+    ap.add_argument("--no-warmup", action="store_true", help="do not warm each mode up before its timed run "
+                    "(answers only: TTFT then includes one-off costs)")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ap.add_argument("--max-new-tokens", type=int, default=24)
     ap.add_argument("--store-gib", type=float, default=4.0, help="KV store budget (host memory on CPU)")
     ap.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples of each interval")
@@ -115,6 +124,9 @@ def parse_args():
     if not args.policies or not set(args.policies) <= set(POLICIES):
         ap.error(f"--policies {args.policies}: each must be one of {', '.join(POLICIES)}")
     args.modes = modes_of(args.fractions, args.policies)
+    if args.modes_text is not None:
+        listed = [m.strip() for m in args.modes_text.split(",") if m.strip()]
+        args.modes = tuple(dict.fromkeys(["dense", *listed]))
     if args.smoke:
         args.limit_hotpotqa, args.limit_long, args.limit_2wiki, args.max_new_tokens, args.resamples = 2, 2, 2, 4, 200
         args.limit_nq_long = 2
@@ -125,8 +137,10 @@ def parse_args():
 
 
 def load_set(name: str, args) -> list[QAItem]:
-    return qa_sets.load_set(name, getattr(args, "limit_" + name.replace("-", "_")), hotpotqa_json=args.hotpotqa_json,
-                            wiki=args.wiki, doc_chars=args.doc_chars, nq_json=args.nq_json)
+    """Questions start+1 .. start+limit of the set."""
+    limit = args.start + getattr(args, "limit_" + name.replace("-", "_"))
+    return qa_sets.load_set(name, limit, hotpotqa_json=args.hotpotqa_json, wiki=args.wiki, doc_chars=args.doc_chars,
+                            nq_json=args.nq_json)[args.start:]
 
 
 def prefix_text(args) -> str | None:
@@ -206,7 +220,7 @@ def run_set(name: str, items: list[QAItem], index_path: Path, model, tokenizer, 
     rows, skipped, none_equals_reuse = [], [], []
     t = time.perf_counter()
     for k, item in enumerate(items, 1):
-        r, s = evaluate(engine, [item], args.modes, max_new_tokens=args.max_new_tokens)
+        r, s = evaluate(engine, [item], args.modes, max_new_tokens=args.max_new_tokens, warmup=not args.no_warmup)
         skipped += s
         for row in r:
             request = item.request()
@@ -214,8 +228,9 @@ def run_set(name: str, items: list[QAItem], index_path: Path, model, tokenizer, 
                 extra = seen[_key(mode, request)]
                 row["modes"][mode]["recomputed_fraction"] = extra["recomputed_fraction"]
                 row["modes"][mode]["store"] = extra["store"]
-            none_equals_reuse.append(seen[_key("hybrid:none", request)]["token_ids"]
-                                     == seen[_key("reuse", request)]["token_ids"])
+            if {"hybrid:none", "reuse"} <= set(args.modes):
+                none_equals_reuse.append(seen[_key("hybrid:none", request)]["token_ids"]
+                                         == seen[_key("reuse", request)]["token_ids"])
         rows += r
         print(f"  {name}: {k}/{len(items)} questions ({time.perf_counter() - t:.0f} s)", flush=True)
         write(_result(rows, skipped, none_equals_reuse, len(items), index, engine, store, args,
@@ -248,6 +263,8 @@ def verdict(modes: dict) -> str:
     often as sift, and the cheapest mode that does (fewest documents' tokens recomputed)."""
     score = lambda m: (modes[m]["agreement_answer"]["mean"], modes[m]["agreement_first_token"]["mean"])  # noqa
     hybrid = hybrid_modes(modes)
+    if not hybrid or "sift" not in modes:
+        return "no recovering reuse mode, or no sift, to compare"
     best = max(hybrid, key=score)
     (answer, first), (sift_answer, sift_first) = score(best), score("sift")
     enough = [m for m in hybrid if score(m)[0] >= sift_answer]
@@ -270,8 +287,8 @@ def markdown(name: str, res: dict, args) -> str:
              "|---|" + "---:|" * len(COLUMNS)]
     for mode, stats in res["modes"].items():
         lines.append(f"| {mode} | " + " | ".join(cell(stats[key], fmt) for key, _, fmt in COLUMNS) + " |")
-    lines += ["", f"hybrid:none equals reuse token for token on {res['hybrid_none_equals_reuse']} questions; "
-              + verdict(res["modes"])]
+    lines += ["", (f"hybrid:none equals reuse token for token on {res['hybrid_none_equals_reuse']} questions; "
+                   if "hybrid:none" in res["modes"] else "") + verdict(res["modes"])]
     if res["skipped"]:
         lines += [f"skipped {len(res['skipped'])}: " + "; ".join(f"{s['id']}: {s['reason']}"
                                                               for s in res["skipped"])]
@@ -283,6 +300,8 @@ def main() -> None:
     from sift.model import DEFAULT_MODEL, load_model
 
     torch.manual_seed(0)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.model_dir is None:
         model, tokenizer, _ = load_model(DEFAULT_MODEL, device=args.device)
     else:
@@ -316,7 +335,7 @@ def main() -> None:
 
         write(run_set(name, items, index, model, tokenizer, args, write))
         tables.append(markdown(name, results[name], args))
-        if "hybrid:none" in args.modes:
+        if {"hybrid:none", "reuse"} <= set(args.modes):
             same, n = map(int, results[name]["hybrid_none_equals_reuse"].split("/"))
             checks.true(f"{name}/hybrid_none_equals_reuse", same == n, f"token for token on {same} of {n} questions")
     print("\n" + "\n".join(tables))
