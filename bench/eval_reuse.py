@@ -99,6 +99,11 @@ def parse_args():
     ap.add_argument("--no-warmup", action="store_true", help="do not warm each mode up before its timed run "
                     "(answers only: TTFT then includes one-off costs)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    ap.add_argument("--held-in", type=int, default=0, help="report the first N evaluated questions of each set "
+                    "(held in: where modes' settings are chosen) apart from the others (held out), and the held-out "
+                    "figures of the mode the held-in questions choose")
+    ap.add_argument("--budget", type=float, default=0.3, help="the most documents' tokens a mode chosen on the "
+                    "held-in questions may recompute")
     ap.add_argument("--max-new-tokens", type=int, default=24)
     ap.add_argument("--store-gib", type=float, default=4.0, help="KV store budget (host memory on CPU)")
     ap.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples of each interval")
@@ -151,8 +156,9 @@ def prefix_text(args) -> str | None:
 
 
 def build_index_in_process(items: list[QAItem], folder: Path, tile: int, model, tokenizer, model_dir: Path,
-                           prefix: str | None = None) -> Path:
-    """The same index built here, without Ray (bench/qa_sets.py)."""
+                           prefix: str | None = None, sensitivity: bool = False) -> Path:
+    """The same index built here, without Ray (bench/qa_sets.py); sensitivity: with the documents'
+    context_sensitivity (mode "auto" reads it)."""
     from sift.pipeline.config import ProfileConfig
 
     docs = {}
@@ -160,7 +166,7 @@ def build_index_in_process(items: list[QAItem], folder: Path, tile: int, model, 
         for doc_id, text in item.docs:
             docs.setdefault(doc_id, text)
     return qa_sets.build_in_process(docs, folder / "index", ProfileConfig(tile=tile, prefix_text=prefix), model,
-                                    tokenizer, model_dir, profile_key="eval_reuse")
+                                    tokenizer, model_dir, profile_key="eval_reuse", sensitivity=sensitivity)
 
 
 def build_index(items: list[QAItem], folder: Path, tile: int, prefix: str | None = None) -> Path:
@@ -238,16 +244,24 @@ def run_set(name: str, items: list[QAItem], index_path: Path, model, tokenizer, 
     return _result(rows, skipped, none_equals_reuse, len(items), index, engine, store, args, time.perf_counter() - t)
 
 
-def _result(rows, skipped, none_equals_reuse, questions, index, engine, store, args, seconds) -> dict:
+def _aggregate(rows, args) -> dict:
     modes = aggregate(rows, args.modes, resamples=args.resamples)
     for mode in args.modes:
         modes[mode]["recomputed_fraction"] = summarise([r["modes"][mode]["recomputed_fraction"] for r in rows],
                                                        resamples=args.resamples)
+    return modes
+
+
+def _result(rows, skipped, none_equals_reuse, questions, index, engine, store, args, seconds) -> dict:
+    split = {}
+    if args.held_in:    # the questions settings are chosen on, and the others, which report them
+        split = dict(held_in=_aggregate(rows[:args.held_in], args), held_out=_aggregate(rows[args.held_in:], args))
     return dict(questions=questions, evaluated=len(rows), index=str(index.path), tile=index.tile,
                 documents=len(index), block=engine.block, backend=engine.backend,
                 mean_prompt_tokens=sum(r["n_tokens"] for r in rows) / max(1, len(rows)),
                 hybrid_none_equals_reuse=f"{sum(none_equals_reuse)}/{len(none_equals_reuse)}",
-                store=store.stats(), seconds=seconds, modes=modes, rows=rows, skipped=skipped)
+                store=store.stats(), seconds=seconds, modes=_aggregate(rows, args), rows=rows, skipped=skipped,
+                **split)
 
 
 # -------------------------------------------------------------------------------------------------- report
@@ -289,10 +303,36 @@ def markdown(name: str, res: dict, args) -> str:
         lines.append(f"| {mode} | " + " | ".join(cell(stats[key], fmt) for key, _, fmt in COLUMNS) + " |")
     lines += ["", (f"hybrid:none equals reuse token for token on {res['hybrid_none_equals_reuse']} questions; "
                    if "hybrid:none" in res["modes"] else "") + verdict(res["modes"])]
+    if res.get("held_out") and res["held_out"]["dense"]["n"]:
+        lines += ["", f"held out (questions after the first {args.held_in} evaluated):", "",
+                  "| mode | " + " | ".join(title for _, title, _ in COLUMNS) + " |", "|---|" + "---:|" * len(COLUMNS)]
+        for mode, stats in res["held_out"].items():
+            lines.append(f"| {mode} | " + " | ".join(cell(stats[key], fmt) for key, _, fmt in COLUMNS) + " |")
+        lines += ["", chosen_on_held_in(res, args.budget)]
     if res["skipped"]:
         lines += [f"skipped {len(res['skipped'])}: " + "; ".join(f"{s['id']}: {s['reason']}"
                                                               for s in res["skipped"])]
     return "\n".join(lines) + "\n"
+
+
+def chosen_on_held_in(res: dict, budget: float) -> str:
+    """The recovering reuse mode with the best held-in agreement (whole answer, then first token, then the lower
+    first-token KL) among those recomputing at most `budget` of the documents' tokens, and its held-out figures
+    beside sift's."""
+    held_in, held_out = res["held_in"], res["held_out"]
+    fits = [m for m in hybrid_modes(held_in) if held_in[m]["recomputed_fraction"]["mean"] <= budget]
+    if not fits:
+        return f"no recovering reuse mode recomputes at most {budget:.0%} of the documents' tokens"
+    key = lambda m: (held_in[m]["agreement_answer"]["mean"], held_in[m]["agreement_first_token"]["mean"],  # noqa
+                     -held_in[m]["kl_first_token"]["mean"])
+    best = max(fits, key=key)
+    out = held_out[best]
+    line = (f"chosen on held-in (at most {budget:.0%} recomputed): {best}; held out: answer = dense "
+            f"{out['agreement_answer']['mean']:.0%}, first token {out['agreement_first_token']['mean']:.0%}, "
+            f"{out['recomputed_fraction']['mean']:.0%} recomputed")
+    if "sift" in held_out:
+        line += f"; sift held out: answer = dense {held_out['sift']['agreement_answer']['mean']:.0%}"
+    return line
 
 
 def main() -> None:
@@ -326,7 +366,7 @@ def main() -> None:
             index = args.index
         elif args.model_dir is not None:
             index = build_index_in_process(items, args.work / name, args.tile, model, tokenizer, args.model_dir,
-                                           prefix_text(args))
+                                           prefix_text(args), sensitivity=any(m.startswith("auto") for m in args.modes))
         else:
             index = build_index(items, args.work / name, args.tile, prefix_text(args))
         def write(partial: dict) -> None:
