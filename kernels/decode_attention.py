@@ -241,24 +241,8 @@ def _decode_merge_kernel(
         top = tl.maximum(tl.maximum(lse_o, lse_p), -1.0e30)
         w_o, w_p = tl.math.exp2(lse_o - top), tl.math.exp2(lse_p - top)
         out = (o_o * w_o + o_p * w_p) / tl.where(w_o + w_p == 0.0, 1.0, w_o + w_p)
-        tl.store(Out + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d * stride_od, out.to(Out.dtype.element_ty))
-        return
-    m = tl.full([], -1.0e30, tl.float32)   # finite: all-empty splits (lse -inf) give weights exp2(-inf) = 0
-    total = tl.zeros([], tl.float32)
-    acc = tl.zeros([HEAD_DIM], tl.float32)
-    for s0 in range(0, S, S_CHUNK):
-        offs_s = s0 + tl.arange(0, S_CHUNK)
-        row = (b * HQ + h) * S + offs_s
-        lse = tl.load(PartLse + row, mask=offs_s < S, other=float("-inf"))
-        m_new = tl.maximum(m, tl.max(lse, 0))
-        w = tl.math.exp2(lse - m_new)  # [S_CHUNK]
-        o = tl.load(PartO + row.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :], mask=(offs_s < S)[:, None],
-                    other=0.0)
-        rescale = tl.math.exp2(m - m_new)
-        acc = acc * rescale + tl.sum(w[:, None] * o, 0)
-        total = total * rescale + tl.sum(w, 0)
-        m = m_new
-    out = acc / tl.where(total == 0.0, 1.0, total)
+    else:
+        _, out = _merge_part(PartO, PartLse, (b * HQ + h) * S, S, S_CHUNK, HEAD_DIM)
     tl.store(Out + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d * stride_od, out.to(Out.dtype.element_ty))
 
 

@@ -22,7 +22,8 @@ from sift.kernels.sparse_attention_tl import AttentionConfig
 from sift.runtime.modes import Mode
 
 from .helpers import kernel_tol
-from .test_sparse_attention import DEVICE, Layout, default_inv_freq, layout_of, make_csr, make_layout, make_qkv
+from .test_sparse_attention import (DEVICE, Layout, allowed_slots, default_inv_freq, layout_of, make_csr, make_layout,
+                                    make_qkv)
 
 # Outputs of magnitude ~1 (V ~ N(0, 1)); a 16-bit kernel rounds q, the K tile, P and the output (4 roundings),
 # every dtype accumulates in fp32 over at most 512 terms; the fold adds one division and one scaled log2 of fp32
@@ -36,10 +37,7 @@ def ape_reference(q_log, k_log, v, layout: Layout, block_mask, parallel_blocks, 
     group = hq // k_log.shape[0]
     b = layout.block
     real = layout.pos >= 0
-    slot = torch.arange(n) % b
-    same_block = (torch.arange(n)[:, None] // b) == (torch.arange(n)[None, :] // b)
-    cell = real[None, :] & ~(same_block & (slot[None, :] > slot[:, None]))
-    allowed = block_mask.repeat_interleave(b, 1).repeat_interleave(b, 2) & cell & real[:, None]   # [Hq, N, N]
+    allowed = allowed_slots(layout, block_mask)                                                    # [Hq, N, N]
     par = parallel_blocks.bool().repeat_interleave(b)[None, None, :]                               # key slots
     k_rep = k_log.repeat_interleave(group, 0)
     v_rep = torch.where(real[None, :, None], v.double(), 0.0).repeat_interleave(group, 0)
