@@ -16,7 +16,7 @@ from sift.runtime import KVStore, SiftEngine
 from sift.runtime.modes import Mode
 from sift.runtime.reuse import auto_budget
 
-from .helpers import model_rounding
+from .helpers import assert_within, model_logit_tol, model_rounding
 from .test_engine import doc_ids, hotpot, real, write_index  # noqa: F401 (fixture)
 from .test_kv_reuse import requests_of
 
@@ -106,3 +106,17 @@ def test_auto_recomputes_the_most_sensitive_documents_within_budget(engine):
     none = eng.prefill([req], mode="auto@0.3:0.95")                 # no document qualifies: reuse's forward
     reuse = eng.prefill([req], mode="reuse")
     assert none.recomputed_fraction == 0.0 and torch.equal(none.logits, reuse.logits)
+
+
+def test_ape_mode_rescales_reused_documents(engine):
+    """T = S = 1 is reuse (other arithmetic, same values); T < 1 changes what the query reads, in the prefill and
+    in every decode step (the rows' decode tables carry which entries are reused documents)."""
+    eng, req, _ = engine
+    reuse = eng.generate([req], 3, mode="reuse")
+    plain = eng.generate([req], 3, mode="ape@1:1")
+    assert_within(plain.prefill.logits, reuse.prefill.logits, model_logit_tol(eng.model.config, reuse.prefill.logits),
+                  "ape@1:1 against reuse")
+    sharp = eng.prefill([req], mode="ape@0.5:1")
+    assert (sharp.logits - reuse.prefill.logits).abs().max() > 100 * model_logit_tol(eng.model.config,
+                                                                                       reuse.prefill.logits)
+    assert sharp.recomputed_fraction == 0.0
