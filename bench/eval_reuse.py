@@ -31,6 +31,13 @@ through the kernels' ref twins, so TTFT there measures correctness paths, not sp
                                [--limit-long 15] [--hybrid-fractions 0.15,0.3,0.5]
     python bench/eval_reuse.py --sets hotpotqa --index DIR   # an index of the questions' paragraphs
     python bench/eval_reuse.py --smoke     # 2 questions per set, 4 new tokens: checks the script runs
+
+--modes replaces the mode list (dense is always run), e.g. the reuse corrections `auto@<f>:<t>` and
+`ape@<T>:<S>` (runtime/reuse.py; an index built here with --model-dir then holds each document's
+context_sensitivity, which `auto` reads). --held-in N reports each set's first N evaluated questions (where
+settings are chosen) apart from the others and prints the held-out figures of the mode the held-in questions
+choose among those recomputing at most --budget of the documents' tokens; --start N skips each set's first N
+questions. --no-warmup and --threads 1 suit answer-only runs on a shared CPU.
 """
 from __future__ import annotations
 
