@@ -31,6 +31,13 @@ through the kernels' ref twins, so TTFT there measures correctness paths, not sp
                                [--limit-long 15] [--hybrid-fractions 0.15,0.3,0.5]
     python bench/eval_reuse.py --sets hotpotqa --index DIR   # an index of the questions' paragraphs
     python bench/eval_reuse.py --smoke     # 2 questions per set, 4 new tokens: checks the script runs
+
+--modes replaces the mode list (dense is always run), e.g. the reuse corrections `auto@<f>:<t>` and
+`ape@<T>:<S>` (runtime/reuse.py; an index built here with --model-dir then holds each document's
+context_sensitivity, which `auto` reads). --held-in N reports each set's first N evaluated questions (where
+settings are chosen) apart from the others and prints the held-out figures of the mode the held-in questions
+choose among those recomputing at most --budget of the documents' tokens; --start N skips each set's first N
+questions. --no-warmup and --threads 1 suit answer-only runs on a shared CPU.
 """
 from __future__ import annotations
 
@@ -61,7 +68,9 @@ def modes_of(fractions: list[float], policies=POLICIES) -> tuple[str, ...]:
 
 
 def hybrid_modes(modes) -> list[str]:
-    return [m for m in modes if m.startswith("hybrid:") and m != "hybrid:none"]
+    """The modes that reuse documents' KV and recover some of what it costs (every mode but dense, sift, reuse
+    and hybrid:none)."""
+    return [m for m in modes if m not in ("dense", "sift", "reuse", "hybrid:none")]
 
 
 def parse_args():
@@ -90,6 +99,18 @@ def parse_args():
     ap.add_argument("--policies", default=",".join(POLICIES), help="comma-separated hybrid policies to run")
     ap.add_argument("--hybrid-fractions", default="0.15", help="comma-separated budgets: each hybrid policy "
                     "runs at each share of each document's blocks recomputed")
+    ap.add_argument("--modes", dest="modes_text", default=None, help="comma-separated modes to run instead of the default list "
+                    "(dense is always run, as the reference), e.g. sift,reuse,ape@0.9:0.9")
+    ap.add_argument("--start", type=int, default=0, help="skip each set's first N questions (held-out runs: "
+                    "questions N+1 .. N+limit)")
+    ap.add_argument("--no-warmup", action="store_true", help="do not warm each mode up before its timed run "
+                    "(answers only: TTFT then includes one-off costs)")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    ap.add_argument("--held-in", type=int, default=0, help="report the first N evaluated questions of each set "
+                    "(held in: where modes' settings are chosen) apart from the others (held out), and the held-out "
+                    "figures of the mode the held-in questions choose")
+    ap.add_argument("--budget", type=float, default=0.3, help="the most documents' tokens a mode chosen on the "
+                    "held-in questions may recompute")
     ap.add_argument("--max-new-tokens", type=int, default=24)
     ap.add_argument("--store-gib", type=float, default=4.0, help="KV store budget (host memory on CPU)")
     ap.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples of each interval")
@@ -115,6 +136,9 @@ def parse_args():
     if not args.policies or not set(args.policies) <= set(POLICIES):
         ap.error(f"--policies {args.policies}: each must be one of {', '.join(POLICIES)}")
     args.modes = modes_of(args.fractions, args.policies)
+    if args.modes_text is not None:
+        listed = [m.strip() for m in args.modes_text.split(",") if m.strip()]
+        args.modes = tuple(dict.fromkeys(["dense", *listed]))
     if args.smoke:
         args.limit_hotpotqa, args.limit_long, args.limit_2wiki, args.max_new_tokens, args.resamples = 2, 2, 2, 4, 200
         args.limit_nq_long = 2
@@ -125,8 +149,10 @@ def parse_args():
 
 
 def load_set(name: str, args) -> list[QAItem]:
-    return qa_sets.load_set(name, getattr(args, "limit_" + name.replace("-", "_")), hotpotqa_json=args.hotpotqa_json,
-                            wiki=args.wiki, doc_chars=args.doc_chars, nq_json=args.nq_json)
+    """Questions start+1 .. start+limit of the set."""
+    limit = args.start + getattr(args, "limit_" + name.replace("-", "_"))
+    return qa_sets.load_set(name, limit, hotpotqa_json=args.hotpotqa_json, wiki=args.wiki, doc_chars=args.doc_chars,
+                            nq_json=args.nq_json)[args.start:]
 
 
 def prefix_text(args) -> str | None:
@@ -137,8 +163,9 @@ def prefix_text(args) -> str | None:
 
 
 def build_index_in_process(items: list[QAItem], folder: Path, tile: int, model, tokenizer, model_dir: Path,
-                           prefix: str | None = None) -> Path:
-    """The same index built here, without Ray (bench/qa_sets.py)."""
+                           prefix: str | None = None, sensitivity: bool = False) -> Path:
+    """The same index built here, without Ray (bench/qa_sets.py); sensitivity: with the documents'
+    context_sensitivity (mode "auto" reads it)."""
     from sift.pipeline.config import ProfileConfig
 
     docs = {}
@@ -146,7 +173,7 @@ def build_index_in_process(items: list[QAItem], folder: Path, tile: int, model, 
         for doc_id, text in item.docs:
             docs.setdefault(doc_id, text)
     return qa_sets.build_in_process(docs, folder / "index", ProfileConfig(tile=tile, prefix_text=prefix), model,
-                                    tokenizer, model_dir, profile_key="eval_reuse")
+                                    tokenizer, model_dir, profile_key="eval_reuse", sensitivity=sensitivity)
 
 
 def build_index(items: list[QAItem], folder: Path, tile: int, prefix: str | None = None) -> Path:
@@ -206,7 +233,7 @@ def run_set(name: str, items: list[QAItem], index_path: Path, model, tokenizer, 
     rows, skipped, none_equals_reuse = [], [], []
     t = time.perf_counter()
     for k, item in enumerate(items, 1):
-        r, s = evaluate(engine, [item], args.modes, max_new_tokens=args.max_new_tokens)
+        r, s = evaluate(engine, [item], args.modes, max_new_tokens=args.max_new_tokens, warmup=not args.no_warmup)
         skipped += s
         for row in r:
             request = item.request()
@@ -214,8 +241,9 @@ def run_set(name: str, items: list[QAItem], index_path: Path, model, tokenizer, 
                 extra = seen[_key(mode, request)]
                 row["modes"][mode]["recomputed_fraction"] = extra["recomputed_fraction"]
                 row["modes"][mode]["store"] = extra["store"]
-            none_equals_reuse.append(seen[_key("hybrid:none", request)]["token_ids"]
-                                     == seen[_key("reuse", request)]["token_ids"])
+            if {"hybrid:none", "reuse"} <= set(args.modes):
+                none_equals_reuse.append(seen[_key("hybrid:none", request)]["token_ids"]
+                                         == seen[_key("reuse", request)]["token_ids"])
         rows += r
         print(f"  {name}: {k}/{len(items)} questions ({time.perf_counter() - t:.0f} s)", flush=True)
         write(_result(rows, skipped, none_equals_reuse, len(items), index, engine, store, args,
@@ -223,16 +251,24 @@ def run_set(name: str, items: list[QAItem], index_path: Path, model, tokenizer, 
     return _result(rows, skipped, none_equals_reuse, len(items), index, engine, store, args, time.perf_counter() - t)
 
 
-def _result(rows, skipped, none_equals_reuse, questions, index, engine, store, args, seconds) -> dict:
+def _aggregate(rows, args) -> dict:
     modes = aggregate(rows, args.modes, resamples=args.resamples)
     for mode in args.modes:
         modes[mode]["recomputed_fraction"] = summarise([r["modes"][mode]["recomputed_fraction"] for r in rows],
                                                        resamples=args.resamples)
+    return modes
+
+
+def _result(rows, skipped, none_equals_reuse, questions, index, engine, store, args, seconds) -> dict:
+    split = {}
+    if args.held_in:    # the questions settings are chosen on, and the others, which report them
+        split = dict(held_in=_aggregate(rows[:args.held_in], args), held_out=_aggregate(rows[args.held_in:], args))
     return dict(questions=questions, evaluated=len(rows), index=str(index.path), tile=index.tile,
                 documents=len(index), block=engine.block, backend=engine.backend,
                 mean_prompt_tokens=sum(r["n_tokens"] for r in rows) / max(1, len(rows)),
                 hybrid_none_equals_reuse=f"{sum(none_equals_reuse)}/{len(none_equals_reuse)}",
-                store=store.stats(), seconds=seconds, modes=modes, rows=rows, skipped=skipped)
+                store=store.stats(), seconds=seconds, modes=_aggregate(rows, args), rows=rows, skipped=skipped,
+                **split)
 
 
 # -------------------------------------------------------------------------------------------------- report
@@ -248,6 +284,8 @@ def verdict(modes: dict) -> str:
     often as sift, and the cheapest mode that does (fewest documents' tokens recomputed)."""
     score = lambda m: (modes[m]["agreement_answer"]["mean"], modes[m]["agreement_first_token"]["mean"])  # noqa
     hybrid = hybrid_modes(modes)
+    if not hybrid or "sift" not in modes:
+        return "no recovering reuse mode, or no sift, to compare"
     best = max(hybrid, key=score)
     (answer, first), (sift_answer, sift_first) = score(best), score("sift")
     enough = [m for m in hybrid if score(m)[0] >= sift_answer]
@@ -270,12 +308,38 @@ def markdown(name: str, res: dict, args) -> str:
              "|---|" + "---:|" * len(COLUMNS)]
     for mode, stats in res["modes"].items():
         lines.append(f"| {mode} | " + " | ".join(cell(stats[key], fmt) for key, _, fmt in COLUMNS) + " |")
-    lines += ["", f"hybrid:none equals reuse token for token on {res['hybrid_none_equals_reuse']} questions; "
-              + verdict(res["modes"])]
+    lines += ["", (f"hybrid:none equals reuse token for token on {res['hybrid_none_equals_reuse']} questions; "
+                   if "hybrid:none" in res["modes"] else "") + verdict(res["modes"])]
+    if res.get("held_out") and res["held_out"]["dense"]["n"]:
+        lines += ["", f"held out (questions after the first {args.held_in} evaluated):", "",
+                  "| mode | " + " | ".join(title for _, title, _ in COLUMNS) + " |", "|---|" + "---:|" * len(COLUMNS)]
+        for mode, stats in res["held_out"].items():
+            lines.append(f"| {mode} | " + " | ".join(cell(stats[key], fmt) for key, _, fmt in COLUMNS) + " |")
+        lines += ["", chosen_on_held_in(res, args.budget)]
     if res["skipped"]:
         lines += [f"skipped {len(res['skipped'])}: " + "; ".join(f"{s['id']}: {s['reason']}"
                                                               for s in res["skipped"])]
     return "\n".join(lines) + "\n"
+
+
+def chosen_on_held_in(res: dict, budget: float) -> str:
+    """The recovering reuse mode with the best held-in agreement (whole answer, then first token, then the lower
+    first-token KL) among those recomputing at most `budget` of the documents' tokens, and its held-out figures
+    beside sift's."""
+    held_in, held_out = res["held_in"], res["held_out"]
+    fits = [m for m in hybrid_modes(held_in) if held_in[m]["recomputed_fraction"]["mean"] <= budget]
+    if not fits:
+        return f"no recovering reuse mode recomputes at most {budget:.0%} of the documents' tokens"
+    key = lambda m: (held_in[m]["agreement_answer"]["mean"], held_in[m]["agreement_first_token"]["mean"],  # noqa
+                     -held_in[m]["kl_first_token"]["mean"])
+    best = max(fits, key=key)
+    out = held_out[best]
+    line = (f"chosen on held-in (at most {budget:.0%} recomputed): {best}; held out: answer = dense "
+            f"{out['agreement_answer']['mean']:.0%}, first token {out['agreement_first_token']['mean']:.0%}, "
+            f"{out['recomputed_fraction']['mean']:.0%} recomputed")
+    if "sift" in held_out:
+        line += f"; sift held out: answer = dense {held_out['sift']['agreement_answer']['mean']:.0%}"
+    return line
 
 
 def main() -> None:
@@ -283,6 +347,8 @@ def main() -> None:
     from sift.model import DEFAULT_MODEL, load_model
 
     torch.manual_seed(0)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.model_dir is None:
         model, tokenizer, _ = load_model(DEFAULT_MODEL, device=args.device)
     else:
@@ -307,7 +373,7 @@ def main() -> None:
             index = args.index
         elif args.model_dir is not None:
             index = build_index_in_process(items, args.work / name, args.tile, model, tokenizer, args.model_dir,
-                                           prefix_text(args))
+                                           prefix_text(args), sensitivity=any(m.startswith("auto") for m in args.modes))
         else:
             index = build_index(items, args.work / name, args.tile, prefix_text(args))
         def write(partial: dict) -> None:
@@ -316,7 +382,7 @@ def main() -> None:
 
         write(run_set(name, items, index, model, tokenizer, args, write))
         tables.append(markdown(name, results[name], args))
-        if "hybrid:none" in args.modes:
+        if {"hybrid:none", "reuse"} <= set(args.modes):
             same, n = map(int, results[name]["hybrid_none_equals_reuse"].split("/"))
             checks.true(f"{name}/hybrid_none_equals_reuse", same == n, f"token for token on {same} of {n} questions")
     print("\n" + "\n".join(tables))

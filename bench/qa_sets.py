@@ -57,9 +57,10 @@ def corpus_docs(corpus: Path) -> dict[str, str]:
 
 
 def build_in_process(docs: dict[str, str], root: Path, cfg, model, tokenizer, model_dir: Path,
-                     profile_key: str = "in-process") -> Path:
+                     profile_key: str = "in-process", sensitivity: bool = False) -> Path:
     """Index `docs` (doc_id -> text) at `root` (replaced if it exists) with the ProfileConfig `cfg`, profiling on
-    `model`'s device in its dtype. -> root."""
+    `model`'s device in its dtype. sensitivity: also write each document's `context_sensitivity` (the optional
+    column of SPEC section 3, pipeline/sensitivity.py; mode "auto" reads it). -> root."""
     import pyarrow as pa
 
     from sift import format as fmt
@@ -67,12 +68,14 @@ def build_in_process(docs: dict[str, str], root: Path, cfg, model, tokenizer, mo
     from sift.model import fingerprint
     from sift.pipeline import index as idx
     from sift.pipeline.profiler import Profiler
+    from sift.pipeline.sensitivity import context_sensitivity, default_context_ids
 
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     cfg = dataclasses.replace(cfg, dtype=dtype)
     backend = "triton" if next(model.parameters()).is_cuda else "torch"
     previous = model.config._attn_implementation
     profiler = Profiler(model, tokenizer, cfg, backend)
+    context = default_context_ids(tokenizer)
     rows, t = [], time.perf_counter()
     try:
         for doc_id, text in docs.items():
@@ -83,9 +86,16 @@ def build_in_process(docs: dict[str, str], root: Path, cfg, model, tokenizer, mo
     finally:
         model.set_attn_implementation(previous)
     print(f"  profiled {len(rows)} documents in {time.perf_counter() - t:.1f} s", flush=True)
+    if sensitivity:     # with the model's own attention again
+        t = time.perf_counter()
+        for row, text in zip(rows, docs.values()):
+            ids = list(tokenizer(text, add_special_tokens=False).input_ids)
+            row["context_sensitivity"] = context_sensitivity(model, profiler.prefix_ids, ids, context)
+        print(f"  context sensitivity of {len(rows)} documents in {time.perf_counter() - t:.1f} s", flush=True)
     shutil.rmtree(root, ignore_errors=True)
     idx.prepare_dir(root)
-    info = idx.write_table(root, pa.Table.from_pylist(rows, schema=fmt.DOCS_SCHEMA), kind="part",
+    schema = fmt.DOCS_SCHEMA.append(pa.field("context_sensitivity", pa.float32())) if sensitivity else fmt.DOCS_SCHEMA
+    info = idx.write_table(root, pa.Table.from_pylist(rows, schema=schema), kind="part",
                            profile_key=profile_key, backend=profiler.backend_label)
     c = model.config
     profile = dataclasses.asdict(cfg)

@@ -28,6 +28,10 @@ Shapes:
     kv_offset:    int32 [nnz]      logical position of the first token of entry j's segment, in its request
     inv_freq:     float [D/2] (RoPE, rotate_half convention), or None when keys are stored at logical positions
     out:          [B, Hq, D] in q's dtype
+    parallel:     optional int32 [nnz], with ape: nonzero where entry j is a block of parallel-encoded context (a
+                  document read from the KV store)
+    ape:          optional fp32 [B, 2]: each row's (temperature, scale) of kernels/ape.py's rescaling of its
+                  attention to those entries; (1, 1) leaves a row's attention plain
 """
 from __future__ import annotations
 
@@ -40,6 +44,7 @@ from sift.format import TILES
 
 from .device import sm_count, triton_runs_on
 from .layout import BatchLayout
+from .ape import ape_probs
 from .numerics import LOG2E, check_heads_and_blocks, check_scale
 from .rope import _cos_sin, apply_rope_ref
 
@@ -54,9 +59,11 @@ BLOCK_N = 32
 def _decode_split_kernel(
     Q, K, V,  # q [B, Hq, D]; k, v [Hkv, N, D]
     Out,  # [B, Hq, D] when DIRECT, else unused
-    PartO, PartLse,  # fp32 [B, Hq, S, D], fp32 [B, Hq, S] (log2 domain) when not DIRECT
+    PartO, PartLse,  # fp32 [B, Hq, P * S, D], fp32 [B, Hq, P * S] (log2 domain) when not DIRECT; P parts: 1, or
+                     # 2 with APE (the other keys' partials, then the parallel keys')
     QOffset, KvIndptr, KvIndices, BlockValid, KvOffset,
     InvFreq,  # [D/2] float: the RoPE inverse frequencies (unused without ROPE)
+    KvParallel, Ape,  # APE: int32 [nnz] entry flags, fp32 [B, 2] each row's (temperature, scale)
     stride_qb, stride_qh, stride_qd,
     stride_kh, stride_kn, stride_kd,
     stride_vh, stride_vn, stride_vd,
@@ -70,6 +77,7 @@ def _decode_split_kernel(
     ROPE: tl.constexpr,
     DIRECT: tl.constexpr,  # S == 1: normalise and write Out, no partials
     DOT_PRECISION: tl.constexpr,
+    APE: tl.constexpr,  # two online softmaxes: the parallel entries' (at temperature T) and the others'
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
     SUB: tl.constexpr = BLOCK // BLOCK_N
@@ -105,6 +113,12 @@ def _decode_split_kernel(
     m_i = tl.full([G_PAD], -1.0e30, tl.float32)  # finite: a fully masked block gives exp2(-inf) = 0, never NaN
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, HEAD_DIM], tl.float32)
+    m_p = tl.full([G_PAD], -1.0e30, tl.float32)  # APE: the parallel entries' state
+    l_p = tl.zeros([G_PAD], tl.float32)
+    acc_p = tl.zeros([G_PAD, HEAD_DIM], tl.float32)
+    inv_t = 1.0
+    if APE:
+        inv_t = 1.0 / tl.load(Ape + b * 2)
     for j in range(j0 * SUB, j1 * SUB):
         kb = tl.load(KvIndices + j // SUB)
         k_first = (j % SUB) * BLOCK_N  # first slot of this step inside block kb
@@ -128,50 +142,71 @@ def _decode_split_kernel(
         k2 = tl.load(k_ptr + (offs_h + HALF)[None, :] * stride_kd, mask=slot_ok[:, None], other=0.0)
         s = tl.dot(q1r, tl.trans(k1), input_precision=DOT_PRECISION)
         s = tl.dot(q2r, tl.trans(k2), s, input_precision=DOT_PRECISION)  # [G_PAD, BLOCK_N]
-        s = tl.where(slot_ok[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
         offs_d = tl.arange(0, HEAD_DIM)
         v = tl.load(v_head + (kb * BLOCK + k_first).to(tl.int64) * stride_vn + offs_d[None, :] * stride_vd,
                     mask=slot_ok[:, None], other=0.0)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
-        m_i = m_new
+        if APE:
+            if tl.load(KvParallel + j // SUB) != 0:
+                s = tl.where(slot_ok[None, :], s * (qk_scale * inv_t), float("-inf"))
+                m_p, l_p, acc_p = _online_update(s, v, m_p, l_p, acc_p, DOT_PRECISION)
+            else:
+                s = tl.where(slot_ok[None, :], s * qk_scale, float("-inf"))
+                m_i, l_i, acc = _online_update(s, v, m_i, l_i, acc, DOT_PRECISION)
+        else:
+            s = tl.where(slot_ok[None, :], s * qk_scale, float("-inf"))
+            m_i, l_i, acc = _online_update(s, v, m_i, l_i, acc, DOT_PRECISION)
 
     offs_d = tl.arange(0, HEAD_DIM)
     safe_l = tl.where(l_i == 0.0, 1.0, l_i)
     o = acc / safe_l[:, None]
+    if APE and DIRECT:
+        # the two parts combined by their log2-masses: the parallel part's scaled by S * T
+        st = tl.load(Ape + b * 2) * tl.load(Ape + b * 2 + 1)
+        lse_o = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(safe_l))
+        safe_p = tl.where(l_p == 0.0, 1.0, l_p)
+        lse_p = tl.where(l_p == 0.0, float("-inf"), st * (m_p + tl.log2(safe_p)))
+        top = tl.maximum(tl.maximum(lse_o, lse_p), -1.0e30)
+        w_o, w_p = tl.math.exp2(lse_o - top), tl.math.exp2(lse_p - top)
+        total = tl.where(w_o + w_p == 0.0, 1.0, w_o + w_p)
+        o = (o * w_o[:, None] + (acc_p / safe_p[:, None]) * w_p[:, None]) / total[:, None]
     if DIRECT:
         o_ptr = Out + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :] * stride_od
         tl.store(o_ptr, o.to(Out.dtype.element_ty), mask=g_ok[:, None])
     else:
         # lse (log2) of an empty split is -inf: the merge gives it weight 0.
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(safe_l))
-        row = (b * HQ + heads) * S + split  # [G_PAD]
+        parts = 2 if APE else 1
+        row = (b * HQ + heads) * (parts * S) + split  # [G_PAD]
         tl.store(PartLse + row, lse, mask=g_ok)
         tl.store(PartO + row.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :], o, mask=g_ok[:, None])
+        if APE:     # the parallel part's partials, S rows further (its lse at temperature T, not yet scaled)
+            safe_p = tl.where(l_p == 0.0, 1.0, l_p)
+            tl.store(PartLse + row + S, tl.where(l_p == 0.0, float("-inf"), m_p + tl.log2(safe_p)), mask=g_ok)
+            tl.store(PartO + (row + S).to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :], acc_p / safe_p[:, None],
+                     mask=g_ok[:, None])
 
 
 @triton.jit
-def _decode_merge_kernel(
-    PartO, PartLse, Out,
-    stride_ob, stride_oh, stride_od,
-    HQ, S,
-    S_CHUNK: tl.constexpr,  # partials per step (up to 128: one step at the default split counts); registers
-                            # stay bounded however many splits there are
-    HEAD_DIM: tl.constexpr,
-):
-    """Out[b, h] = the split partials of (b, h) combined by their log-sum-exps, S_CHUNK at a time (online)."""
-    b = tl.program_id(0)
-    h = tl.program_id(1)
+def _online_update(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
+    """One step of the online softmax: scores s [G_PAD, BLOCK_N] (log2 domain, masked at -inf), values v."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.math.exp2(s - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _merge_part(PartO, PartLse, first, S, S_CHUNK: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Rows first .. first + S - 1 of the partials combined -> (log2-sum-exp, normalised output [HEAD_DIM])."""
     offs_d = tl.arange(0, HEAD_DIM)
     m = tl.full([], -1.0e30, tl.float32)   # finite: all-empty splits (lse -inf) give weights exp2(-inf) = 0
     total = tl.zeros([], tl.float32)
     acc = tl.zeros([HEAD_DIM], tl.float32)
     for s0 in range(0, S, S_CHUNK):
         offs_s = s0 + tl.arange(0, S_CHUNK)
-        row = (b * HQ + h) * S + offs_s
+        row = first + offs_s
         lse = tl.load(PartLse + row, mask=offs_s < S, other=float("-inf"))
         m_new = tl.maximum(m, tl.max(lse, 0))
         w = tl.math.exp2(lse - m_new)  # [S_CHUNK]
@@ -181,12 +216,38 @@ def _decode_merge_kernel(
         acc = acc * rescale + tl.sum(w[:, None] * o, 0)
         total = total * rescale + tl.sum(w, 0)
         m = m_new
-    out = acc / tl.where(total == 0.0, 1.0, total)
+    lse_all = tl.where(total == 0.0, float("-inf"), m + tl.log2(tl.where(total == 0.0, 1.0, total)))
+    return lse_all, acc / tl.where(total == 0.0, 1.0, total)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    PartO, PartLse, Out, Ape,
+    stride_ob, stride_oh, stride_od,
+    HQ, S,
+    S_CHUNK: tl.constexpr,  # partials per step (up to 128: one step at the default split counts); registers
+                            # stay bounded however many splits there are
+    HEAD_DIM: tl.constexpr,
+    APE: tl.constexpr,      # two parts per (b, h): the other keys' partials, then the parallel keys' (scaled S * T)
+):
+    """Out[b, h] = the split partials of (b, h) combined by their log-sum-exps, S_CHUNK at a time (online)."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_d = tl.arange(0, HEAD_DIM)
+    if APE:
+        lse_o, o_o = _merge_part(PartO, PartLse, (b * HQ + h) * 2 * S, S, S_CHUNK, HEAD_DIM)
+        lse_p, o_p = _merge_part(PartO, PartLse, (b * HQ + h) * 2 * S + S, S, S_CHUNK, HEAD_DIM)
+        lse_p = lse_p * (tl.load(Ape + b * 2) * tl.load(Ape + b * 2 + 1))
+        top = tl.maximum(tl.maximum(lse_o, lse_p), -1.0e30)
+        w_o, w_p = tl.math.exp2(lse_o - top), tl.math.exp2(lse_p - top)
+        out = (o_o * w_o + o_p * w_p) / tl.where(w_o + w_p == 0.0, 1.0, w_o + w_p)
+    else:
+        _, out = _merge_part(PartO, PartLse, (b * HQ + h) * S, S, S_CHUNK, HEAD_DIM)
     tl.store(Out + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d * stride_od, out.to(Out.dtype.element_ty))
 
 
 def _validate(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block_valid, kv_offset, inv_freq, scale,
-              block, out) -> None:
+              block, out, parallel=None, ape=None) -> None:
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise ValueError(f"q must be [B, Hq, D]; got {getattr(q, 'shape', type(q))}")
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -220,7 +281,18 @@ def _validate(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block_valid,
                          f"{tuple(getattr(inv_freq, 'shape', ()))}")
     if out is not None and (tuple(out.shape) != (bsz, hq, d) or out.dtype != q.dtype):
         raise ValueError(f"out must be {q.dtype} [{bsz}, {hq}, {d}]; got {out.dtype} {tuple(out.shape)}")
-    tensors = [q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block_valid, kv_offset]
+    if (parallel is None) != (ape is None):
+        raise ValueError("give parallel= and ape= together (the context entries and each row's (temperature, "
+                         "scale)), or neither")
+    if parallel is not None:
+        if not isinstance(parallel, torch.Tensor) or parallel.dtype != torch.int32 or parallel.shape != kv_indices.shape:
+            raise ValueError(f"parallel must be int32 [nnz={kv_indices.numel()}], one flag per kv_indices entry; "
+                             f"got {getattr(parallel, 'dtype', type(parallel))} {tuple(getattr(parallel, 'shape', ()))}")
+        if not isinstance(ape, torch.Tensor) or ape.dtype != torch.float32 or tuple(ape.shape) != (bsz, 2):
+            raise ValueError(f"ape must be fp32 [B={bsz}, 2], each row's (temperature, scale); got "
+                             f"{getattr(ape, 'dtype', type(ape))} {tuple(getattr(ape, 'shape', ()))}")
+    tensors = [q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block_valid, kv_offset] + [
+        x for x in (parallel, ape) if x is not None]
     devices = {x.device for x in tensors + ([out] if out is not None else [])}
     if len(devices) != 1:
         raise ValueError(f"all tensors must be on one device; got {sorted(map(str, devices))}")
@@ -236,12 +308,13 @@ def default_num_splits(batch: int, kv_heads: int, nnz_blocks: int, device: torch
 
 
 def decode_attention(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block_valid, kv_offset, inv_freq,
-                     *, scale, block, num_splits=None, out=None):
+                     *, scale, block, num_splits=None, out=None, parallel=None, ape=None):
     """Attention of one new token per request over its KV blocks, with q rotated per segment in the kernel.
     Shapes in the module docstring. num_splits: programs per (request, kv head) along the block list (default
-    `default_num_splits`). Returns out [B, Hq, D] in q's dtype. Block ids are not range-checked (no sync)."""
+    `default_num_splits`). Returns out [B, Hq, D] in q's dtype. Block ids are not range-checked (no sync).
+    parallel / ape: the APE option (module docstring); without it the kernels are the plain ones."""
     _validate(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block_valid, kv_offset, inv_freq, scale,
-              block, out)
+              block, out, parallel, ape)
     if not triton_runs_on(q.device):
         raise ValueError(f"decode_attention runs on CUDA tensors (got {q.device}); use decode_attention_ref on CPU")
     bsz, hq, d = q.shape
@@ -259,32 +332,36 @@ def decode_attention(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block
     if direct:
         part_o = part_lse = out  # unused
     else:
-        part_o = torch.empty((bsz, hq, splits, d), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((bsz, hq, splits), dtype=torch.float32, device=q.device)
+        parts = 1 if ape is None else 2
+        part_o = torch.empty((bsz, hq, parts * splits, d), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((bsz, hq, parts * splits), dtype=torch.float32, device=q.device)
+    flags = kv_indices if parallel is None else parallel   # any pointer when unused
+    rows = q_offset if ape is None else ape
     _decode_split_kernel[(bsz, hkv, splits)](
         q, k_cache, v_cache, out, part_o, part_lse,
-        q_offset, kv_indptr, kv_indices, block_valid, kv_offset, freq,
+        q_offset, kv_indptr, kv_indices, block_valid, kv_offset, freq, flags, rows,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
         hq, splits, float(scale) * LOG2E,
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), BLOCK=block, BLOCK_N=min(block, BLOCK_N),
         HEAD_DIM=d, ROPE=rope, DIRECT=direct,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", APE=ape is not None,
         num_warps=4, num_stages=2,
     )
     if not direct:
         _decode_merge_kernel[(bsz, hq)](
-            part_o, part_lse, out, *out.stride(), hq, splits,
-            S_CHUNK=min(triton.next_power_of_2(splits), 128), HEAD_DIM=d, num_warps=4,
+            part_o, part_lse, out, rows, *out.stride(), hq, splits,
+            S_CHUNK=min(triton.next_power_of_2(splits), 128), HEAD_DIM=d, APE=ape is not None, num_warps=4,
         )
     return out
 
 
 def decode_attention_ref(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block_valid, kv_offset, inv_freq,
-                         *, scale, block, num_splits=None, out=None):
+                         *, scale, block, num_splits=None, out=None, parallel=None, ape=None):
     """The ref twin of `decode_attention` (same signature and result; num_splits is accepted and ignored).
     fp32 softmax, fp64 RoPE angles; one rotation of q per distinct segment offset of the request."""
     _validate(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block_valid, kv_offset, inv_freq, scale,
-              block, out)
+              block, out, parallel, ape)
+    flags = None if parallel is None else parallel.tolist()
     bsz, hq, d = q.shape
     group = hq // k_cache.shape[0]
     ptr, idx = kv_indptr.tolist(), kv_indices.tolist()
@@ -307,7 +384,11 @@ def decode_attention_ref(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, b
                 minus_delta = torch.tensor([q_off[b] - off], device=q.device)
                 qr = apply_rope_ref(qr, minus_delta, inv_freq.float())
             scores[:, sel] = (qr @ k[:, sel].transpose(1, 2))[:, 0] * scale
-        p = torch.softmax(scores, dim=-1)
+        if flags is None:
+            p = torch.softmax(scores, dim=-1)
+        else:
+            par = torch.tensor([bool(flags[j]) for j in entries for _ in range(valid[idx[j]])], device=q.device)
+            p = ape_probs(scores, par, *ape[b].tolist())
         result[b] = (p[:, None, :] @ v)[:, 0]
     result = result.to(q.dtype)
     if out is None:

@@ -40,6 +40,7 @@ from sift.format import TILES
 
 from . import sparse_attention_sm90 as sm90
 from . import sparse_attention_tl as tl_kernel
+from .ape import ape_probs, check_ape
 from .device import triton_runs_on
 from .layout import BatchLayout, gather_blocks
 from .numerics import check_heads_and_blocks, check_scale
@@ -78,7 +79,7 @@ def check_rows(hq: int, nb: int, indptr, row_end=None, q_blocks=None) -> int:
 
 
 def _validate(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, scale, block, out,
-              q_block_start=None, row_end=None, q_blocks=None, kv_pages=None) -> None:
+              q_block_start=None, row_end=None, q_blocks=None, kv_pages=None, parallel=None, ape=None) -> None:
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, torch.Tensor) or x.dim() != 3:
             raise ValueError(f"{name} must be a 3-D tensor [H, N, D]; got {getattr(x, 'shape', type(x))}")
@@ -119,19 +120,32 @@ def _validate(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, sca
                          f"{tuple(getattr(inv_freq, 'shape', ()))}")
     if q_block_start is not None:
         _check_int32("q_block_start", q_block_start, (nb,), f"None or NB={nb}")
+    check_parallel(parallel, ape, nb)
     if out is not None and (tuple(out.shape) != (hq, n_q, d) or out.dtype != q.dtype):
         raise ValueError(f"out must be {q.dtype} [{hq}, {n_q}, {d}]; got {out.dtype} {tuple(out.shape)}")
     tensors = [q, k, v, indptr, indices, block_valid, block_offset] + [
-        x for x in (out, q_block_start, row_end, q_blocks, kv_pages) if x is not None]
+        x for x in (out, q_block_start, row_end, q_blocks, kv_pages, parallel) if x is not None]
     devices = {x.device for x in tensors}
     if len(devices) != 1:
         raise ValueError(f"all tensors must be on one device; got {sorted(map(str, devices))}")
 
 
+def check_parallel(parallel, ape, nb: int) -> None:
+    """The APE option (kernels/ape.py): parallel int32 [NB] (nonzero: key block b is parallel-encoded context)
+    and ape (temperature, scale), both given or both None."""
+    if (parallel is None) != (ape is None):
+        raise ValueError("give parallel= and ape= together (the context blocks and their (temperature, scale)), "
+                         "or neither")
+    if ape is not None:
+        check_ape(ape)
+        _check_int32("parallel", parallel, (nb,), f"None or NB={nb}: one flag per key block")
+
+
 def check_layout(indptr, indices, block_valid, block_offset, *, block: int, q_blocks=None, kv_pages=None,
-                 n_pages: int = 0) -> None:
-    """Value checks of the CSR and layout, of q_blocks (distinct block ids) and of kv_pages (pages in
-    [0, n_pages)) when given (reads them on the host; call it where a sync is affordable)."""
+                 n_pages: int = 0, parallel=None) -> None:
+    """Value checks of the CSR and layout, of q_blocks (distinct block ids), of kv_pages (pages in
+    [0, n_pages)) and of parallel (no computed query block is parallel-encoded context) when given (reads them on
+    the host; call it where a sync is affordable)."""
     nb = block_valid.numel()
     ptr = indptr.cpu().long()
     idx = indices.cpu().long()
@@ -149,6 +163,11 @@ def check_layout(indptr, indices, block_valid, block_offset, *, block: int, q_bl
         qb = q_blocks.cpu().long()
         if int(qb.min()) < 0 or int(qb.max()) >= nb or torch.unique(qb).numel() != qb.numel():
             raise ValueError(f"q_blocks must be distinct block ids in [0, NB={nb}); got {qb.tolist()[:16]}")
+    if parallel is not None:
+        computed = parallel.cpu() if q_blocks is None else parallel.cpu()[q_blocks.cpu().long()]
+        if bool(computed.any()):
+            raise ValueError("parallel marks a computed query block: a block computed in this call is not "
+                             "parallel-encoded context (mark only blocks read from a cache)")
     if kv_pages is not None and kv_pages.numel():
         kp = kv_pages.cpu().long()
         if int(kp.min()) < 0 or int(kp.max()) >= n_pages:
@@ -167,7 +186,7 @@ def attention_backend(q, k, v, block: int, out=None) -> str:
 
 
 def sparse_attention(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, *, scale, block, out=None,
-                     q_block_start=None, row_end=None, q_blocks=None, kv_pages=None):
+                     q_block_start=None, row_end=None, q_blocks=None, kv_pages=None, parallel=None, ape=None):
     """Block-sparse causal attention with RoPE by block offsets (forward), on the backend `attention_backend`
     picks.
 
@@ -190,14 +209,21 @@ def sparse_attention(q, k, v, indptr, indices, block_valid, block_offset, inv_fr
     token-major pool seen through a transpose) and key block b is page kv_pages[b]; the kernels read the pages in
     place, so a prompt assembled from cached documents needs no gathered copy. block_valid / block_offset stay
     per logical block.
+    parallel, ape: optional, together: parallel int32 [NB] marks the key blocks of parallel-encoded context
+    (nonzero; documents read from the KV store; never a computed query block) and ape = (temperature, scale)
+    rescales every row's attention to them as kernels/ape.py defines (APE). Without them the result is plain softmax attention, computed as
+    before the option existed.
 
     Layout values are not checked here (that needs a device sync); see `check_layout`.
     """
     _validate(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, scale, block, out, q_block_start,
-              row_end, q_blocks, kv_pages)
-    backend = attention_backend(q, k, v, block, out)
+              row_end, q_blocks, kv_pages, parallel, ape)
+    backend = attention_backend(q, k, v, block, out) if ape is None else (
+        "tl" if triton_runs_on(q.device) else "ref")    # the Hopper kernel has no APE path
     args = (q, k, v, indptr, indices, block_valid, block_offset, inv_freq)
     rows = dict(q_block_start=q_block_start, row_end=row_end, q_blocks=q_blocks, kv_pages=kv_pages)
+    if ape is not None:
+        rows.update(parallel=parallel, ape=ape)
     if backend == "ref":
         return sparse_attention_ref(*args, scale=scale, block=block, out=out, **rows)
     if out is None:
@@ -208,24 +234,26 @@ def sparse_attention(q, k, v, indptr, indices, block_valid, block_offset, inv_fr
 
 
 def sparse_attention_ref(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, *, scale, block, out=None,
-                         q_block_start=None, row_end=None, q_blocks=None, kv_pages=None):
+                         q_block_start=None, row_end=None, q_blocks=None, kv_pages=None, parallel=None, ape=None):
     """The ref twin of `sparse_attention` (same signature and result; out=None: rows not computed are 0); fp32
     softmax, fp64 RoPE angles.
 
     Loops over (head, query block): meant for tests, debugging and small CPU prefill, not for speed.
     """
     _validate(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, scale, block, out, q_block_start,
-              row_end, q_blocks, kv_pages)
+              row_end, q_blocks, kv_pages, parallel, ape)
     indptr, indices = _compact_csr(indptr, indices, row_end)
+    rescale = None if ape is None else (parallel.tolist(), *check_ape(ape))
     check_layout(indptr, indices, block_valid, block_offset, block=block, q_blocks=q_blocks, kv_pages=kv_pages,
-                 n_pages=k.shape[1] // block)
+                 n_pages=k.shape[1] // block, parallel=parallel)
     if kv_pages is not None:
         k, v = gather_blocks(k, kv_pages, block), gather_blocks(v, kv_pages, block)
     nb = k.shape[1] // block
     blocks = list(range(nb)) if q_blocks is None else q_blocks.tolist()
     target = q.new_zeros(q.shape) if out is None else out
     if q_block_start is None:
-        _ref_rows(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, scale, block, blocks, target)
+        _ref_rows(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, scale, block, blocks, target,
+                  rescale)
         return target
     # Real-token rows of the computed blocks -> padded slots, then back.
     slot = torch.arange(k.shape[1], device=q.device)
@@ -236,7 +264,8 @@ def sparse_attention_ref(q, k, v, indptr, indices, block_valid, block_offset, in
     rows = (q_block_start.long()[b] + c)[real]
     q_pad = q.new_zeros(q.shape[0], k.shape[1], q.shape[2])
     q_pad[:, real] = q[:, rows]
-    _ref_rows(q_pad, k, v, indptr, indices, block_valid, block_offset, inv_freq, scale, block, blocks, q_pad)
+    _ref_rows(q_pad, k, v, indptr, indices, block_valid, block_offset, inv_freq, scale, block, blocks, q_pad,
+              rescale)
     target[:, rows] = q_pad[:, real]
     return target
 
@@ -255,9 +284,11 @@ def _compact_csr(indptr, indices, row_end):
     return indptr, indices
 
 
-def _ref_rows(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, scale, block, blocks, out):
+def _ref_rows(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, scale, block, blocks, out,
+              rescale=None):
     """out[h, rows of block blocks[i]] = attention of CSR row h * NQ + i (q, out padded [Hq, N, D]; out may be q:
-    each tile's q is read before its rows are written)."""
+    each tile's q is read before its rows are written). rescale: None or (parallel flags as a list, temperature,
+    scale): the APE option."""
     hq, nq = q.shape[0], len(blocks)
     group = hq // k.shape[0]
     ptr, idx = indptr.tolist(), indices.tolist()
@@ -266,13 +297,13 @@ def _ref_rows(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, sca
         for i, qb in enumerate(blocks):
             rows = slice(qb * block, (qb + 1) * block)
             o = _ref_tile(q[h, rows], k[h // group], v[h // group], idx[ptr[h * nq + i]:ptr[h * nq + i + 1]], qb,
-                          *tables, inv_freq, scale, block)
+                          *tables, inv_freq, scale, block, rescale)
             out[h, rows] = o.to(out.dtype)
 
 
-def _ref_tile(qt, kk, vv, kbs, qb, valid, offset, inv_freq, scale, block):
+def _ref_tile(qt, kk, vv, kbs, qb, valid, offset, inv_freq, scale, block, rescale=None):
     """One query block qb (qt: [block, D]) against key blocks kbs of one kv head (kk, vv: [N, D]) -> fp32
-    [block, D]; rows beyond valid[qb], and rows that see no key, are 0."""
+    [block, D]; rows beyond valid[qb], and rows that see no key, are 0. rescale: `_ref_rows`'."""
     o = torch.zeros(block, qt.shape[1], dtype=torch.float32, device=qt.device)
     if not kbs or valid[qb] == 0:
         return o
@@ -291,7 +322,13 @@ def _ref_tile(qt, kk, vv, kbs, qb, valid, offset, inv_freq, scale, block):
         allowed.append(ok)
     allowed = torch.cat(allowed, dim=1)                                          # [block, nk * block]
     s = qt.float() @ torch.cat(keys).T * scale
-    p = torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1).nan_to_num(0.0)  # rows with no key -> 0
+    s = s.masked_fill(~allowed, float("-inf"))
+    if rescale is None:
+        p = torch.softmax(s, dim=-1).nan_to_num(0.0)                             # rows with no key -> 0
+    else:
+        flags, temperature, ctx_scale = rescale
+        parallel = torch.tensor([bool(flags[kb]) for kb in kbs], device=qt.device).repeat_interleave(block)
+        p = ape_probs(s, parallel, temperature, ctx_scale)
     o = p @ (torch.cat(vals).nan_to_num(0.0) * allowed.any(0)[:, None])
     o[valid[qb]:] = 0
     return o
@@ -313,7 +350,7 @@ def _block_mask(indptr, indices, row_end, q_blocks, hq: int, nb: int) -> torch.T
 
 
 def sparse_attention_sdpa(q, k, v, indptr, indices, layout: BatchLayout, inv_freq, *, scale, causal=False,
-                           row_end=None, q_blocks=None):
+                           row_end=None, q_blocks=None, parallel=None, ape=None):
     """`sparse_attention_ref`'s result for one layer computed with torch's SDPA per request, fast enough for whole
     models on CPU. q: [Hq, N, D], k / v: [Hkv, N, D] in `layout` (segment-local RoPE); -> [Hq, N, D], padding rows 0.
     row_end, q_blocks: as in `sparse_attention`; rows of blocks not in q_blocks are not computed and are 0.
@@ -321,9 +358,11 @@ def sparse_attention_sdpa(q, k, v, indptr, indices, layout: BatchLayout, inv_fre
     Per request, on its real tokens only: rotating q and k by their segment's offset puts both at logical
     positions, so scores equal the kernel's `q . R(delta) k`; the CSR becomes a token mask (block kept and
     causal) for torch's SDPA. causal=True: the CSR is known to be dense causal (mode "dense"), so no mask is
-    built."""
+    built. parallel, ape: `sparse_attention`'s APE option; the rows are then computed from explicit scores (SDPA
+    returns no log-sum-exp), APE_ROWS rows at a time."""
     hq, nb, blk = q.shape[0], layout.n_blocks, layout.block
     check_rows(hq, nb, indptr, row_end, q_blocks)
+    check_parallel(parallel, ape, nb)
     out = torch.zeros_like(q)
     keep = None if causal else _block_mask(indptr, indices, row_end, q_blocks, hq, nb)
     computed = None
@@ -343,6 +382,12 @@ def sparse_attention_sdpa(q, k, v, indptr, indices, layout: BatchLayout, inv_fre
         if inv_freq is not None:
             qr = apply_rope_ref(qr, offset[first : first + n][sel], inv_freq)
             kr = apply_rope_ref(kr, offset[first : first + n], inv_freq)
+        if ape is not None:
+            mask = sel[:, None] >= torch.arange(n, device=q.device)[None, :]
+            if keep is not None:
+                mask = keep.index_select(1, tb[sel]).index_select(2, tb) & mask
+            out[:, phys[sel]] = _ape_rows(qr, kr, vr, mask, parallel.bool()[tb], scale, *check_ape(ape)).to(out.dtype)
+            continue
         args = dict(scale=scale, enable_gqa=True)
         # A request whose every causal block is kept (all-ones bits, tiny documents) needs no mask.
         full = sel.numel() == n and (
@@ -357,4 +402,23 @@ def sparse_attention_sdpa(q, k, v, indptr, indices, layout: BatchLayout, inv_fre
         o = torch.nn.functional.scaled_dot_product_attention(qr[None].float(), kr[None].float(), vr[None].float(),
                                                              **args)[0]
         out[:, phys[sel]] = o.nan_to_num(0.0).to(out.dtype)  # a row with no key (empty CSR row) is 0, as in the kernel
+    return out
+
+
+APE_ROWS = 256
+
+
+def _ape_rows(qr, kr, vr, mask, parallel, scale: float, temperature: float, ctx_scale: float) -> torch.Tensor:
+    """APE attention of one request's rows from explicit fp32 scores, APE_ROWS rows at a time. qr [Hq, m, D],
+    kr / vr [Hkv, n, D], mask bool [m, n] or [Hq, m, n], parallel bool [n] -> fp32 [Hq, m, D]."""
+    group = qr.shape[0] // kr.shape[0]
+    k = kr.float().repeat_interleave(group, dim=0)
+    v = vr.float().nan_to_num(0.0).repeat_interleave(group, dim=0)
+    out = torch.empty(qr.shape, dtype=torch.float32, device=qr.device)
+    for r0 in range(0, qr.shape[1], APE_ROWS):
+        rows = slice(r0, r0 + APE_ROWS)
+        s = (qr[:, rows].float() @ k.transpose(1, 2)) * scale
+        m = mask[..., rows, :]
+        s = s.masked_fill(~(m if m.dim() == 3 else m[None]), float("-inf"))
+        out[:, rows] = ape_probs(s, parallel, temperature, ctx_scale) @ v
     return out

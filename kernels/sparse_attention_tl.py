@@ -11,6 +11,12 @@ The computation, the layout and the CSR are `sparse_attention`'s (module docstri
       delta holds; the diagonal block (delta 0) is not rotated.
 With inv_freq None the keys are already at logical positions and nothing is rotated.
 
+APE (kernels/ape.py; `parallel` / `ape` given): the row's parallel-encoded key blocks run first, at temperature T
+(their own online softmax); that part is then folded into the running state as one pseudo key of log-mass
+S * T * lse_P and value o_P (m = S * T * lse_P, l = 1, acc = o_P), and the other blocks continue the same online
+softmax: one accumulator, two passes over the row's indices (the second skips the blocks the first took).
+Without APE the loops are the plain ones (a compile-time switch).
+
 Arguments are validated by `sparse_attention.sparse_attention`, which picks this kernel when the Gluon Hopper
 kernel does not take the call.
 """
@@ -140,7 +146,9 @@ def _sparse_attn_fwd(
     stride_kh, stride_kn, stride_kd,
     stride_vh, stride_vn, stride_vd,
     stride_oh, stride_on, stride_od,
+    Parallel,                          # int32 [NB]: APE: nonzero for key blocks of parallel-encoded context
     NQ, qk_scale,                      # query blocks computed (NB without Q_BLOCKS); qk_scale = scale * log2(e)
+    ape_qk_scale, ape_mass,            # APE: qk_scale / T and S * T
     GROUP: tl.constexpr,               # Hq // Hkv
     BLOCK: tl.constexpr,               # layout block = query rows per program = key rows per step
     HEAD_DIM: tl.constexpr,
@@ -151,6 +159,7 @@ def _sparse_attn_fwd(
     FAST_TRIG: tl.constexpr,           # MUFU sin/cos (GPU); False in the interpreter
     K_PAGED: tl.constexpr,             # K is a pool of pages: key block b at page KVPages[b]
     V_PAGED: tl.constexpr,             # the same for V
+    APE: tl.constexpr,                 # rescale the attention to the Parallel blocks (module docstring)
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
     # Heads vary fastest, so programs of one kv group run together (K/V reuse in L2), and late query blocks,
@@ -221,11 +230,30 @@ def _sparse_attn_fwd(
     last_delta = tl.zeros([], tl.int32)
     cos = tl.full([HALF], 1.0, tl.float32)
     sin = tl.zeros([HALF], tl.float32)
-    for j in range(start, mid):
-        last_delta, cos, sin, m_i, l_i, acc = _tile(
-            j, q, q1, q2, q_off, qb, last_delta, cos, sin, m_i, l_i, acc, Indices, BlockValid, BlockOffset,
-            InvFreq, KVPages, k_head, v_head, stride_kn, stride_kd, stride_vn, stride_vd, qk_scale,
-            BLOCK, HEAD_DIM, ROPE, False, DOT_PRECISION, FAST_TRIG, K_PAGED, V_PAGED)
+    if APE:
+        for j in range(start, mid):
+            if tl.load(Parallel + tl.load(Indices + j)) != 0:
+                last_delta, cos, sin, m_i, l_i, acc = _tile(
+                    j, q, q1, q2, q_off, qb, last_delta, cos, sin, m_i, l_i, acc, Indices, BlockValid, BlockOffset,
+                    InvFreq, KVPages, k_head, v_head, stride_kn, stride_kd, stride_vn, stride_vd, ape_qk_scale,
+                    BLOCK, HEAD_DIM, ROPE, False, DOT_PRECISION, FAST_TRIG, K_PAGED, V_PAGED)
+        # The context part as one pseudo key: log2-mass S * T * lse_P, value o_P; rows that saw none stay empty.
+        seen = l_i > 0.0
+        acc = acc / tl.where(seen, l_i, 1.0)[:, None]
+        m_i = tl.where(seen, ape_mass * (m_i + tl.log2(tl.where(seen, l_i, 1.0))), m_i)
+        l_i = tl.where(seen, 1.0, 0.0)
+        for j in range(start, mid):
+            if tl.load(Parallel + tl.load(Indices + j)) == 0:
+                last_delta, cos, sin, m_i, l_i, acc = _tile(
+                    j, q, q1, q2, q_off, qb, last_delta, cos, sin, m_i, l_i, acc, Indices, BlockValid, BlockOffset,
+                    InvFreq, KVPages, k_head, v_head, stride_kn, stride_kd, stride_vn, stride_vd, qk_scale,
+                    BLOCK, HEAD_DIM, ROPE, False, DOT_PRECISION, FAST_TRIG, K_PAGED, V_PAGED)
+    else:
+        for j in range(start, mid):
+            last_delta, cos, sin, m_i, l_i, acc = _tile(
+                j, q, q1, q2, q_off, qb, last_delta, cos, sin, m_i, l_i, acc, Indices, BlockValid, BlockOffset,
+                InvFreq, KVPages, k_head, v_head, stride_kn, stride_kd, stride_vn, stride_vd, qk_scale,
+                BLOCK, HEAD_DIM, ROPE, False, DOT_PRECISION, FAST_TRIG, K_PAGED, V_PAGED)
     for j in range(mid, end):
         last_delta, cos, sin, m_i, l_i, acc = _tile(
             j, q, q1, q2, q_off, qb, last_delta, cos, sin, m_i, l_i, acc, Indices, BlockValid, BlockOffset,
@@ -244,11 +272,12 @@ def _sparse_attn_fwd(
 
 
 def launch(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, *, scale, block, out, q_block_start=None,
-           row_end=None, q_blocks=None, kv_pages=None, config: AttentionConfig | None = None):
+           row_end=None, q_blocks=None, kv_pages=None, parallel=None, ape=None,
+           config: AttentionConfig | None = None):
     """Run the kernel: the arguments of `sparse_attention.sparse_attention` (validated there), out allocated.
     config: launch parameters and RoPE mode (default `default_config(block)`). Returns out. With kv_pages, the
     "pre" key pass gathers the pages into its buffer as it rotates them; V (and K in the other modes) is read
-    from its pages in place."""
+    from its pages in place. parallel / ape: the APE option (validated by the caller)."""
     cfg = config or default_config(block)
     if cfg.rope_on not in ROPE_MODES:
         raise ValueError(f"rope_on={cfg.rope_on!r} is unknown; use one of {ROPE_MODES}")
@@ -270,10 +299,13 @@ def launch(q, k, v, indptr, indices, block_valid, block_offset, inv_freq, *, sca
         block_valid if q_block_start is None else q_block_start, freq,   # QTokStart: not read without Q_TOKENS
         block_valid if kv_pages is None else kv_pages,                   # KVPages: not read unpaged
         *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+        block_valid if parallel is None else parallel,                   # Parallel: not read without APE
         nq, float(scale) * LOG2E,
+        float(scale) * LOG2E / (ape[0] if ape else 1.0), (ape[0] * ape[1]) if ape else 1.0,
         GROUP=hq // k.shape[0], BLOCK=block, HEAD_DIM=d, ROPE=rope, Q_TOKENS=q_block_start is not None,
         Q_BLOCKS=q_blocks is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", FAST_TRIG=q.device.type == "cuda",
-        K_PAGED=k_paged, V_PAGED=kv_pages is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        K_PAGED=k_paged, V_PAGED=kv_pages is not None, APE=ape is not None, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     return out

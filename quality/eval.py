@@ -61,7 +61,8 @@ from sift.plots import mode_summary, recall_by_layer
 
 from ..runtime.engine import GenerateResult, SiftEngine
 from ..runtime.modes import KINDS as MODES
-from ..runtime.reuse import POLICIES, parse_mode
+from ..runtime.modes import Mode
+from ..runtime.reuse import POLICIES
 from ..runtime.supplied_bits import generate_with_bits, prefill_with_bits
 from . import oracle
 from .qa import FORMATS, QAItem, load_qa
@@ -218,8 +219,10 @@ def _run_batch(engine, chunk: list[QAItem], modes, max_new_tokens: int) -> tuple
 
 
 def evaluate(engine: SiftEngine, items: list[QAItem], modes, *, batch: int = 1, max_new_tokens: int = 24,
-             echo=lambda msg: None) -> tuple[list[dict], list[dict]]:
-    """Run every mode on every question the index can serve -> (rows, skipped), in the QA set's order."""
+             echo=lambda msg: None, warmup: bool = True) -> tuple[list[dict], list[dict]]:
+    """Run every mode on every question the index can serve -> (rows, skipped), in the QA set's order.
+    warmup: run each mode once on the first question before the timed runs (False: TTFT includes one-off costs;
+    for answer-only measurements)."""
     modes = [REFERENCE, *(m for m in modes if m != REFERENCE)]
     runnable, skipped = [], []
     for item in items:
@@ -228,7 +231,7 @@ def evaluate(engine: SiftEngine, items: list[QAItem], modes, *, batch: int = 1, 
             skipped.append(_skipped(item, reason))
         else:
             runnable.append(item)
-    if runnable:  # first calls pay one-off costs (allocator, kernel compilation): keep them out of TTFT
+    if runnable and warmup:  # first calls pay one-off costs (allocator, kernel compilation): keep them out of TTFT
         for mode in modes:
             try:
                 _generate(engine, runnable[:1], [mode], None)
@@ -360,18 +363,17 @@ def _parse_modes(text: str) -> list[str]:
     modes = list(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))
     for m in modes:
         oracle.parse_mode(m)  # a malformed oracle@C / reader@C says so itself
-    bad = [m for m in modes if oracle.parse_mode(m) is None and (
-           m.partition(":")[0] not in MODES or (m.partition(":")[0] in ("reuse", "hybrid") and not _reuse_mode_ok(m)))]
+    bad = [m for m in modes if oracle.parse_mode(m) is None and not _engine_mode_ok(m)]
     if not modes or bad:
         raise SiftError(f"--modes {text!r}: each mode must be one of {', '.join(MODES)}, "
-                        f"hybrid:<policy>[@<fraction>] with a policy in {', '.join(POLICIES)}, oracle@<coverage> or "
-                        f"reader@<coverage> (comma-separated)")
+                        f"hybrid:<policy>[@<fraction>] with a policy in {', '.join(POLICIES)}, "
+                        f"ape@<temperature>:<scale>, oracle@<coverage> or reader@<coverage> (comma-separated)")
     return [REFERENCE, *(m for m in modes if m != REFERENCE)]
 
 
-def _reuse_mode_ok(mode: str) -> bool:
+def _engine_mode_ok(mode: str) -> bool:
     try:
-        parse_mode(mode)
+        Mode.parse(mode)
     except SiftError:
         return False
     return True
@@ -408,7 +410,7 @@ def run(index_path: Path, qa_file: Path, *, modes: list[str], model: str | None 
         items, fmt = load_qa(qa_file, fmt, limit)
     else:
         items, fmt = items[:limit], "given"
-    reusing = any(m.partition(":")[0] in ("reuse", "hybrid") for m in modes)
+    reusing = any(oracle.parse_mode(m) is None and Mode.parse(m).reuses for m in modes)
     engine = _engine(index_path, model, device, backend, kv_store_gib if reusing else 0.0, dtype, block)
     echo(f"{len(items)} questions ({fmt}); index {index_path}: {len(engine.index)} documents, tile "
          f"{engine.index.tile}; backend {engine.backend}, block {engine.block}; modes {', '.join(modes)}")

@@ -65,14 +65,17 @@ class TorchBackend:
 
     def _attend(self, q, k, v, csr: LayerCsr, meta: PrefillMetadata, inv_freq, scale: float):
         return sparse_attention_sdpa(q, k, v, csr.indptr, csr.indices, meta.layout, inv_freq, scale=scale,
-                                      causal=not meta.sparse, row_end=csr.row_end, q_blocks=meta.q_blocks)
+                                      causal=not meta.sparse, row_end=csr.row_end, q_blocks=meta.q_blocks,
+                                      parallel=meta.parallel, ape=meta.ape)
 
     def decode(self, meta: DecodeMetadata, cache: PoolKV, layer: int, q, inv_freq, scale: float):
         """q [B, Hq, D], one token per row -> [B, Hq, D]."""
         kc, vc = cache.layer_kv(layer)
         n = int(meta.kv_indptr[-1])          # the entries in use (the buffers are sized for the largest batch)
+        rescale = {} if meta.ape is None else dict(parallel=meta.kv_parallel[:n], ape=meta.ape)
         return decode_attention_ref(q, kc, vc, meta.q_offset, meta.kv_indptr, meta.kv_indices[:n],
-                                    cache.block_valid, meta.kv_offset[:n], inv_freq, scale=scale, block=meta.block)
+                                    cache.block_valid, meta.kv_offset[:n], inv_freq, scale=scale, block=meta.block,
+                                    **rescale)
 
 
 class ReferenceBackend(TorchBackend):
@@ -81,7 +84,8 @@ class ReferenceBackend(TorchBackend):
     def _attend(self, q, k, v, csr: LayerCsr, meta: PrefillMetadata, inv_freq, scale: float):
         lay = meta.layout
         return sparse_attention_ref(q, k, v, csr.indptr, csr.indices, lay.block_valid, lay.block_offset, inv_freq,
-                                    scale=scale, block=lay.block, row_end=csr.row_end, q_blocks=meta.q_blocks)
+                                    scale=scale, block=lay.block, row_end=csr.row_end, q_blocks=meta.q_blocks,
+                                    parallel=meta.parallel, ape=meta.ape)
 
 
 class TritonBackend:
@@ -112,14 +116,17 @@ class TritonBackend:
         buf = torch.empty(n, hq, d, dtype=query.dtype, device=query.device)  # o_proj's layout
         sparse_attention(query[0], k, v, csr.indptr, csr.indices, lay.block_valid, lay.block_offset, inv_freq,
                          scale=scale, block=lay.block, out=buf.transpose(0, 1), q_block_start=meta.q_block_start,
-                         row_end=csr.row_end, q_blocks=meta.q_blocks, kv_pages=pages)
+                         row_end=csr.row_end, q_blocks=meta.q_blocks, kv_pages=pages, parallel=meta.parallel,
+                         ape=meta.ape)
         return buf.unsqueeze(0)
 
     def decode(self, meta: DecodeMetadata, cache: PoolKV, layer: int, q, inv_freq, scale: float):
         """The split count is the metadata's (fixed by capacity): a captured step replays with any tables."""
         kc, vc = cache.layer_kv(layer)
+        rescale = {} if meta.ape is None else dict(parallel=meta.kv_parallel, ape=meta.ape)
         return decode_attention(q, kc, vc, meta.q_offset, meta.kv_indptr, meta.kv_indices, cache.block_valid,
-                                meta.kv_offset, inv_freq, scale=scale, block=meta.block, num_splits=meta.num_splits)
+                                meta.kv_offset, inv_freq, scale=scale, block=meta.block, num_splits=meta.num_splits,
+                                **rescale)
 
 
 def select_backend(name: str, device: torch.device):

@@ -511,10 +511,11 @@ class SiftEngine:
             lease.commit()
         timer.add("store", time.perf_counter() - t)
         width = self.runner.batch.max_gen_pages
-        for s, (pages, offsets) in zip(group.states, plan.tables):
+        for s, (pages, offsets, parallel) in zip(group.states, plan.tables):
             gen = s.lease.scratch[s.need.own:s.need.own + s.need.gen]
             s.table = (torch.cat([pages, gen.to(torch.int32)]),
-                       torch.cat([offsets, torch.full_like(gen, s.n_prompt, dtype=torch.int32)]))
+                       torch.cat([offsets, torch.full_like(gen, s.n_prompt, dtype=torch.int32)]),
+                       None if parallel is None else torch.cat([parallel, torch.zeros_like(gen, dtype=torch.int32)]))
             s.gen_pages_row = torch.zeros(width, dtype=torch.int64, device=self.device)
             s.gen_pages_row[:gen.numel()] = gen
             s.launched = 1

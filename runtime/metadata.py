@@ -4,7 +4,8 @@
                       forward's tokens holding each block's first slot + which query blocks the forward computes
     DecodeMetadata    the block table of each row of a decode step (the pages of its prompt, then of its generated
                       tokens), the rotation offset of each entry, the logical position of each request's
-                      generated segment and the slot each row's new token goes to
+                      generated segment and the slot each row's new token goes to; with APE rows, which
+                      entries are reused documents' blocks and each row's (temperature, scale)
 
 The valid slots of each page belong to the KV the page holds: they live in the pool (runtime/kv_cache.py). A
 rotation offset belongs to a block's place in a request: one page of a shared document has one offset per
@@ -46,6 +47,8 @@ class PrefillMetadata:
     q_blocks: None (every block is a query block: the forward runs every token) or int32 [NQ], the blocks whose
     tokens the forward runs (modes "reuse" / "hybrid": the others' KV comes from the store); CSR rows are then
     h * NQ + i. token_phys: int64 [n forward tokens], each forward token's slot in the layout.
+    parallel / ape: mode "ape": int32 [NB], nonzero for the document blocks read from the KV store, and the
+    (temperature, scale) that rescales every computed row's attention to them (kernels/ape.py); None otherwise.
     """
 
     layout: BatchLayout
@@ -54,6 +57,8 @@ class PrefillMetadata:
     sparse: bool                    # False: every row is dense causal (no bits read)
     token_phys: torch.Tensor
     q_blocks: torch.Tensor | None = None
+    parallel: torch.Tensor | None = None
+    ape: tuple[float, float] | None = None
 
     def nnz(self) -> torch.Tensor:
         """Computed (head, query block, key block) triples over all layers (0-d device tensor)."""
@@ -117,3 +122,5 @@ class DecodeMetadata:
     kv_offset: torch.Tensor         # int32 [capacity]
     slots: torch.Tensor             # int64 [B]
     num_splits: int | None = None
+    kv_parallel: torch.Tensor | None = None   # int32 [capacity]: entry is a reused document's block (mode "ape")
+    ape: torch.Tensor | None = None           # fp32 [B, 2]: each row's (temperature, scale); (1, 1) when plain

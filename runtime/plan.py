@@ -15,6 +15,7 @@ document it computes on a miss].
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -98,7 +99,8 @@ class PrefillPlan:
     """One prefill forward. ids / positions: int64 [n], the tokens it runs (in the metadata's token order) at
     their segment-local positions; meta / cache: what its attention reads and where its K / V go; logit_rows:
     int64 [B], the row of each request's last prompt token among those tokens; tables: per request, int32 pages
-    and kv offsets of its prompt blocks in logical order (its decode block table, generation pages to follow);
+    and kv offsets of its prompt blocks in logical order (its decode block table, generation pages to follow),
+    and None or (mode "ape") int32 flags of the blocks that are reused documents' pages;
     computed / dense: tiles computed (a 0-d device tensor, read when the result is made) and the dense causal
     count; recomputed_tokens / doc_tokens: reuse modes' share of document tokens computed in context; store: the
     documents found in HBM / DRAM / computed (reuse modes); leases: committed once the forward wrote their
@@ -127,7 +129,10 @@ def page_need(ctx: PlanContext, mode: Mode, segments: list, max_tokens: int) -> 
         return PageNeed({}, sum(n_blocks(len(ids), blk) for _, ids in segments), gen)
     docs = [ids for kind, ids in segments if kind == "doc"]
     fraction = ctx.hybrid_fraction if mode.fraction is None else mode.fraction
-    recompute = sum(reuse.budget(n_blocks(len(ids), blk), fraction, mode.policy) for ids in docs)
+    if mode.kind == "auto":     # at most its whole budget, whichever documents take it
+        recompute = math.ceil(fraction * sum(n_blocks(len(ids), blk) for ids in docs))
+    else:
+        recompute = sum(reuse.budget(n_blocks(len(ids), blk), fraction, mode.policy) for ids in docs)
     own = sum(n_blocks(len(ids), blk) for kind, ids in segments if kind != "doc") + 1 + recompute
     return PageNeed({ctx.doc_key(ids): len(ids) for ids in docs}, own, gen, n_blocks(len(ctx.prefix_ids), blk))
 
@@ -153,7 +158,8 @@ def sift_plan(ctx: PlanContext, mode: Mode, states, timer: Timer, supplied=None)
     meta = ctx.metadata(layout, bits, timer, tile=tile)
     ids = torch.tensor([t for s in states for _, seg in s.segments for t in seg], device=ctx.device)
     offsets = layout.block_offset
-    tables = tuple((block_pages[f:f + n].to(torch.int32), offsets[f:f + n]) for f, n in layout.request_blocks)
+    tables = tuple((block_pages[f:f + n].to(torch.int32), offsets[f:f + n], None)
+                   for f, n in layout.request_blocks)
     dense = ctx.dense_pairs(layout)
     return PrefillPlan(ids=ids, positions=layout.token_local_pos, meta=meta, cache=cache,
                        logit_rows=(layout.req_first_token + layout.req_n_tokens - 1).long(), tables=tables,

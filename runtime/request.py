@@ -100,7 +100,8 @@ class RequestState:
     sampler's hash key from the seed; group: the requests admitted (and prefilled) with it; lease: its pages in
     the KV pool (documents pinned, its own blocks, its generation pages), held from admission to finish;
     need: the pages it takes when admitted (runtime/plan.py `PageNeed`); table: its decode block table (device
-    int32 pages and kv offsets of its prompt blocks, then of its generation pages); gen_pages_row: device int64,
+    int32 pages and kv offsets of its prompt blocks, then of its generation pages, and None or, in mode "ape",
+    int32 flags of the entries that are reused documents' pages); gen_pages_row: device int64,
     its generation pages padded to the decode batch's width; row: its row in the decode batch while it runs;
     launched: tokens the device will have drawn once the launched steps complete."""
 
@@ -116,7 +117,7 @@ class RequestState:
     need: object = None
     group: object = None
     lease: object = None
-    table: tuple[torch.Tensor, torch.Tensor] | None = None
+    table: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
     gen_pages_row: torch.Tensor | None = None
     row: int | None = None
     status: str = "waiting"           # "waiting" | "running" | "finished"

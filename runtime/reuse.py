@@ -36,7 +36,65 @@ POLICIES = ("first", "deviation", "bits", "none")
 # needs no extra pass over the prompt; "bits" trails both.
 DEFAULT_POLICY = "first"
 DEFAULT_FRACTION = 0.15
+DEFAULT_APE = (0.9, 0.9)
+AUTO_FRACTION = 0.3
+AUTO_THRESHOLD = 0.0
 DEVIATION_LAYER = 1
+
+
+def parse_ape(mode: str) -> tuple[float, float]:
+    """"ape" -> DEFAULT_APE; "ape@<T>:<S>" -> (T, S), the temperature and scale of kernels/ape.py, each a
+    positive number (T at most 1: a temperature above 1 flattens the documents' attention further). No comma in
+    the grammar: mode lists are comma-separated."""
+    base, at, rest = mode.partition("@")
+    if base == "ape" and not at:
+        return DEFAULT_APE
+    parts = rest.split(":")
+    try:
+        t, s = (float(x) for x in parts) if len(parts) == 2 else (None, None)
+    except ValueError:
+        t = s = None
+    if base != "ape" or t is None or not (0.0 < t <= 1.0 and 0.0 < s <= 4.0):
+        raise SiftError(f"mode={mode!r} is not an APE mode: use 'ape' or 'ape@<temperature>:<scale>' with a "
+                        f"temperature in (0, 1] and a scale in (0, 4], e.g. 'ape@{DEFAULT_APE[0]:g}:{DEFAULT_APE[1]:g}'")
+    return t, s
+
+
+def parse_auto(mode: str) -> tuple[float, float]:
+    """"auto" -> (AUTO_FRACTION, AUTO_THRESHOLD); "auto@<f>" / "auto@<f>:<t>" -> the request's budget f (a share
+    of its documents' blocks, in [0, 1]) and the least context sensitivity t >= 0 a document needs to be
+    recomputed."""
+    base, at, rest = mode.partition("@")
+    fraction, colon, threshold = rest.partition(":")
+    share = _fraction(fraction) if at else AUTO_FRACTION
+    least = AUTO_THRESHOLD
+    if colon:
+        try:
+            least = float(threshold)
+        except ValueError:
+            least = -1.0
+    if base != "auto" or share is None or not least >= 0.0 or least == float("inf"):
+        raise SiftError(f"mode={mode!r} is not an auto mode: use 'auto', 'auto@<fraction>' or "
+                        f"'auto@<fraction>:<threshold>' with a fraction in [0, 1] and a threshold >= 0, e.g. "
+                        f"'auto@{AUTO_FRACTION:g}:{AUTO_THRESHOLD:g}'")
+    return share, least
+
+
+def auto_budget(n_blocks: list[int], scores: list[float | None], fraction: float, threshold: float) -> list[int]:
+    """Mode "auto": blocks recomputed per document of one request (in prompt order; n_blocks and scores per
+    document, a score None where the index has none, counted as 0). The request's budget, ceil(fraction * its
+    document blocks), goes to its documents in descending score (ties: the earlier), each taking its first
+    blocks up to its whole length, while budget remains; the first document (it follows only the prefix, as
+    its stored entry does) and documents scoring below `threshold` get none."""
+    left = math.ceil(fraction * sum(n_blocks))
+    out = [0] * len(n_blocks)
+    ranked = sorted(range(1, len(n_blocks)), key=lambda i: (-(scores[i] or 0.0), i))
+    for i in ranked:
+        if left <= 0 or (scores[i] or 0.0) < threshold:
+            break
+        out[i] = min(n_blocks[i], left)
+        left -= out[i]
+    return out
 
 
 def parse_mode(mode: str) -> tuple[str, str | None, float | None]:

@@ -13,6 +13,7 @@ The builder decides; the forwards it needs before deciding (the `deviation` poli
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -41,7 +42,10 @@ def reuse_plan(ctx: PlanContext, runner, mode: Mode, states, timer: Timer) -> Pr
     keys = [ctx.doc_key(ids) for _, ids in docs]
     doc_pages = [s.lease.doc_pages[k] for s, k in zip(doc_state, keys)]
     fraction = ctx.hybrid_fraction if mode.fraction is None else mode.fraction
-    per_doc = tuple(reuse.budget(n_blocks(len(ids), blk), fraction, mode.policy) for _, ids in docs)
+    if mode.kind == "auto":
+        per_doc = tuple(k for s in states for k in _auto_blocks(ctx, s, fraction, mode.threshold))
+    else:
+        per_doc = tuple(reuse.budget(n_blocks(len(ids), blk), fraction, mode.policy) for _, ids in docs)
     leases = [s.lease for s in states]
     all_ids = torch.tensor([t for s in states for _, seg in s.segments for t in seg], device=ctx.device)
 
@@ -57,7 +61,7 @@ def reuse_plan(ctx: PlanContext, runner, mode: Mode, states, timer: Timer) -> Pr
     else:
         leases_to_commit = tuple(leases)
     recompute = _choose_blocks(ctx, runner, mode.policy, layout, all_ids, docs, doc_pages, per_doc, leases, timer)
-    plan = _forward_plan(ctx, states, shape, layout, all_ids, docs, doc_pages, recompute, timer, cold)
+    plan = _forward_plan(ctx, states, shape, layout, all_ids, docs, doc_pages, recompute, timer, cold, mode.ape)
     status = [st for lease in leases for st in lease.status.values()]
     doc_tokens = sum(len(ids) for _, ids in docs)
     recomputed = int(layout.block_valid[recompute.to(ctx.device)].sum()) if doc_tokens else 0
@@ -65,6 +69,14 @@ def reuse_plan(ctx: PlanContext, runner, mode: Mode, states, timer: Timer) -> Pr
                        recomputed_tokens=recomputed, doc_tokens=doc_tokens, leases=leases_to_commit,
                        store=dict(hbm=status.count("hbm"), dram=status.count("dram"), computed=status.count("miss"),
                                   computed_blocks=cold_blocks))
+
+
+def _auto_blocks(ctx: PlanContext, state, fraction: float, threshold: float) -> list[int]:
+    """Mode "auto": blocks recomputed per document of one request, from the index's context sensitivity."""
+    sizes = [n_blocks(len(ids), ctx.block) for k, ids in state.segments if k == "doc"]
+    index = ctx.index
+    scores = [index.sensitivity(doc_id) if index is not None else None for doc_id, _ in state.request.docs]
+    return reuse.auto_budget(sizes, scores, fraction, threshold)
 
 
 def _compute_docs(ctx: PlanContext, runner, cold: "_ColdDocs", leases, timer: Timer) -> float:
@@ -91,7 +103,7 @@ def _choose_blocks(ctx: PlanContext, runner, policy, layout, all_ids, docs, doc_
               else None)
     for d, ((doc_id, ids), k) in enumerate(zip(docs, per_doc)):
         nb = n_blocks(len(ids), blk)
-        if policy == "first" or (policy == "bits" and (index is None or doc_id not in index)):
+        if policy in ("first", "auto") or (policy == "bits" and (index is None or doc_id not in index)):
             chosen = np.arange(k)
         elif policy == "bits":
             entry = index.entry(doc_id)
@@ -129,11 +141,13 @@ def _deviation(ctx: PlanContext, runner, layout, all_ids, docs, doc_pages, lease
 
 
 def _forward_plan(ctx: PlanContext, states, shape, layout, all_ids, docs, doc_pages, recompute: torch.Tensor,
-                  timer: Timer, cold: "_ColdDocs | None") -> dict:
+                  timer: Timer, cold: "_ColdDocs | None", ape: tuple[float, float] | None = None) -> dict:
     """The group's own forward: each request's prefix, query, last block and recomputed blocks through the model
     (in the request's own scratch pages), every other document block read from its entry's pages; with
     `cold`, the missing documents (each after the profiling prefix, as their own requests ahead of the group's)
-    run in the same forward into their pages. -> the fields of the plan's forward."""
+    run in the same forward into their pages; with `ape`, the attention to the blocks read from the store is
+    rescaled (mode "ape"; each request's decode table then carries which of its entries they are). -> the fields
+    of the plan's forward."""
     blk, dev = ctx.block, ctx.device
     kinds = torch.tensor([k != "doc" for s in shape for k, n in s for _ in range(n_blocks(n, blk))], dtype=torch.bool)
     computed = kinds | recompute                                                   # host, [NB]
@@ -157,12 +171,18 @@ def _forward_plan(ctx: PlanContext, states, shape, layout, all_ids, docs, doc_pa
         first_request = len(cold.shape)
         bits = ctx.fetch(cold.docs + docs, timer)
     meta = ctx.metadata(run, bits, timer, q_blocks=run_computed.nonzero().flatten())
+    parallel = None
+    if ape is not None:     # the document blocks read from the store: every block of kind DOC not computed here
+        parallel = ((run.block_kind == DOC) & ~run_computed).to(torch.int32)
+        meta = dataclasses.replace(meta, parallel=parallel, ape=ape)
     sel = run_computed[run.token_phys // blk]
     slots = run_pages[meta.token_phys // blk] * blk + meta.token_phys % blk
     cache = PagedKVCache(run, ctx.store, [s.lease for s in states], run_pages, slots)
     last = run.token_phys[(run.req_first_token + run.req_n_tokens - 1).long()[first_request:]]
     offsets = layout.block_offset
-    tables = tuple((pages[f:f + n].to(torch.int32), offsets[f:f + n]) for f, n in layout.request_blocks)
+    own = parallel[run.n_blocks - layout.n_blocks:] if parallel is not None else None   # after cold blocks
+    tables = tuple((pages[f:f + n].to(torch.int32), offsets[f:f + n],
+                    None if own is None else own[f:f + n]) for f, n in layout.request_blocks)
     return dict(ids=ids[sel], positions=run.token_local_pos[sel], meta=meta, cache=cache,
                 logit_rows=torch.searchsorted(meta.token_phys, last), tables=tables)
 

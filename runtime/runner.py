@@ -23,6 +23,7 @@ registers no mask function) it builds no attention mask, with `use_cache=False` 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import numpy as np
 import torch
@@ -90,6 +91,11 @@ class DecodeBatch:
         self.kv_indptr = torch.zeros(rows + 1, **i32)
         self.kv_indices = torch.zeros(entries, **i32)
         self.kv_offset = torch.zeros(entries, **i32)
+        # Mode "ape" rows: which entries are reused documents' pages, each row's (temperature, scale); `rescaled`
+        # (host): whether a running row has them, so that steps without one run the plain decode.
+        self.kv_parallel = torch.zeros(entries, **i32)
+        self.ape = torch.ones(rows, 2, dtype=torch.float32, device=device)
+        self.rescaled = False
         self.temperature = torch.zeros(rows, dtype=torch.float32, device=device)
         self.top_k = torch.zeros(rows, **i64)
         self.top_p = torch.ones(rows, dtype=torch.float32, device=device)
@@ -133,13 +139,15 @@ class ModelRunner:
         self._reserved = store.lease({}, 1)
         self.batch.trash_slot.fill_(int(self._reserved.scratch[0]) * block)
         hkv = store.geometry.n_kv_heads
-        self._steps = {}
+        self._steps, self._ape_steps = {}, {}
         for b in BUCKETS:
             buf = self.batch
             meta = DecodeMetadata(block=block, q_offset=buf.q_offset[:b], kv_indptr=buf.kv_indptr[:b + 1],
                                   kv_indices=buf.kv_indices, kv_offset=buf.kv_offset, slots=buf.slots[:b],
                                   num_splits=default_num_splits(b, hkv, b * self.max_row_entries, self.device))
             self._steps[b] = DecodeAttention(backend, meta, self.pool, inv_freq)
+            ape = dataclasses.replace(meta, kv_parallel=buf.kv_parallel, ape=buf.ape[:b])
+            self._ape_steps[b] = DecodeAttention(backend, ape, self.pool, inv_freq)
         if cuda_graphs and (self.device.type != "cuda" or not backend.capturable):
             raise SiftError(f"cuda_graphs=True needs the model on a CUDA device and backend 'triton' (here "
                             f"{self.device.type}, {backend.name!r}); leave cuda_graphs unset")
@@ -228,6 +236,13 @@ class ModelRunner:
             entries = torch.cat([s.table[0] for s in running])
             buf.kv_indices[:entries.numel()] = entries
             buf.kv_offset[:entries.numel()] = torch.cat([s.table[1] for s in running])
+        buf.rescaled = any(s.mode.ape is not None for s in running)
+        if buf.rescaled:
+            buf.kv_parallel[:entries.numel()] = torch.cat(
+                [s.table[2] if s.table[2] is not None else torch.zeros_like(s.table[0]) for s in running])
+            ape = np.ones((buf.rows, 2), np.float32)
+            ape[:n] = [s.mode.ape or (1.0, 1.0) for s in running]
+            buf.ape.copy_(upload(ape, torch.float32, dev), non_blocking=True)
         counts = [int(s.table[0].numel()) for s in running]
         indptr = np.zeros(buf.rows + 1, np.int64)
         indptr[1:n + 1] = np.cumsum(counts)
@@ -247,7 +262,7 @@ class ModelRunner:
         """One decode step of every row (module docstring) -> the rows' tokens on their way to the host."""
         b = self.bucket()
         self.launches += 1
-        if self.cuda_graphs:
+        if self.cuda_graphs and not self.batch.rescaled:    # APE rows decode without the captured graphs
             self.capture()
             graph, self.last_logits = self.graphs[b, greedy_only]
             graph.replay()
@@ -266,8 +281,9 @@ class ModelRunner:
         buf.slots[:b] = torch.where(live, page * blk + pos % blk, buf.trash_slot)
         self.pool.advance(buf.slots[:b])
         with self.routed_attention():
+            steps = self._ape_steps if buf.rescaled else self._steps
             hidden = self.model.base_model(input_ids=buf.tokens[:b][None], position_ids=pos[None], use_cache=False,
-                                           sift_state=self._steps[b]).last_hidden_state
+                                           sift_state=steps[b]).last_hidden_state
         logits = self.lm_head(hidden[0]).float()
         token = sample(logits, buf.temperature[:b], buf.top_k[:b], buf.top_p[:b], buf.key[:b], n_out,
                        self.token_hash, greedy_only=greedy_only)

@@ -37,6 +37,8 @@ from ..kernels.bits import pack_msb
 from ..kernels.block_indices import DocBits
 
 _COLUMNS = ["doc_id", "content_hash", "n_tokens", "la_bits", "ca_bits"]
+# Optional column (SPEC section 3): the builder's per-document context sensitivity (pipeline/sensitivity.py).
+SENSITIVITY = "context_sensitivity"
 # What a request may do with a document the index lacks: refuse it, or attend to it densely (SiftIndex.fetch,
 # SiftEngine(on_unknown=...)).
 ON_UNKNOWN = ("error", "dense")
@@ -151,11 +153,11 @@ class SiftIndex:
     # ---------------------------------------------------------------------------------------------- loading
 
     def _load(self, reader: IndexReader) -> None:
-        ids, hashes, n_tok, la_chunks, ca_chunks = [], [], [], [], []
+        ids, hashes, n_tok, la_chunks, ca_chunks, sens = [], [], [], [], [], []
         vectors = self.n_layers * self.n_heads
         for shard in reader.manifest.shards:
             where = reader.show(shard)
-            table = reader.read(shard, _COLUMNS)  # checked to lie inside the index
+            table = reader.read(shard)  # checked to lie inside the index; every column: one is optional
             n = table.column("n_tokens").to_numpy().astype(np.int64)
             la, ca = _binary_chunks(table.column("la_bits"), where, "la_bits"), \
                 _binary_chunks(table.column("ca_bits"), where, "ca_bits")
@@ -173,6 +175,8 @@ class SiftIndex:
                     f"does not match its manifest; rebuild the index")
             ids += shard_ids
             hashes += table.column("content_hash").to_pylist()
+            sens.append(table.column(SENSITIVITY).to_numpy(zero_copy_only=False).astype(np.float64)
+                        if SENSITIVITY in table.column_names else np.full(len(shard_ids), np.nan))
             n_tok.append(n)
             la_chunks.append(la)
             ca_chunks.append(ca)
@@ -181,6 +185,7 @@ class SiftIndex:
         self._la_host, self._la_off, self._la_len = _host_buffer(la_chunks, pin)
         self._ca_host, self._ca_off, self._ca_len = _host_buffer(ca_chunks, pin)
         self._n_tokens = np.concatenate(n_tok) if n_tok else np.zeros(0, np.int64)
+        self._sensitivity = np.concatenate(sens) if sens else np.zeros(0, np.float64)
         self._doc_ids: list[str] = ids
         self._hashes: list[str] = hashes
         self._row: dict[str, int] = {}
@@ -207,6 +212,14 @@ class SiftIndex:
             raise SiftError(self._unknown_message([doc_id]))
         la, ca = self._host_views(r)
         return DocEntry(doc_id=doc_id, n_tokens=int(self._n_tokens[r]), content_hash=self._hashes[r], la=la, ca=ca)
+
+    def sensitivity(self, doc_id: str) -> float | None:
+        """The document's context sensitivity (SPEC section 3), None where its shard has no such column (or a
+        null) or the index lacks the document."""
+        r = self._row.get(doc_id)
+        if r is None or np.isnan(self._sensitivity[r]):
+            return None
+        return float(self._sensitivity[r])
 
     def _host_views(self, r: int) -> tuple[torch.Tensor, torch.Tensor]:
         la_off, la_len, ca_off, ca_len = (int(a[r]) for a in (self._la_off, self._la_len, self._ca_off, self._ca_len))

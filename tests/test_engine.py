@@ -48,9 +48,10 @@ def ones_bits(n_tokens: int, tile: int, vectors: int) -> tuple[bytes, bytes]:
 
 
 def write_index(root: Path, model, fp: str, docs: dict[str, list[int]], *, tile: int, bits=None,
-                prefix_ids: list[int] = ()) -> SiftIndex:
+                prefix_ids: list[int] = (), sensitivity: dict[str, float] | None = None) -> SiftIndex:
     """A committed one-shard index of `docs` (doc_id -> token ids) for `model`; bits: doc_id -> (la, ca)
-    bytes, all ones when None; prefix_ids: the profiling prefix it records."""
+    bytes, all ones when None; prefix_ids: the profiling prefix it records; sensitivity: doc_id -> the optional
+    `context_sensitivity` column (absent when None)."""
     cfg = model.config
     vectors = cfg.num_hidden_layers * cfg.num_attention_heads
     rows = []
@@ -59,8 +60,13 @@ def write_index(root: Path, model, fp: str, docs: dict[str, list[int]], *, tile:
         rows.append(dict(doc_id=doc_id, content_hash=content_hash(ids), n_tokens=len(ids), la_bits=la, ca_bits=ca,
                          source="test", la_density=[0.0] * cfg.num_hidden_layers,
                          ca_density=[0.0] * cfg.num_hidden_layers))
+        if sensitivity is not None:
+            rows[-1]["context_sensitivity"] = sensitivity[doc_id]
+    schema = fmt.DOCS_SCHEMA
+    if sensitivity is not None:
+        schema = schema.append(pa.field("context_sensitivity", pa.float32()))
     idx.prepare_dir(root)
-    info = idx.write_table(root, pa.Table.from_pylist(rows, schema=fmt.DOCS_SCHEMA), kind="part",
+    info = idx.write_table(root, pa.Table.from_pylist(rows, schema=schema), kind="part",
                            profile_key="test", backend="torch")
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     manifest = {

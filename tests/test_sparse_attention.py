@@ -114,16 +114,22 @@ def spare_capacity(indptr, indices, gen):
     return starts, padded, (starts[:-1] + counts).to(torch.int32)
 
 
-def dense_reference(q_log, k_log, v, layout: Layout, block_mask, scale):
-    """q_log: [Hq, N, D], k_log, v: [Hkv, N, D] float64 at logical positions; block_mask: bool [Hq, NB, NB]."""
-    hq, n, _ = q_log.shape
-    group = hq // k_log.shape[0]
-    b = layout.block
+def allowed_slots(layout: Layout, block_mask) -> torch.Tensor:
+    """bool [Hq, N, N]: query slot r may see key slot c (block kept, both real, causal inside a block)."""
+    n, b = layout.n, layout.block
     real = layout.pos >= 0
     slot = torch.arange(n) % b
     same_block = (torch.arange(n)[:, None] // b) == (torch.arange(n)[None, :] // b)
     cell = real[None, :] & ~(same_block & (slot[None, :] > slot[:, None]))                       # [N, N]
-    allowed = block_mask.repeat_interleave(b, 1).repeat_interleave(b, 2) & cell & real[:, None]   # [Hq, N, N]
+    return block_mask.repeat_interleave(b, 1).repeat_interleave(b, 2) & cell & real[:, None]
+
+
+def dense_reference(q_log, k_log, v, layout: Layout, block_mask, scale):
+    """q_log: [Hq, N, D], k_log, v: [Hkv, N, D] float64 at logical positions; block_mask: bool [Hq, NB, NB]."""
+    hq = q_log.shape[0]
+    group = hq // k_log.shape[0]
+    real = layout.pos >= 0
+    allowed = allowed_slots(layout, block_mask)                                                    # [Hq, N, N]
     k_rep = k_log.repeat_interleave(group, 0)
     v_rep = torch.where(real[None, :, None], v, 0.0).repeat_interleave(group, 0)
     s = (q_log @ k_rep.transpose(1, 2) * scale).masked_fill(~allowed, float("-inf"))
