@@ -43,7 +43,7 @@ common.smoke_env()  # before any kernel module imports triton
 
 import torch  # noqa: E402
 
-from bench_ttft import TILE, SyntheticIndex, anchor_bits, llama_config, write_index  # noqa: E402
+from bench_ttft import TILE, SyntheticIndex, anchor_bits, build_llama, write_index  # noqa: E402
 from sift.runtime import Request, SamplingParams, SiftEngine  # noqa: E402
 
 MARKS = (1, 64, 256)
@@ -208,13 +208,8 @@ def main() -> None:
     static = {tuple(int(v) for v in x.split("x")) for x in args.static.split(",") if x}
     t_start = time.perf_counter()
 
-    from transformers import AutoModelForCausalLM
-
-    config = llama_config(args.smoke)
-    device, dtype = ("cpu", torch.float32) if args.smoke else ("cuda", torch.bfloat16)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval()
+    model = build_llama(args.smoke, smoke_dtype=torch.float32)
+    config, device, dtype = model.config, model.device, model.dtype
     model.generation_config.eos_token_id = None       # every request generates all its tokens
     itemsize = torch.finfo(dtype).bits // 8
     embed = model.get_input_embeddings().weight

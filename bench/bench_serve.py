@@ -178,22 +178,18 @@ def serve(args, port: int, ready) -> None:
     import uvicorn
     from fastapi import FastAPI
 
-    from bench_ttft import TILE, SyntheticIndex, anchor_bits, llama_config, write_index
+    from bench_ttft import TILE, SyntheticIndex, anchor_bits, build_llama, write_index
     from common import IdTokenizer
     from sift.runtime import KVStore, SiftEngine
     from sift.runtime.server import EngineWorker, LocalBackend, build_app
     from sift.runtime.server.config import tune_process
     from sift.runtime.server.protocol import ServerDefaults
-    from transformers import AutoModelForCausalLM
 
     tune_process()
     try:
         sh = shape(args)
-        config = llama_config(args.smoke)
-        device, dtype = ("cpu", torch.float32) if args.smoke else ("cuda", torch.bfloat16)
-        torch.manual_seed(0)
-        with torch.device(device):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval()
+        model = build_llama(args.smoke, smoke_dtype=torch.float32)
+        config, device = model.config, model.device
         model.generation_config.eos_token_id = None      # every request generates all its tokens
         docs = corpus(sh, config.vocab_size)
         vectors = config.num_hidden_layers * config.num_attention_heads

@@ -242,12 +242,12 @@ def llama_config(smoke: bool):
                        tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001, rope_parameters=rope)
 
 
-def build_llama(smoke: bool):
-    """The random-weight model (8B shape, bf16 on the GPU; --smoke: 2 layers, fp16 on CPU)."""
+def build_llama(smoke: bool, smoke_dtype: torch.dtype = torch.float16):
+    """The random-weight model (8B shape, bf16 on the GPU; --smoke: 2 layers, `smoke_dtype` on CPU)."""
     from transformers import AutoModelForCausalLM
 
     config = llama_config(smoke)
-    device, dtype = ("cpu", torch.float16) if smoke else ("cuda", torch.bfloat16)
+    device, dtype = ("cpu", smoke_dtype) if smoke else ("cuda", torch.bfloat16)
     t0 = time.perf_counter()
     torch.manual_seed(0)
     with torch.device(device):
