@@ -407,8 +407,12 @@ def http_overhead(records: list[dict]) -> dict:
                 engine_ttft_median_ms=1e3 * statistics.median(r["engine_ttft"] for r in recs))
 
 
-def wait_ready(ready, proc, timeout_s: float) -> None:
+def wait_ready(ready, proc, base: str, timeout_s: float) -> None:
+    """Until the child reports its app built and then answers GET /health (uvicorn binds the port only once
+    `server.run()` starts, after the report)."""
     import queue
+    import urllib.error
+    import urllib.request
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -420,7 +424,16 @@ def wait_ready(ready, proc, timeout_s: float) -> None:
             continue
         if msg != "ready":
             raise SystemExit(f"the server failed to start: {msg}")
-        return
+        break
+    while time.monotonic() < deadline:
+        if not proc.is_alive():
+            raise SystemExit("the server process died while starting")
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            time.sleep(0.2)
     raise SystemExit("the server did not start in time")
 
 
@@ -483,8 +496,8 @@ def main() -> None:
     rows, idle, overhead = [], {}, {}
     checks = common.Checks()
     try:
-        wait_ready(ready, proc, 900)
         base = f"http://127.0.0.1:{args.port}"
+        wait_ready(ready, proc, base, 900)
         print(f"server ready after {time.perf_counter() - t_start:.0f}s", flush=True)
         work = Workload(args, vocab)
         sh = shape(args)

@@ -105,7 +105,9 @@ def drive(engine: SiftEngine, reqs: list[Request], steps: int, check_syncs: bool
             finally:
                 if guard:
                     torch.cuda.set_sync_debug_mode(0)
-        found = [str(w.message) for w in seen if "synchroniz" in str(w.message)]
+        # torch's notice that the sync debug mode is a prototype (once per process) names no synchronising call
+        found = [str(w.message) for w in seen
+                 if "synchroniz" in str(w.message) and "prototype feature" not in str(w.message)]
         syncs += len(found)
         for message in found:   # which call synchronised, with the step it happened in
             print(f"step {len(times) + 1}: {message.splitlines()[0][:200]}", flush=True)
