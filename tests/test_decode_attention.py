@@ -11,6 +11,9 @@ from sift.kernels.rope import apply_rope_ref
 
 from .helpers import kernel_tol
 
+# The kernel runs on the GPU where there is one, else under the Triton interpreter (TRITON_INTERPRET=1).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 
 # Max abs error on outputs of O(1): fp32 is accumulation noise over at most 512 terms (keys, or head_dim); fp16
@@ -111,8 +114,9 @@ def case(requests, block, hq, hkv, d, dtype, gen, pos_shift=None, n_generated=0)
 
 def check(inputs, want, scale, block, dtype, num_splits):
     tol = TOL[dtype]
-    for name, fn in (("kernel", decode_attention), ("reference", decode_attention_ref)):
-        got = fn(**inputs, scale=scale, block=block, num_splits=num_splits)
+    for name, fn, device in (("kernel", decode_attention, DEVICE), ("reference", decode_attention_ref, "cpu")):
+        args = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+        got = fn(**args, scale=scale, block=block, num_splits=num_splits).cpu()
         assert got.dtype == dtype and got.shape == want.shape
         err = (got.double() - want).abs().max().item()
         print(f"{name}: max abs error {err:.3e} (tol {tol:.1e})")
