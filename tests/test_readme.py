@@ -4,12 +4,20 @@ index `make demo` builds.
 The test builds that index from the sample corpus's documents the blocks name (profiled by the builder's own
 `Profiler` on the real SmolLM2 weights, written by its own writers: the index `sift-build` writes, restricted to
 those documents), puts it at `index/sample` of a scratch folder beside a link to `pipeline/sample_corpus`, and
-executes every block of a file in order in one namespace, as a reader pasting them into one session would.
+executes every block of a file in order in one namespace, as a reader pasting them into one session would. The
+README's HTTP client block runs against `sift-serve index/sample --replicas 0`, started from that folder as the
+README starts it (on a free port instead of 8000).
 """
 import contextlib
 import io
 import json
 import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -25,8 +33,9 @@ ROOT = Path(__file__).resolve().parents[1]
 FENCE = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
 
 
-def python_blocks(path: Path) -> list[str]:
-    return FENCE.findall(path.read_text())
+def python_blocks(path: Path, client: bool = False) -> list[str]:
+    """The file's Python blocks: those that talk to a server (client=True) or the others."""
+    return [b for b in FENCE.findall(path.read_text()) if ("OpenAI(" in b) == client]
 
 
 def sample_documents(names: set[str]) -> dict[str, str]:
@@ -43,7 +52,8 @@ def sample_documents(names: set[str]) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def sample_root(tmp_path_factory):
     """A folder with index/sample (the documents the README names) and pipeline/sample_corpus."""
-    quoted = {s for block in python_blocks(ROOT / "README.md") for s in re.findall(r'"([^"\n]+)"', block)}
+    blocks = python_blocks(ROOT / "README.md") + python_blocks(ROOT / "README.md", client=True)
+    quoted = {s for block in blocks for s in re.findall(r'"([^"\n]+)"', block)}
     docs = sample_documents(quoted)
     assert docs, "the README's quick start names no document of the sample corpus"
     model, tokenizer = smollm2()
@@ -62,8 +72,8 @@ def sample_root(tmp_path_factory):
     return root
 
 
-def run_blocks(path: Path, root: Path, monkeypatch) -> str:
-    blocks = python_blocks(path)
+def run_blocks(path: Path, root: Path, monkeypatch, blocks: list[str] | None = None) -> str:
+    blocks = python_blocks(path) if blocks is None else blocks
     assert blocks, f"{path} has no Python block"
     monkeypatch.chdir(root)
     namespace, out = {"__name__": "__main__"}, io.StringIO()
@@ -96,3 +106,41 @@ def test_readme_python_runs(sample_root, monkeypatch):
 def test_building_doc_python_runs(sample_root, monkeypatch):
     """docs/building.md reads the index with pyarrow and with DuckDB."""
     run_blocks(ROOT / "docs" / "building.md", sample_root, monkeypatch)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_readme_server_and_client_run(sample_root, monkeypatch):
+    """The README's `sift-serve` command serves the sample index, and its `openai` client block prints an answer."""
+    command = re.search(r"^\.venv/bin/(sift-serve [^#\n]*?)\s*(#|$)", (ROOT / "README.md").read_text(), re.M)
+    assert command, "the README shows no sift-serve command"
+    args = command.group(1).split()[1:]
+    port = free_port()
+    client = python_blocks(ROOT / "README.md", client=True)
+    assert len(client) == 1 and "127.0.0.1:8000" in client[0]
+    proc = subprocess.Popen([str(Path(sys.executable).with_name("sift-serve")), *args, "--port", str(port)],
+                            cwd=sample_root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "sift-serve did not start"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError):
+                time.sleep(0.5)
+        block = client[0].replace("127.0.0.1:8000", f"127.0.0.1:{port}")
+        printed = run_blocks(ROOT / "README.md", sample_root, monkeypatch, [block])
+        assert printed.strip(), "the client block printed no answer"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=60)
+    assert rc == 0, proc.stdout.read()
