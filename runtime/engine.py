@@ -198,7 +198,8 @@ class SiftEngine:
             cuda_graphs = self.device.type == "cuda" and self.attention_backend.capturable
         context = self.max_positions or self.kv_store.n_pages * block
         self.runner = ModelRunner(model, self.attention_backend, self.inv_freq, self.kv_store, block=block,
-                                  max_positions=context, cuda_graphs=cuda_graphs)
+                                  max_positions=context, cuda_graphs=cuda_graphs,
+                                  fused_norms=self.attention_backend.name == "triton")
         self.scheduler = Scheduler(self.kv_store, max_running=max_running, max_prefill_tokens=max_prefill_tokens)
         # One step at a time: a step swaps the model's attention implementation for its forwards, and the GPU
         # runs one step's work in order anyway.

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 
 import numpy as np
 import torch
@@ -31,6 +32,8 @@ import torch
 from sift.errors import SiftError
 
 from ..kernels.decode_attention import default_num_splits
+from ..kernels.device import triton_runs_on
+from ..kernels.rmsnorm import rms_norm
 from .forward import ATTN_NAME, DecodeAttention, PrefillAttention, StopAfter, Stopped, Timer
 from .kv_cache import PoolKV
 from .metadata import DecodeMetadata
@@ -117,14 +120,44 @@ def params_rows(states, rows: int) -> dict[str, np.ndarray]:
     return out
 
 
+def fusable_norms(model, device: torch.device) -> list:
+    """The model's RMSNorm modules that `rms_norm` computes exactly as their own forward does: transformers'
+    `*RMSNorm` modules with a 1-D `weight` and a `variance_epsilon`, each class checked once, on its first module,
+    against that module's forward (a variant such as Gemma's `(1 + weight)` fails the check and keeps its own
+    forward). Empty where the Triton kernels do not run."""
+    if not triton_runs_on(device):
+        return []
+    found, verdict = [], {}
+    for m in model.modules():
+        w = getattr(m, "weight", None)
+        if not (type(m).__name__.endswith("RMSNorm") and isinstance(getattr(m, "variance_epsilon", None), float)
+                and isinstance(w, torch.Tensor) and w.dim() == 1):
+            continue
+        cls = type(m)
+        if cls not in verdict:
+            gen = torch.Generator(device="cpu").manual_seed(0)
+            x = torch.randn(3, w.numel(), generator=gen).to(device=w.device, dtype=w.dtype)
+            with torch.no_grad():
+                own, fused = m(x), rms_norm(x, w, m.variance_epsilon)
+            # the same roundings in the same order; only the fp32 sum of squares is added up in another order,
+            # which moves a normalised value across a rounding boundary of x's dtype now and then: one unit
+            eps = torch.finfo(own.dtype).eps
+            verdict[cls] = own.dtype == fused.dtype and bool(
+                ((own.float() - fused.float()).abs() <= 2 * eps * own.float().abs().clamp(min=1.0)).all())
+        if verdict[cls]:
+            found.append(m)
+    return found
+
+
 class ModelRunner:
     """Runs the model for the engine: prefill forwards and decode steps (module docstring).
 
     cuda_graphs: capture one decode step per bucket and greedy / sampling variant (CUDA only); max_positions:
-    the model's context, which sizes the rows' block tables."""
+    the model's context, which sizes the rows' block tables; fused_norms: decode steps run the model's RMSNorms
+    as one Triton kernel each (`fusable_norms`; where the kernels run)."""
 
     def __init__(self, model, backend, inv_freq: torch.Tensor, store, *, block: int, max_positions: int,
-                 cuda_graphs: bool):
+                 cuda_graphs: bool, fused_norms: bool = True):
         self.model, self.backend, self.inv_freq, self.store, self.block = model, backend, inv_freq, store, block
         self.device = inv_freq.device
         self.lm_head = model.get_output_embeddings()
@@ -152,6 +185,9 @@ class ModelRunner:
             raise SiftError(f"cuda_graphs=True needs the model on a CUDA device and backend 'triton' (here "
                             f"{self.device.type}, {backend.name!r}); leave cuda_graphs unset")
         self.cuda_graphs = cuda_graphs
+        # The decode step runs the model's RMSNorms as one kernel each (kernels/rmsnorm.py): at batch 1 the eight
+        # element-wise kernels of each norm cost more than the bytes they move.
+        self.norms = fusable_norms(model, self.device) if fused_norms else []
         self.graphs: dict[tuple[int, bool], tuple] = {}
         self.n_rows = 0
         self.launches = 0
@@ -270,9 +306,25 @@ class ModelRunner:
             self.last_logits = self._step(b, greedy_only)
         return HostCopy(self.batch.tokens[:b])
 
+    @contextlib.contextmanager
+    def fused(self):
+        """The model's fusable RMSNorms run `rms_norm` for the duration (an instance attribute over the class's
+        forward, removed afterwards)."""
+        for m in self.norms:
+            m.forward = functools.partial(rms_norm, weight=m.weight, eps=m.variance_epsilon)
+        try:
+            yield
+        finally:
+            for m in self.norms:
+                del m.forward
+
     def _step(self, b: int, greedy_only: bool) -> torch.Tensor:
         """The decode step of rows [0, b): reads and writes the static buffers only (capture-safe). -> its
         fp32 logits [b, V]."""
+        with self.fused():
+            return self._decode(b, greedy_only)
+
+    def _decode(self, b: int, greedy_only: bool) -> torch.Tensor:
         buf, blk = self.batch, self.block
         live = buf.live[:b]
         n_out = buf.n_out[:b]
