@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -69,7 +70,7 @@ def build_main(corpus, out, config_path, model, tile, alpha, beta, gamma, ray_ad
     try:
         cfg = load_config(config_path, model=model, tile=tile, alpha=alpha, beta=beta, gamma=gamma)
         stats = run_build(corpus, out, cfg, ray_address=ray_address, echo=echo, progress=progress, verbose=verbose,
-                          quiet=quiet)
+                          quiet=quiet, process_started=_process_started())
     except SiftError as e:
         _fail(str(e))
     except Exception as e:  # noqa: BLE001 - exit code 1 means "committed", which this is not
@@ -80,6 +81,20 @@ def build_main(corpus, out, config_path, model, tile, alpha, beta, gamma, ray_ad
                f"{stats.errors} errors, {stats.seconds:.1f} s, {tps:.0f} tokens/s profiling"
                f"{'; ' + stats.note if stats.note else ''}")
     sys.exit(EXIT_DOC_ERRORS if stats.errors else EXIT_OK)
+
+
+def _process_started() -> float | None:
+    """When this process started (`time.time`), from its start in clock ticks since boot and the time since boot
+    (Linux's /proc); None where the system does not say."""
+    try:
+        with open("/proc/self/stat") as f:
+            stat = f.read()
+        ticks = int(stat[stat.rindex(")") + 2:].split()[19])  # field 22, starttime (the name may hold spaces)
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return time.time() - max(0.0, uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def read_index(path: str) -> tuple[IndexReader, pa.Table, IndexDensity]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +45,24 @@ from .corpus import corpus_name, list_sources
 from .plan import BuildPlan, ErrorRow, Pair, Planner, Todo, resolve_target, reusable, tokenised
 
 
+# `BuildStats.startup`, in seconds: durations, and moments counted from the build's start (`run_build` called);
+# an actor's moments are those of the slowest actor, as far as its node's clock agrees with the driver's.
+STARTUP_KEYS = {
+    "process": "the sift-build process's start to the build's start (Python, imports, config; CLI only)",
+    "ray": "duration: starting (or joining) Ray",
+    "plan": "duration: previous generation, model identity, tokenizer, reusable rows (while Ray starts)",
+    "actor_code": "moment: the actor's process began importing the builder",
+    "actor_init": "moment: the actor's set-up began (its code imported)",
+    "model_load": "duration: the actor's set-up (weights on its device, profiler ready)",
+    "weights": "duration: of which reading the weights onto the device",
+    "actor_ready": "moment: the actor can profile",
+    "first_records": "moment: the first tokenised records reached the driver",
+    "first_submit": "moment: the first shard was handed to an actor",
+    "first_shard": "moment: the first shard was profiled and written",
+    "first_shard_compute": "duration: that shard's profiling, warm-up included",
+}
+
+
 @dataclass(frozen=True)
 class BuildStats:
     """What a build did (returned by `run_build`, recorded as the manifest's `last_build`)."""
@@ -61,10 +80,7 @@ class BuildStats:
     actor_seconds: float = 0.0     # summed time the actors spent profiling documents
     backends: list[str] = field(default_factory=list)
     note: str = ""
-    # The fixed cost before the first profiled shard, seconds: "ray" (start or join), "plan" (previous generation,
-    # model identity, reusable rows), "model_load" (the slowest actor's model load and set-up), "first_records"
-    # (build start to the first tokenised records), "first_shard" (build start to the first shard profiled),
-    # "first_shard_compute" (that shard's profiling, warm-up included).
+    # The fixed cost before the first profiled shard, seconds (`STARTUP_KEYS`).
     startup: dict = field(default_factory=dict)
     # Ray node id -> {"shards": [paths], "documents", "tokens", "seconds", "peak_memory_gib" (GPU actors)}: where
     # each shard was profiled.
@@ -86,13 +102,14 @@ class ProfileShardWriter:
     profiled, so writing never holds the device; the device itself runs one call at a time."""
 
     def __init__(self, *, model: str, cfg_dict: dict, index: str, threads: int):
-        t0 = time.perf_counter()
+        t0, init = time.perf_counter(), time.time()
         import ray
         import torch
 
         from sift.model import load_model
 
         from ..kernels.device import resolve_backend
+        from . import IMPORT_STARTED
         from .config import BACKENDS, load_config_dict
         from .profiler import Profiler
 
@@ -100,12 +117,16 @@ class ProfileShardWriter:
         torch.set_num_threads(max(1, threads))
         device = "cuda" if torch.cuda.is_available() else "cpu"
         backend = resolve_backend(cfg.build.backend, device, choices=BACKENDS, setting="build.backend")
-        model_obj, tokenizer, _ = load_model(model, dtype=cfg.profile.dtype, device=device)
+        t_weights = time.perf_counter()
+        model_obj, tokenizer, _ = load_model(model, dtype=cfg.profile.dtype, device=device, identity=False)
+        weights = time.perf_counter() - t_weights
         self.profiler = Profiler(model_obj, tokenizer, cfg.profile, backend, batch_tokens=cfg.build.batch_tokens)
         self.index = Location.of(index)  # `index` is the location's spec: a local path or a URI
         self.node = ray.get_runtime_context().get_node_id()
         self.device_lock = threading.Lock()
-        self.load_seconds = time.perf_counter() - t0
+        # The actor's start-up: wall-clock moments (the driver counts them from the build's start) and durations.
+        self.timeline = {"actor_code": IMPORT_STARTED, "actor_init": init, "actor_ready": time.time(),
+                         "model_load": time.perf_counter() - t0, "weights": weights}
 
     def profile_shard(self, shard: dict, profile_key: str) -> dict:
         """shard: {"doc_id", "source", "content_hash": lists, "token_ids": list of int arrays}; profile_key: the
@@ -138,7 +159,7 @@ class ProfileShardWriter:
             info = idx.write_table(self.index, table, kind="part", profile_key=profile_key, backend=backend)
         return {"shard": info.to_dict() if info else None, "documents": len(rows["doc_id"]),
                 "tokens": sum(rows["n_tokens"]), "seconds": seconds, "errors": errors, "node": self.node,
-                "load_seconds": self.load_seconds, "peak_memory_gib": self._peak_gib()}
+                "timeline": self.timeline, "peak_memory_gib": self._peak_gib()}
 
     @staticmethod
     def _peak_gib() -> float | None:
@@ -306,19 +327,24 @@ class _Pool:
 class _Results:
     """What the actors report, gathered shard by shard as they finish."""
 
-    def __init__(self, progress, t_start: float):
-        self.progress, self.t_start = progress, t_start
+    def __init__(self, progress, t_start: float, wall_start: float):
+        self.progress, self.t_start, self.wall_start = progress, t_start, wall_start
         self.shards: list[ShardInfo] = []
         self.errors: list[ErrorRow] = []
         self.nodes: dict = {}
         self.startup: dict = {}
+        self.ready = float("-inf")
         self.tokens, self.actor_seconds = 0, 0.0
 
     def __call__(self, result: dict) -> None:
         if "first_shard" not in self.startup:
             self.startup.update(first_shard=time.perf_counter() - self.t_start,
                                 first_shard_compute=result["seconds"])
-        self.startup["model_load"] = max(self.startup.get("model_load", 0.0), result["load_seconds"])
+        timeline = result["timeline"]
+        if timeline["actor_ready"] > self.ready:  # the slowest actor's start-up
+            self.ready = timeline["actor_ready"]
+            self.startup.update({k: v - self.wall_start if k.startswith("actor_") else v
+                                 for k, v in timeline.items()})
         node = self.nodes.setdefault(result["node"], {"shards": [], "documents": 0, "tokens": 0, "seconds": 0.0})
         if result["shard"] is not None:
             info = ShardInfo(**result["shard"])
@@ -335,11 +361,13 @@ class _Results:
         self.progress.shard(result["documents"] + len(result["errors"]), result["tokens"])
 
 
-def profile(records, planner: Planner, pool: _Pool, cfg: BuildConfig, echo, progress, t_start: float) -> Profiled:
+def profile(records, planner: Planner, pool: _Pool, cfg: BuildConfig, echo, progress, t_start: float,
+            wall_start: float) -> Profiled:
     """Stream `records` (the tokenised corpus) through `planner` and profile what it hands on, shard by shard, on
-    the pool's actors (started here at the first document to profile, unless already started)."""
+    the pool's actors (started here at the first document to profile, unless already started). t_start,
+    wall_start: the build's start on `time.perf_counter` and on `time.time` (the actors' clock)."""
     profile_key = planner.target.profile_key
-    results = _Results(progress, t_start)
+    results = _Results(progress, t_start, wall_start)
     batching = _Shards(cfg.build.shard_rows, cfg.build.shard_tokens)
     t0 = time.perf_counter()
     progress.start(0, 0)
@@ -352,11 +380,13 @@ def profile(records, planner: Planner, pool: _Pool, cfg: BuildConfig, echo, prog
                 if shard is None and batching.tokens >= cfg.build.batch_tokens and pool.idle(results):
                     shard = batching.take()  # an actor waits: a forward's worth now rather than a full shard later
                 if shard is not None:
+                    results.startup.setdefault("first_submit", time.perf_counter() - t_start)
                     pool.submit(shard, profile_key, results)
             progress.total(planner.todo, planner.todo_tokens, final=False)
             pool.collect(results, block=False)
         shard = batching.take()
         if shard is not None:
+            results.startup.setdefault("first_submit", time.perf_counter() - t_start)
             pool.submit(shard, profile_key, results)
         progress.total(planner.todo, planner.todo_tokens, final=True)
         echo(planner.summary())
@@ -510,41 +540,56 @@ def _start_ray(address: str | None, verbose: bool, quiet: bool = False) -> None:
     ctx.raise_original_map_exception = True
 
 
+def _plan(cfg: BuildConfig, model_dir: Path, index: Location) -> tuple:
+    """The build's plan, which needs no Ray: (the target, the reusable rows, its seconds)."""
+    t0 = time.perf_counter()
+    target = resolve_target(cfg, model_dir, index)
+    return target, reusable(index, target), time.perf_counter() - t0
+
+
 def run_build(corpus: str | Path, out: str | Path, cfg: BuildConfig, *, ray_address: str | None = None,
-              echo=print, progress=None, verbose: bool = False, quiet: bool = False) -> BuildStats:
+              echo=print, progress=None, verbose: bool = False, quiet: bool = False,
+              process_started: float | None = None) -> BuildStats:
     """Build or incrementally update the index at `out` from `corpus`. Returns what the build did.
 
     corpus, out: local paths, or URIs `sift.storage` opens (s3://, gs://, hdfs://, file://).
 
     echo: where the stage lines go; progress: what reports profiling (default `ProgressLines(echo)`);
     verbose: Ray's own logs, progress blocks and worker output too; quiet: Ray's native error lines only in its
-    log folder (`sift-build -q`)."""
-    t_start = time.perf_counter()
+    log folder (`sift-build -q`); process_started: when the calling process started (`time.time`), for
+    `startup["process"]`.
+
+    Start-up runs side by side: the plan (a thread) while Ray starts, and on a first build the profiling actors
+    (their imports and model load) from the moment Ray is up, while the plan finishes and the first records are
+    read."""
+    t_start, wall_start = time.perf_counter(), time.time()
+    startup = {"process": wall_start - process_started} if process_started is not None else {}
     # A local --out is made absolute: actors write shards there from their own working directory.
     index = Location.of(out)
     sources = list_sources(corpus)
     model_dir = resolve_model_dir(cfg.model)
     idx.prepare_dir(index)
     with idx.build_lock(index) as lock:
-        t0 = time.perf_counter()
-        _start_ray(ray_address, verbose, quiet)
-        t1 = time.perf_counter()
-        import ray
+        with ThreadPoolExecutor(1, thread_name_prefix="sift-plan") as planning:  # waits for the plan on leaving
+            planned = planning.submit(_plan, cfg, model_dir, index)
+            t0 = time.perf_counter()
+            _start_ray(ray_address, verbose, quiet)
+            startup["ray"] = time.perf_counter() - t0
+            import ray
 
-        pool = _Pool(ray, cfg, index, DEFAULT_MODEL if cfg.model == DEFAULT_MODEL else str(model_dir))
-        if not (index.exists(fmt.MANIFEST) or fmt.history(index)):  # a first build profiles: load the model now
-            pool.start(echo)
-        target = resolve_target(cfg, model_dir, index)
+            pool = _Pool(ray, cfg, index, DEFAULT_MODEL if cfg.model == DEFAULT_MODEL else str(model_dir))
+            if not (index.exists(fmt.MANIFEST) or fmt.history(index)):  # a first build profiles: load the model now
+                pool.start(echo)
+            target, reuse, startup["plan"] = planned.result()
         shown = redact(corpus) if is_uri(corpus) else corpus
         echo(f"sift-build: {len(sources)} source(s) in {shown}, model {target.model.name}, tile {cfg.profile.tile}")
-        reuse = reusable(index, target)
         if not (reuse.previous or reuse.orphans):  # nothing to reuse: everything is profiled
             pool.start(echo)
-        startup = {"ray": t1 - t0, "plan": time.perf_counter() - t1}
         planner = Planner(target, reuse, corpus_name(corpus))
         records = tokenised(sources, model_dir, cfg, target.max_tokens)
         try:
-            profiled = profile(records, planner, pool, cfg, echo, progress or ProgressLines(echo), t_start)
+            profiled = profile(records, planner, pool, cfg, echo, progress or ProgressLines(echo), t_start,
+                               wall_start)
         finally:
             records.close()
         return commit(planner.finish(index), profiled, index, cfg, t_start, lock, startup)

@@ -33,7 +33,6 @@ from sift.storage import Location
 
 from .config import BuildConfig
 from .corpus import FirstOccurrence, Source, SourceDoc, read_source
-from .profiler import profiling_prefix_ids, profiling_reader_ids
 
 log = logging.getLogger("sift.build")
 
@@ -102,8 +101,12 @@ def _previous_generation(index: Location) -> Manifest | None:
 
 
 def resolve_target(cfg: BuildConfig, model_dir: Path, index: Location) -> BuildTarget:
-    """Read the previous generation and the model's identity; derive the prefix, max_tokens and profile key."""
+    """Read the previous generation and the model's identity; derive the prefix, max_tokens and profile key.
+    Needs no Ray: the build runs it while Ray starts. (transformers, and torch with it, are imported here, not
+    with the module, so neither delays Ray's start nor a reading task that only tokenises.)"""
     from transformers import AutoConfig
+
+    from .profiler import profiling_prefix_ids, profiling_reader_ids
 
     previous = _previous_generation(index)
     name = DEFAULT_MODEL if cfg.model == DEFAULT_MODEL else str(model_dir)

@@ -143,8 +143,11 @@ def resolve_dtype(dtype: str, device: str) -> str:
     return dtype
 
 
-def load_model(model: str, *, dtype: str = "float32", device: str = "cpu", attn_implementation: str = "sdpa"):
-    """-> (model, tokenizer, ModelIdentity). `model` is DEFAULT_MODEL or a local folder."""
+def load_model(model: str, *, dtype: str = "float32", device: str = "cpu", attn_implementation: str = "sdpa",
+               identity: bool = True):
+    """-> (model, tokenizer, ModelIdentity). `model` is DEFAULT_MODEL or a local folder. identity=False: None
+    instead of the identity, whose fingerprint reads every weight file's bytes once per machine (a profiling
+    actor has the build's identity already)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -159,4 +162,4 @@ def load_model(model: str, *, dtype: str = "float32", device: str = "cpu", attn_
     hf.to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     name = DEFAULT_MODEL if model == DEFAULT_MODEL else str(model_dir)
-    return hf, tokenizer, ModelIdentity.from_config(name, fingerprint(model_dir), hf.config)
+    return hf, tokenizer, ModelIdentity.from_config(name, fingerprint(model_dir), hf.config) if identity else None
