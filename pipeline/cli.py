@@ -80,7 +80,17 @@ def build_main(corpus, out, config_path, model, tile, alpha, beta, gamma, ray_ad
                f"(profiled {stats.profiled}, reused {stats.reused + stats.reused_orphans}, deleted {stats.deleted}), "
                f"{stats.errors} errors, {stats.seconds:.1f} s, {tps:.0f} tokens/s profiling"
                f"{'; ' + stats.note if stats.note else ''}")
+    if not verbose:
+        _leave_ray()
     sys.exit(EXIT_DOC_ERRORS if stats.errors else EXIT_OK)
+
+
+def _leave_ray() -> None:
+    """Stop the local Ray the build started (or leave the cluster it joined) now rather than in Ray's exit hook,
+    which first waits half a second for worker output that only `--verbose` prints."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
 
 
 def _process_started() -> float | None:

@@ -169,6 +169,44 @@ def weight_files(model_dir: Path) -> list[Path] | None:
     return [single] if single.is_file() else None
 
 
+def prefetch_weights(model_dir: Path) -> int:
+    """Start the kernel reading the model's weight files into the page cache (posix_fadvise WILLNEED), on a thread
+    of its own, so a process that loads the model on this machine soon after (a profiling actor) reads them from
+    memory. Only where they fit in half the memory available. -> the bytes asked for (0: none)."""
+    import threading
+
+    files = weight_files(model_dir) or []
+    size = sum(f.stat().st_size for f in files)
+    if not size or not hasattr(os, "posix_fadvise") or size > _available_memory() // 2:
+        return 0
+
+    def advise() -> None:
+        for f in files:
+            try:
+                fd = os.open(f, os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+                finally:
+                    os.close(fd)
+            except OSError:  # a hint, nothing more: the load reads the file either way
+                pass
+
+    threading.Thread(target=advise, daemon=True, name="sift-prefetch").start()
+    return size
+
+
+def _available_memory() -> int:
+    """MemAvailable of /proc/meminfo in bytes; 0 where the system does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
 def _safetensors_header(path: Path, fd: int) -> tuple[dict, int]:
     """-> (name -> {dtype, shape, data_offsets}, where the data starts), checked against the file's size."""
     size = os.fstat(fd).st_size
@@ -282,17 +320,30 @@ def load_model(model: str, *, dtype: str = "float32", device: str = "cpu", attn_
     """-> (model, tokenizer, ModelIdentity). `model` is DEFAULT_MODEL or a local folder. identity=False: None
     instead of the identity, whose fingerprint reads every weight file's bytes once per machine (a profiling
     actor has the build's identity already)."""
-    import torch
-    from transformers import (MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig, AutoModelForCausalLM, AutoTokenizer,
-                              GenerationConfig)
+    from transformers import AutoConfig, AutoTokenizer
 
     model_dir = resolve_model_dir(model)
-    placement = {} if device == "cpu" else {"device_map": device}
     files = weight_files(model_dir)
     config = AutoConfig.from_pretrained(model_dir)
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         raise SiftError(f"model type {config.model_type!r} is not supported; supported: "
                         f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    with ThreadPoolExecutor(1, thread_name_prefix="sift-tokenizer") as side:
+        tokenizer = side.submit(AutoTokenizer.from_pretrained, model_dir)  # while the weights are read
+        hf = _load_weights(model_dir, files, config, dtype, device, attn_implementation)
+        tokenizer = tokenizer.result()
+    hf.to(device).eval()
+    name = DEFAULT_MODEL if model == DEFAULT_MODEL else str(model_dir)
+    return hf, tokenizer, ModelIdentity.from_config(name, fingerprint(model_dir), hf.config) if identity else None
+
+
+def _load_weights(model_dir: Path, files: list[Path] | None, config, dtype: str, device: str,
+                  attn_implementation: str):
+    """The transformers model of `model_dir` with its weights on `device` in `dtype`."""
+    import torch
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoModelForCausalLM, GenerationConfig
+
+    placement = {} if device == "cpu" else {"device_map": device}
     if files is None:  # weights in another format (.bin): transformers reads them
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype),
                                                   attn_implementation=attn_implementation, **placement)
@@ -307,7 +358,4 @@ def load_model(model: str, *, dtype: str = "float32", device: str = "cpu", attn_
                                  dtype=getattr(torch, dtype), attn_implementation=attn_implementation, **placement)
         if (model_dir / "generation_config.json").is_file():
             hf.generation_config = GenerationConfig.from_pretrained(model_dir)
-    hf.to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    name = DEFAULT_MODEL if model == DEFAULT_MODEL else str(model_dir)
-    return hf, tokenizer, ModelIdentity.from_config(name, fingerprint(model_dir), hf.config) if identity else None
+    return hf
