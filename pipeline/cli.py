@@ -269,8 +269,9 @@ def _describe(s: dict) -> str:
         f"errors      {s['errors']}",
         f"last build  profiled {lb['profiled']}, reused {lb['reused']}, deleted {lb['deleted']}, "
         f"{lb['seconds']} s" + (f" on {lb['nodes']} node(s); first shard after {lb['startup']['first_shard']} s "
-                                f"(Ray {lb['startup'].get('ray', 0)} s, plan {lb['startup'].get('plan', 0)} s, "
-                                f"model load {lb['startup'].get('model_load', 0)} s)"
+                                f"(Ray {lb['startup'].get('ray', 0)} s, plan {lb['startup'].get('plan', 0)} s "
+                                f"alongside; actor ready at {lb['startup'].get('actor_ready', '-')} s after a "
+                                f"{lb['startup'].get('model_load', 0)} s model load)"
                                 if "first_shard" in lb["startup"] else ""),
         "layer   LA density   CA density",
     ]

@@ -1,10 +1,12 @@
 """The builder's Ray job: read, tokenise and profile as one stream, then commit, under the index's writer lock.
 
-    plan     (`plan.py`) the target and the reusable rows; then read + tokenise as Ray tasks streaming records in
-             corpus order to the driver, which decides per record: error row, reused row, or to profile
-    profile  the documents to profile, gathered into shards (`build.shard_tokens` / `shard_rows`, or a forward's
-             worth when an actor waits) as they arrive and handed to a pool of `ProfileShardWriter` actors (one per GPU, or CPU actors; the model loaded
-             once per actor, while the first records are read); each actor packs a shard into forwards of
+    plan     (`plan.py`) the target and the reusable rows, on a thread while Ray starts; then read + tokenise as
+             Ray tasks streaming records in corpus order to the driver, which decides per record: error row,
+             reused row, or to profile
+    profile  the documents to profile, gathered into shards (`build.shard_tokens` / `shard_rows`; a forward's
+             worth when an actor is free, whatever is gathered when a set-up actor has nothing queued) as they
+             arrive and handed to a pool of `ProfileShardWriter` actors (one per GPU, or CPU actors; the model
+             loaded once per actor, from the moment Ray is up); each actor packs a shard into forwards of
              `build.batch_tokens` and writes it as one immutable Parquet shard off its GPU's critical path
              -> `Profiled`
     commit   the reused rows assembled into shards, the errors table, the `Manifest`, its atomic commit, and
@@ -128,6 +130,9 @@ class ProfileShardWriter:
         # The actor's start-up: wall-clock moments (the driver counts them from the build's start) and durations.
         self.timeline = {"actor_code": IMPORT_STARTED, "actor_init": init, "actor_ready": time.time(),
                          "model_load": time.perf_counter() - t0, "weights": weights}
+
+    def ready(self) -> None:
+        """Answers once the actor is set up (the driver's sign that it can profile)."""
 
     def profile_shard(self, shard: dict, profile_key: str) -> dict:
         """shard: {"doc_id", "source", "content_hash": lists, "token_ids": list of int arrays}; profile_key: the
@@ -286,6 +291,7 @@ class _Pool:
         self.actors: list = []
         self.load: list[int] = []
         self.in_flight: dict = {}
+        self.starting: dict = {}   # `ready` call -> actor, until it answers
         self.checked = 0.0
 
     def start(self, echo) -> None:
@@ -293,6 +299,7 @@ class _Pool:
             echo(f"sift-build: profiling on {self.spec.size} {self.spec.kind.upper()} actor(s)")
             self.actors = [self.actor_class.remote(**self.kwargs) for _ in range(self.spec.size)]
             self.load = [0] * self.spec.size
+            self.starting = {actor.ready.remote(): i for i, actor in enumerate(self.actors)}
 
     def idle(self, done) -> bool:
         """Whether an actor has nothing queued (finished shards collected first, at most every 50 ms)."""
@@ -300,6 +307,19 @@ class _Pool:
             self.collect(done, block=False)
             self.checked = time.perf_counter()
         return bool(self.actors) and min(self.load) == 0
+
+    def waiting(self, done) -> bool:
+        """Whether a set-up actor has nothing queued: it would take a shard of any size now."""
+        import ray
+
+        if not self.idle(done):
+            return False
+        if self.starting:
+            ready, _ = ray.wait(list(self.starting), num_returns=len(self.starting), timeout=0)
+            for ref in ready:
+                ray.get(ref)  # an actor that failed to start raises here, as its shards would
+                del self.starting[ref]
+        return any(load == 0 for i, load in enumerate(self.load) if i not in self.starting.values())
 
     def submit(self, shard: dict, profile_key: str, done) -> None:
         while min(self.load) >= self.DEPTH:
@@ -372,23 +392,27 @@ def profile(records, planner: Planner, pool: _Pool, cfg: BuildConfig, echo, prog
     batching = _Shards(cfg.build.shard_rows, cfg.build.shard_tokens)
     t0 = time.perf_counter()
     progress.start(0, 0)
-    try:
-        for batch in records:
-            results.startup.setdefault("first_records", time.perf_counter() - t_start)
-            for doc in planner.admit(batch):
-                pool.start(echo)  # the model loads while the corpus is still being read
-                shard = batching.add(doc)
-                if shard is None and batching.tokens >= cfg.build.batch_tokens and pool.idle(results):
-                    shard = batching.take()  # an actor waits: a forward's worth now rather than a full shard later
-                if shard is not None:
-                    results.startup.setdefault("first_submit", time.perf_counter() - t_start)
-                    pool.submit(shard, profile_key, results)
-            progress.total(planner.todo, planner.todo_tokens, final=False)
-            pool.collect(results, block=False)
-        shard = batching.take()
+
+    def submit(shard: dict | None) -> None:
         if shard is not None:
             results.startup.setdefault("first_submit", time.perf_counter() - t_start)
             pool.submit(shard, profile_key, results)
+
+    try:
+        for batch in records:
+            if batch is not None:
+                results.startup.setdefault("first_records", time.perf_counter() - t_start)
+                for doc in planner.admit(batch):
+                    pool.start(echo)  # the model loads while the corpus is still being read
+                    shard = batching.add(doc)
+                    if shard is None and batching.tokens >= cfg.build.batch_tokens and pool.idle(results):
+                        shard = batching.take()  # an actor is free: a forward's worth now, not a full shard later
+                    submit(shard)
+                progress.total(planner.todo, planner.todo_tokens, final=False)
+            if batching.docs and pool.waiting(results):  # a set-up actor has nothing to do: what is gathered
+                submit(batching.take())
+            pool.collect(results, block=False)
+        submit(batching.take())
         progress.total(planner.todo, planner.todo_tokens, final=True)
         echo(planner.summary())
         pool.drain(results)
@@ -593,7 +617,7 @@ def run_build(corpus: str | Path, out: str | Path, cfg: BuildConfig, *, ray_addr
         if not (reuse.previous or reuse.orphans):  # nothing to reuse: everything is profiled
             pool.start(echo)
         planner = Planner(target, reuse, corpus_name(corpus))
-        records = tokenised(sources, model_dir, cfg, target.max_tokens)
+        records = tokenised(sources, model_dir, cfg, target.max_tokens, tick=0.1)
         try:
             profiled = profile(records, planner, pool, cfg, echo, progress or ProgressLines(echo), t_start,
                                wall_start)

