@@ -357,6 +357,8 @@ def _load_weights(model_dir: Path, files: list[Path] | None, config, dtype: str,
                                                                               None) else getattr(torch, dtype)
         hf = cls.from_pretrained(None, config=config, state_dict=read_weights(files, device, cast),
                                  dtype=getattr(torch, dtype), attn_implementation=attn_implementation, **placement)
+        # What from_pretrained(model_dir) records, and the runtime checks against an index's model.
+        hf.config.name_or_path = hf.name_or_path = str(model_dir)
         if (model_dir / "generation_config.json").is_file():
             hf.generation_config = GenerationConfig.from_pretrained(model_dir)
     return hf

@@ -30,6 +30,7 @@ def test_load_model_equals_transformers_own_loader(dtype):
     assert _same(dict(ref.named_buffers()), dict(model.named_buffers()))
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # tied, as in the config
     assert model.generation_config.to_dict() == ref.generation_config.to_dict()
+    assert model.config.to_dict() == ref.config.to_dict() and model.name_or_path == ref.name_or_path
     assert not model.training
 
 
