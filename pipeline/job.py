@@ -56,7 +56,7 @@ STARTUP_KEYS = {
     "actor_code": "moment: the actor's process began importing the builder",
     "actor_init": "moment: the actor's set-up began (its code imported)",
     "model_load": "duration: the actor's set-up (weights on its device, profiler ready)",
-    "weights": "duration: of which reading the weights onto the device",
+    "weights": "duration: of which `load_model` (weights onto the device while transformers is imported)",
     "actor_ready": "moment: the actor can profile",
     "first_records": "moment: the first tokenised records reached the driver",
     "first_submit": "moment: the first shard was handed to an actor",
@@ -107,7 +107,6 @@ class ProfileShardWriter:
         t0, init = time.perf_counter(), time.time()
         import ray
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401 - before "weights" is timed
 
         from sift.model import load_model
 

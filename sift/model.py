@@ -320,45 +320,57 @@ def load_model(model: str, *, dtype: str = "float32", device: str = "cpu", attn_
                identity: bool = True):
     """-> (model, tokenizer, ModelIdentity). `model` is DEFAULT_MODEL or a local folder. identity=False: None
     instead of the identity, whose fingerprint reads every weight file's bytes once per machine (a profiling
-    actor has the build's identity already)."""
-    from transformers import AutoConfig, AutoTokenizer
+    actor has the build's identity already).
+
+    The safetensors weights are read onto the device (`read_weights`, which needs torch only) while transformers
+    is imported and the tokenizer loads; transformers then builds the model around those tensors (names, tied
+    weights, buffers) without copying them."""
+    import torch
 
     model_dir = resolve_model_dir(model)
     files = weight_files(model_dir)
-    config = AutoConfig.from_pretrained(model_dir)
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise SiftError(f"model type {config.model_type!r} is not supported; supported: "
-                        f"{', '.join(SUPPORTED_MODEL_TYPES)}")
-    with ThreadPoolExecutor(1, thread_name_prefix="sift-tokenizer") as side:
-        tokenizer = side.submit(AutoTokenizer.from_pretrained, model_dir)  # while the weights are read
-        hf = _load_weights(model_dir, files, config, dtype, device, attn_implementation)
+    try:
+        model_type = json.loads((model_dir / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        model_type = None  # transformers names the problem below
+    with ThreadPoolExecutor(2, thread_name_prefix="sift-load") as side:
+        # The supported families keep no module in fp32, so the floats are read straight into `dtype`.
+        weights = (side.submit(read_weights, files, device, getattr(torch, dtype))
+                   if files and model_type in SUPPORTED_MODEL_TYPES else None)
+        from transformers import AutoConfig, AutoTokenizer
+
+        tokenizer = side.submit(AutoTokenizer.from_pretrained, model_dir)
+        config = AutoConfig.from_pretrained(model_dir)
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise SiftError(f"model type {config.model_type!r} is not supported; supported: "
+                            f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+        hf = _build_model(model_dir, files, weights, config, dtype, device, attn_implementation)
         tokenizer = tokenizer.result()
     hf.to(device).eval()
     name = DEFAULT_MODEL if model == DEFAULT_MODEL else str(model_dir)
     return hf, tokenizer, ModelIdentity.from_config(name, fingerprint(model_dir), hf.config) if identity else None
 
 
-def _load_weights(model_dir: Path, files: list[Path] | None, config, dtype: str, device: str,
-                  attn_implementation: str):
-    """The transformers model of `model_dir` with its weights on `device` in `dtype`."""
+def _build_model(model_dir: Path, files: list[Path] | None, weights, config, dtype: str, device: str,
+                 attn_implementation: str):
+    """The transformers model of `model_dir` on `device` in `dtype`, around the tensors `weights` (a future of
+    `read_weights`) will give, or read by transformers itself (weights None: no safetensors files)."""
     import torch
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoModelForCausalLM, GenerationConfig
 
     placement = {} if device == "cpu" else {"device_map": device}
-    if files is None:  # weights in another format (.bin): transformers reads them
-        hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype),
-                                                  attn_implementation=attn_implementation, **placement)
-    else:
-        # The weights are read onto the device by `read_weights`; transformers builds the model around those
-        # tensors (names, tied weights, buffers, the dtype) without copying them where the dtype already matches.
-        cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
-        # (a class that keeps some modules in fp32 gets the checkpoint's floats, for transformers to convert)
-        cast = None if getattr(cls, "_keep_in_fp32_modules", None) or getattr(cls, "_keep_in_fp32_modules_strict",
-                                                                              None) else getattr(torch, dtype)
-        hf = cls.from_pretrained(None, config=config, state_dict=read_weights(files, device, cast),
-                                 dtype=getattr(torch, dtype), attn_implementation=attn_implementation, **placement)
-        # What from_pretrained(model_dir) records, and the runtime checks against an index's model.
-        hf.config.name_or_path = hf.name_or_path = str(model_dir)
-        if (model_dir / "generation_config.json").is_file():
-            hf.generation_config = GenerationConfig.from_pretrained(model_dir)
+    if weights is None:  # weights in another format (.bin): transformers reads them
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype),
+                                                    attn_implementation=attn_implementation, **placement)
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    state = weights.result()
+    if getattr(cls, "_keep_in_fp32_modules", None) or getattr(cls, "_keep_in_fp32_modules_strict", None):
+        del state  # (a class that keeps some modules in fp32 gets the checkpoint's floats, for transformers)
+        state = read_weights(files, device)
+    hf = cls.from_pretrained(None, config=config, state_dict=state, dtype=getattr(torch, dtype),
+                             attn_implementation=attn_implementation, **placement)
+    # What from_pretrained(model_dir) records, and the runtime checks against an index's model.
+    hf.config.name_or_path = hf.name_or_path = str(model_dir)
+    if (model_dir / "generation_config.json").is_file():
+        hf.generation_config = GenerationConfig.from_pretrained(model_dir)
     return hf

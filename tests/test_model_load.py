@@ -82,3 +82,15 @@ def test_damaged_weight_file_is_one_siftError(tmp_path, damage):
     with pytest.raises(SiftError, match=r"model\.safetensors .*restore it from the model's source") as e:
         read_weights([path], "cpu")
     assert "\n" not in str(e.value)
+
+
+def test_a_class_keeping_modules_in_fp32_gets_the_checkpoints_floats(monkeypatch):
+    """Where the model class keeps some modules in fp32, the weights are handed over in the checkpoint's dtype for
+    transformers to convert: the same model as transformers' own loader gives (reference), fp32 norms included."""
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    monkeypatch.setattr(LlamaForCausalLM, "_keep_in_fp32_modules_strict", ["norm"])  # (in bf16 too)
+    ref = AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=torch.bfloat16, attn_implementation="sdpa")
+    model, _, _ = load_model(DEFAULT_MODEL, dtype="bfloat16", identity=False)
+    assert model.model.norm.weight.dtype == torch.float32 and model.lm_head.weight.dtype == torch.bfloat16
+    assert _same(dict(ref.named_parameters()), dict(model.named_parameters()))
