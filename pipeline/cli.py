@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -69,7 +70,7 @@ def build_main(corpus, out, config_path, model, tile, alpha, beta, gamma, ray_ad
     try:
         cfg = load_config(config_path, model=model, tile=tile, alpha=alpha, beta=beta, gamma=gamma)
         stats = run_build(corpus, out, cfg, ray_address=ray_address, echo=echo, progress=progress, verbose=verbose,
-                          quiet=quiet)
+                          quiet=quiet, process_started=_process_started())
     except SiftError as e:
         _fail(str(e))
     except Exception as e:  # noqa: BLE001 - exit code 1 means "committed", which this is not
@@ -79,7 +80,31 @@ def build_main(corpus, out, config_path, model, tile, alpha, beta, gamma, ray_ad
                f"(profiled {stats.profiled}, reused {stats.reused + stats.reused_orphans}, deleted {stats.deleted}), "
                f"{stats.errors} errors, {stats.seconds:.1f} s, {tps:.0f} tokens/s profiling"
                f"{'; ' + stats.note if stats.note else ''}")
+    if not verbose:
+        _leave_ray()
     sys.exit(EXIT_DOC_ERRORS if stats.errors else EXIT_OK)
+
+
+def _leave_ray() -> None:
+    """Stop the local Ray the build started (or leave the cluster it joined) now rather than in Ray's exit hook,
+    which first waits half a second for worker output that only `--verbose` prints."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+
+
+def _process_started() -> float | None:
+    """When this process started (`time.time`), from its start in clock ticks since boot and the time since boot
+    (Linux's /proc); None where the system does not say."""
+    try:
+        with open("/proc/self/stat") as f:
+            stat = f.read()
+        ticks = int(stat[stat.rindex(")") + 2:].split()[19])  # field 22, starttime (the name may hold spaces)
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return time.time() - max(0.0, uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def read_index(path: str) -> tuple[IndexReader, pa.Table, IndexDensity]:
@@ -244,8 +269,9 @@ def _describe(s: dict) -> str:
         f"errors      {s['errors']}",
         f"last build  profiled {lb['profiled']}, reused {lb['reused']}, deleted {lb['deleted']}, "
         f"{lb['seconds']} s" + (f" on {lb['nodes']} node(s); first shard after {lb['startup']['first_shard']} s "
-                                f"(Ray {lb['startup'].get('ray', 0)} s, plan {lb['startup'].get('plan', 0)} s, "
-                                f"model load {lb['startup'].get('model_load', 0)} s)"
+                                f"(Ray {lb['startup'].get('ray', 0)} s, plan {lb['startup'].get('plan', 0)} s "
+                                f"alongside; actor ready at {lb['startup'].get('actor_ready', '-')} s after a "
+                                f"{lb['startup'].get('model_load', 0)} s model load)"
                                 if "first_shard" in lb["startup"] else ""),
         "layer   LA density   CA density",
     ]

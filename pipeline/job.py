@@ -1,10 +1,12 @@
 """The builder's Ray job: read, tokenise and profile as one stream, then commit, under the index's writer lock.
 
-    plan     (`plan.py`) the target and the reusable rows; then read + tokenise as Ray tasks streaming records in
-             corpus order to the driver, which decides per record: error row, reused row, or to profile
-    profile  the documents to profile, gathered into shards (`build.shard_tokens` / `shard_rows`, or a forward's
-             worth when an actor waits) as they arrive and handed to a pool of `ProfileShardWriter` actors (one per GPU, or CPU actors; the model loaded
-             once per actor, while the first records are read); each actor packs a shard into forwards of
+    plan     (`plan.py`) the target and the reusable rows, on a thread while Ray starts; then read + tokenise as
+             Ray tasks streaming records in corpus order to the driver, which decides per record: error row,
+             reused row, or to profile
+    profile  the documents to profile, gathered into shards (`build.shard_tokens` / `shard_rows`; a forward's
+             worth when an actor is free, whatever is gathered when a set-up actor has nothing queued) as they
+             arrive and handed to a pool of `ProfileShardWriter` actors (one per GPU, or CPU actors; the model
+             loaded once per actor, from the moment Ray is up); each actor packs a shard into forwards of
              `build.batch_tokens` and writes it as one immutable Parquet shard off its GPU's critical path
              -> `Profiled`
     commit   the reused rows assembled into shards, the errors table, the `Manifest`, its atomic commit, and
@@ -22,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,7 +36,7 @@ import pyarrow.parquet as pq
 from sift import format as fmt
 from sift.errors import SiftError, one_line, root_cause
 from sift.format import Manifest, ShardInfo
-from sift.model import DEFAULT_MODEL, resolve_model_dir
+from sift.model import DEFAULT_MODEL, prefetch_weights, resolve_model_dir
 from sift.reader import reader_digest
 from sift.storage import Location, is_uri, redact
 
@@ -42,6 +45,24 @@ from . import ray_driver
 from .config import BuildConfig
 from .corpus import corpus_name, list_sources
 from .plan import BuildPlan, ErrorRow, Pair, Planner, Todo, resolve_target, reusable, tokenised
+
+
+# `BuildStats.startup`, in seconds: durations, and moments counted from the build's start (`run_build` called);
+# an actor's moments are those of the slowest actor, as far as its node's clock agrees with the driver's.
+STARTUP_KEYS = {
+    "process": "the sift-build process's start to the build's start (Python, imports, config; CLI only)",
+    "ray": "duration: starting (or joining) Ray",
+    "plan": "duration: previous generation, model identity, tokenizer, reusable rows (while Ray starts)",
+    "actor_code": "moment: the actor's process began importing the builder",
+    "actor_init": "moment: the actor's set-up began (its code imported)",
+    "model_load": "duration: the actor's set-up (weights on its device, profiler ready)",
+    "weights": "duration: of which `load_model` (weights onto the device while transformers is imported)",
+    "actor_ready": "moment: the actor can profile",
+    "first_records": "moment: the first tokenised records reached the driver",
+    "first_submit": "moment: the first shard was handed to an actor",
+    "first_shard": "moment: the first shard was profiled and written",
+    "first_shard_compute": "duration: that shard's profiling, warm-up included",
+}
 
 
 @dataclass(frozen=True)
@@ -61,10 +82,7 @@ class BuildStats:
     actor_seconds: float = 0.0     # summed time the actors spent profiling documents
     backends: list[str] = field(default_factory=list)
     note: str = ""
-    # The fixed cost before the first profiled shard, seconds: "ray" (start or join), "plan" (previous generation,
-    # model identity, reusable rows), "model_load" (the slowest actor's model load and set-up), "first_records"
-    # (build start to the first tokenised records), "first_shard" (build start to the first shard profiled),
-    # "first_shard_compute" (that shard's profiling, warm-up included).
+    # The fixed cost before the first profiled shard, seconds (`STARTUP_KEYS`).
     startup: dict = field(default_factory=dict)
     # Ray node id -> {"shards": [paths], "documents", "tokens", "seconds", "peak_memory_gib" (GPU actors)}: where
     # each shard was profiled.
@@ -86,13 +104,14 @@ class ProfileShardWriter:
     profiled, so writing never holds the device; the device itself runs one call at a time."""
 
     def __init__(self, *, model: str, cfg_dict: dict, index: str, threads: int):
-        t0 = time.perf_counter()
+        t0, init = time.perf_counter(), time.time()
         import ray
         import torch
 
         from sift.model import load_model
 
         from ..kernels.device import resolve_backend
+        from . import IMPORT_STARTED
         from .config import BACKENDS, load_config_dict
         from .profiler import Profiler
 
@@ -100,12 +119,19 @@ class ProfileShardWriter:
         torch.set_num_threads(max(1, threads))
         device = "cuda" if torch.cuda.is_available() else "cpu"
         backend = resolve_backend(cfg.build.backend, device, choices=BACKENDS, setting="build.backend")
-        model_obj, tokenizer, _ = load_model(model, dtype=cfg.profile.dtype, device=device)
+        t_weights = time.perf_counter()
+        model_obj, tokenizer, _ = load_model(model, dtype=cfg.profile.dtype, device=device, identity=False)
+        weights = time.perf_counter() - t_weights
         self.profiler = Profiler(model_obj, tokenizer, cfg.profile, backend, batch_tokens=cfg.build.batch_tokens)
         self.index = Location.of(index)  # `index` is the location's spec: a local path or a URI
         self.node = ray.get_runtime_context().get_node_id()
         self.device_lock = threading.Lock()
-        self.load_seconds = time.perf_counter() - t0
+        # The actor's start-up: wall-clock moments (the driver counts them from the build's start) and durations.
+        self.timeline = {"actor_code": IMPORT_STARTED, "actor_init": init, "actor_ready": time.time(),
+                         "model_load": time.perf_counter() - t0, "weights": weights}
+
+    def ready(self) -> None:
+        """Answers once the actor is set up (the driver's sign that it can profile)."""
 
     def profile_shard(self, shard: dict, profile_key: str) -> dict:
         """shard: {"doc_id", "source", "content_hash": lists, "token_ids": list of int arrays}; profile_key: the
@@ -138,7 +164,7 @@ class ProfileShardWriter:
             info = idx.write_table(self.index, table, kind="part", profile_key=profile_key, backend=backend)
         return {"shard": info.to_dict() if info else None, "documents": len(rows["doc_id"]),
                 "tokens": sum(rows["n_tokens"]), "seconds": seconds, "errors": errors, "node": self.node,
-                "load_seconds": self.load_seconds, "peak_memory_gib": self._peak_gib()}
+                "timeline": self.timeline, "peak_memory_gib": self._peak_gib()}
 
     @staticmethod
     def _peak_gib() -> float | None:
@@ -264,6 +290,7 @@ class _Pool:
         self.actors: list = []
         self.load: list[int] = []
         self.in_flight: dict = {}
+        self.starting: dict = {}   # `ready` call -> actor, until it answers
         self.checked = 0.0
 
     def start(self, echo) -> None:
@@ -271,6 +298,7 @@ class _Pool:
             echo(f"sift-build: profiling on {self.spec.size} {self.spec.kind.upper()} actor(s)")
             self.actors = [self.actor_class.remote(**self.kwargs) for _ in range(self.spec.size)]
             self.load = [0] * self.spec.size
+            self.starting = {actor.ready.remote(): i for i, actor in enumerate(self.actors)}
 
     def idle(self, done) -> bool:
         """Whether an actor has nothing queued (finished shards collected first, at most every 50 ms)."""
@@ -278,6 +306,19 @@ class _Pool:
             self.collect(done, block=False)
             self.checked = time.perf_counter()
         return bool(self.actors) and min(self.load) == 0
+
+    def waiting(self, done) -> bool:
+        """Whether a set-up actor has nothing queued: it would take a shard of any size now."""
+        import ray
+
+        if not self.idle(done):
+            return False
+        if self.starting:
+            ready, _ = ray.wait(list(self.starting), num_returns=len(self.starting), timeout=0)
+            for ref in ready:
+                ray.get(ref)  # an actor that failed to start raises here, as its shards would
+                del self.starting[ref]
+        return any(load == 0 for i, load in enumerate(self.load) if i not in self.starting.values())
 
     def submit(self, shard: dict, profile_key: str, done) -> None:
         while min(self.load) >= self.DEPTH:
@@ -306,19 +347,24 @@ class _Pool:
 class _Results:
     """What the actors report, gathered shard by shard as they finish."""
 
-    def __init__(self, progress, t_start: float):
-        self.progress, self.t_start = progress, t_start
+    def __init__(self, progress, t_start: float, wall_start: float):
+        self.progress, self.t_start, self.wall_start = progress, t_start, wall_start
         self.shards: list[ShardInfo] = []
         self.errors: list[ErrorRow] = []
         self.nodes: dict = {}
         self.startup: dict = {}
+        self.ready = float("-inf")
         self.tokens, self.actor_seconds = 0, 0.0
 
     def __call__(self, result: dict) -> None:
         if "first_shard" not in self.startup:
             self.startup.update(first_shard=time.perf_counter() - self.t_start,
                                 first_shard_compute=result["seconds"])
-        self.startup["model_load"] = max(self.startup.get("model_load", 0.0), result["load_seconds"])
+        timeline = result["timeline"]
+        if timeline["actor_ready"] > self.ready:  # the slowest actor's start-up
+            self.ready = timeline["actor_ready"]
+            self.startup.update({k: v - self.wall_start if k.startswith("actor_") else v
+                                 for k, v in timeline.items()})
         node = self.nodes.setdefault(result["node"], {"shards": [], "documents": 0, "tokens": 0, "seconds": 0.0})
         if result["shard"] is not None:
             info = ShardInfo(**result["shard"])
@@ -335,29 +381,37 @@ class _Results:
         self.progress.shard(result["documents"] + len(result["errors"]), result["tokens"])
 
 
-def profile(records, planner: Planner, pool: _Pool, cfg: BuildConfig, echo, progress, t_start: float) -> Profiled:
+def profile(records, planner: Planner, pool: _Pool, cfg: BuildConfig, echo, progress, t_start: float,
+            wall_start: float) -> Profiled:
     """Stream `records` (the tokenised corpus) through `planner` and profile what it hands on, shard by shard, on
-    the pool's actors (started here at the first document to profile, unless already started)."""
+    the pool's actors (started here at the first document to profile, unless already started). t_start,
+    wall_start: the build's start on `time.perf_counter` and on `time.time` (the actors' clock)."""
     profile_key = planner.target.profile_key
-    results = _Results(progress, t_start)
+    results = _Results(progress, t_start, wall_start)
     batching = _Shards(cfg.build.shard_rows, cfg.build.shard_tokens)
     t0 = time.perf_counter()
     progress.start(0, 0)
+
+    def submit(shard: dict | None) -> None:
+        if shard is not None:
+            results.startup.setdefault("first_submit", time.perf_counter() - t_start)
+            pool.submit(shard, profile_key, results)
+
     try:
         for batch in records:
-            results.startup.setdefault("first_records", time.perf_counter() - t_start)
-            for doc in planner.admit(batch):
-                pool.start(echo)  # the model loads while the corpus is still being read
-                shard = batching.add(doc)
-                if shard is None and batching.tokens >= cfg.build.batch_tokens and pool.idle(results):
-                    shard = batching.take()  # an actor waits: a forward's worth now rather than a full shard later
-                if shard is not None:
-                    pool.submit(shard, profile_key, results)
-            progress.total(planner.todo, planner.todo_tokens, final=False)
+            if batch is not None:
+                results.startup.setdefault("first_records", time.perf_counter() - t_start)
+                for doc in planner.admit(batch):
+                    pool.start(echo)  # the model loads while the corpus is still being read
+                    shard = batching.add(doc)
+                    if shard is None and batching.tokens >= cfg.build.batch_tokens and pool.idle(results):
+                        shard = batching.take()  # an actor is free: a forward's worth now, not a full shard later
+                    submit(shard)
+                progress.total(planner.todo, planner.todo_tokens, final=False)
+            if batching.docs and pool.waiting(results):  # a set-up actor has nothing to do: what is gathered
+                submit(batching.take())
             pool.collect(results, block=False)
-        shard = batching.take()
-        if shard is not None:
-            pool.submit(shard, profile_key, results)
+        submit(batching.take())
         progress.total(planner.todo, planner.todo_tokens, final=True)
         echo(planner.summary())
         pool.drain(results)
@@ -510,41 +564,62 @@ def _start_ray(address: str | None, verbose: bool, quiet: bool = False) -> None:
     ctx.raise_original_map_exception = True
 
 
+def _plan(cfg: BuildConfig, model_dir: Path, index: Location, prefetch: bool) -> tuple:
+    """The build's plan, which needs no Ray: (the target, the reusable rows, its seconds). prefetch: the build
+    will load the model on this machine (a first build on a local Ray), so the weights start coming into the page
+    cache now, for the actor to read from memory."""
+    t0 = time.perf_counter()
+    if prefetch:
+        prefetch_weights(model_dir)
+    target = resolve_target(cfg, model_dir, index)
+    return target, reusable(index, target), time.perf_counter() - t0
+
+
 def run_build(corpus: str | Path, out: str | Path, cfg: BuildConfig, *, ray_address: str | None = None,
-              echo=print, progress=None, verbose: bool = False, quiet: bool = False) -> BuildStats:
+              echo=print, progress=None, verbose: bool = False, quiet: bool = False,
+              process_started: float | None = None) -> BuildStats:
     """Build or incrementally update the index at `out` from `corpus`. Returns what the build did.
 
     corpus, out: local paths, or URIs `sift.storage` opens (s3://, gs://, hdfs://, file://).
 
     echo: where the stage lines go; progress: what reports profiling (default `ProgressLines(echo)`);
     verbose: Ray's own logs, progress blocks and worker output too; quiet: Ray's native error lines only in its
-    log folder (`sift-build -q`)."""
-    t_start = time.perf_counter()
+    log folder (`sift-build -q`); process_started: when the calling process started (`time.time`), for
+    `startup["process"]`.
+
+    Start-up runs side by side: the plan (a thread) while Ray starts, and on a first build the profiling actors
+    (their imports and model load) from the moment Ray is up, while the plan finishes and the first records are
+    read."""
+    t_start, wall_start = time.perf_counter(), time.time()
+    startup = {"process": wall_start - process_started} if process_started is not None else {}
     # A local --out is made absolute: actors write shards there from their own working directory.
     index = Location.of(out)
     sources = list_sources(corpus)
     model_dir = resolve_model_dir(cfg.model)
     idx.prepare_dir(index)
     with idx.build_lock(index) as lock:
-        t0 = time.perf_counter()
-        _start_ray(ray_address, verbose, quiet)
-        t1 = time.perf_counter()
-        import ray
+        first = not (index.exists(fmt.MANIFEST) or fmt.history(index))  # a first build profiles
+        local = not (ray_address or os.environ.get("RAY_ADDRESS"))  # a local Ray: the actors run here
+        with ThreadPoolExecutor(1, thread_name_prefix="sift-plan") as planning:  # waits for the plan on leaving
+            planned = planning.submit(_plan, cfg, model_dir, index, first and local)
+            t0 = time.perf_counter()
+            _start_ray(ray_address, verbose, quiet)
+            startup["ray"] = time.perf_counter() - t0
+            import ray
 
-        pool = _Pool(ray, cfg, index, DEFAULT_MODEL if cfg.model == DEFAULT_MODEL else str(model_dir))
-        if not (index.exists(fmt.MANIFEST) or fmt.history(index)):  # a first build profiles: load the model now
-            pool.start(echo)
-        target = resolve_target(cfg, model_dir, index)
+            pool = _Pool(ray, cfg, index, DEFAULT_MODEL if cfg.model == DEFAULT_MODEL else str(model_dir))
+            if first:  # load the model now
+                pool.start(echo)
+            target, reuse, startup["plan"] = planned.result()
         shown = redact(corpus) if is_uri(corpus) else corpus
         echo(f"sift-build: {len(sources)} source(s) in {shown}, model {target.model.name}, tile {cfg.profile.tile}")
-        reuse = reusable(index, target)
         if not (reuse.previous or reuse.orphans):  # nothing to reuse: everything is profiled
             pool.start(echo)
-        startup = {"ray": t1 - t0, "plan": time.perf_counter() - t1}
         planner = Planner(target, reuse, corpus_name(corpus))
-        records = tokenised(sources, model_dir, cfg, target.max_tokens)
+        records = tokenised(sources, model_dir, cfg, target.max_tokens, tick=0.1)
         try:
-            profiled = profile(records, planner, pool, cfg, echo, progress or ProgressLines(echo), t_start)
+            profiled = profile(records, planner, pool, cfg, echo, progress or ProgressLines(echo), t_start,
+                               wall_start)
         finally:
             records.close()
         return commit(planner.finish(index), profiled, index, cfg, t_start, lock, startup)

