@@ -56,7 +56,7 @@ STARTUP_KEYS = {
     "actor_code": "moment: the actor's process began importing the builder",
     "actor_init": "moment: the actor's set-up began (its code imported)",
     "model_load": "duration: the actor's set-up (weights on its device, profiler ready)",
-    "weights": "duration: of which `load_model` (weights onto the device while transformers is imported)",
+    "weights": "duration: of which `load_model` (transformers' import, the weights onto the device)",
     "actor_ready": "moment: the actor can profile",
     "first_records": "moment: the first tokenised records reached the driver",
     "first_submit": "moment: the first shard was handed to an actor",
