@@ -173,10 +173,10 @@ class GenerateWorker:
                 loop.call_soon_threadsafe(q.put_nowait, e)
 
 
-def serve(args, port: int, ready) -> None:
-    """Child process: model, corpus index, engine, the app (engine at /, transformers peer at /hf), uvicorn."""
+def serve(args, port: int, ready, extend=None) -> None:
+    """Child process: model, corpus index, engine, the app (engine at /, transformers peer at /hf), uvicorn.
+    extend(app, worker): called on the engine's app before it serves (bench/serve_hops.py adds a route)."""
     import uvicorn
-    from fastapi import FastAPI
 
     from bench_ttft import TILE, SyntheticIndex, anchor_bits, build_llama, write_index
     from common import IdTokenizer
@@ -209,10 +209,12 @@ def serve(args, port: int, ready) -> None:
         peer = GenerateWorker(model, tokenizer, args.max_queue)
         app = build_app(LocalBackend(worker), model="bench", defaults=defaults)
         hf = build_app(LocalBackend(peer), model="bench", defaults=defaults)
-        root = FastAPI()
-        root.mount("/hf", hf)
-        root.mount("/", app)
-        server = uvicorn.Server(uvicorn.Config(root, host="127.0.0.1", port=port, log_level="warning",
+        if extend is not None:
+            extend(app, worker)
+        # The engine's app is the one uvicorn serves, as `sift-serve --replicas 0` serves it; the peer is mounted
+        # on it (its routes come first, so the engine's requests meet no extra layer).
+        app.mount("/hf", hf)
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                                                access_log=False))
         ready.put("ready")
         server.run()
