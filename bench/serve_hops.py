@@ -103,10 +103,10 @@ def install_tracer() -> None:
     app_mod.parse_completion = parse_completion
     saw = app_mod._Timing.saw
 
-    def traced_saw(self, chunk, mode):
+    def traced_saw(self, chunk):
         if self.first is None and chunk.token_ids:
             _mark("app_first")
-        saw(self, chunk, mode)
+        saw(self, chunk)
 
     app_mod._Timing.saw = traced_saw
     add, put = worker_mod.EngineWorker._add, worker_mod._Stream.put
@@ -244,7 +244,7 @@ async def _aiohttp_probes(url: str, bodies: list[dict], gap_s: float) -> list[di
 
 def measure(base: str, port: int, work, args, state: str) -> dict:
     rng = np.random.default_rng(3)
-    bodies = [work.body("reuse", bench_serve.PROBE_TOKENS) for _ in range(args.probes)]
+    bodies = [work.body("reuse", args.probe_tokens) for _ in range(args.probes)]
     per_hop: dict[str, list[float]] = {name: [] for name, _, _ in HOPS}
     raw_overhead, app_part, wire_part = [], [], []
     with socket.create_connection(("127.0.0.1", port)) as sock:
@@ -281,6 +281,7 @@ def main() -> None:
     ap.add_argument("--probes", type=int, default=30)
     ap.add_argument("--gap-s", type=float, default=0.2, help="mean pause between probes")
     ap.add_argument("--busy", type=int, default=3, help="streams decoding throughout the busy state")
+    ap.add_argument("--probe-tokens", type=int, default=bench_serve.PROBE_TOKENS, help="output tokens per probe")
     ap.add_argument("--port", type=int, default=8766)
     ap.add_argument("--kv-hbm-gib", type=float, default=64.0)
     ap.add_argument("--kv-dram-gib", type=float, default=32.0)

@@ -39,6 +39,7 @@ log = logging.getLogger("sift.serve")
 
 # Routing keys of documents this replica served, remembered to report which of them its store still holds.
 _KNOWN_DOCS = 100_000
+_TIMED_OUT = object()       # put in a request's queue when it runs past its timeout
 
 
 @dataclass(eq=False)
@@ -87,6 +88,7 @@ class EngineWorker:
         self._counts = _Counters()
         self._known: collections.OrderedDict[str, str] = collections.OrderedDict()   # routing key -> store key
         self._unkeyed: dict[str, str] = {}        # routing key -> text, store key not computed yet
+        self._reporting = False                   # whether warm_documents was called (a router reads this worker)
         self._admit = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sift-admit")
         self._thread = threading.Thread(target=self._run, name="sift-engine-loop", daemon=True)
         self._thread.start()
@@ -115,16 +117,17 @@ class EngineWorker:
             added.add_done_callback(lambda f: f.cancelled() or f.exception() or self.abort(call.id))
             raise
         done = False
+        # One timer for the whole request rather than a timeout per chunk: the endpoint awaits its queue
+        # directly, so a chunk handed over by the loop thread resumes it in the event loop's next iteration.
+        timer = loop.call_later(max(deadline - time.perf_counter(), 0.0), stream.queue.put_nowait, _TIMED_OUT)
         try:
             while True:
-                remaining = deadline - time.perf_counter()
-                try:
-                    item = await asyncio.wait_for(stream.queue.get(), timeout=max(remaining, 0.0))
-                except asyncio.TimeoutError:
+                item = await stream.queue.get()
+                if item is _TIMED_OUT:
                     with self._lock:
                         self._counts.timed_out += 1
                     raise RequestTimeout(f"the request ran past the server's timeout of {call.timeout_s:g} s "
-                                         f"and was aborted") from None
+                                         f"and was aborted")
                 if isinstance(item, BaseException):
                     done = True
                     raise item
@@ -133,6 +136,7 @@ class EngineWorker:
                 if done:
                     return
         finally:
+            timer.cancel()
             if not done:
                 self.abort(call.id)
             self._remember_docs(call)
@@ -241,7 +245,9 @@ class EngineWorker:
                     store=self.engine.kv_store.stats(), index=index.stats() if index is not None else {})
 
     def _remember_docs(self, call: Call) -> None:
-        if not call.doc_keys:
+        """Keep the routing keys (and texts, keyed later) of a request's documents, once a router has asked which
+        documents are warm: a worker no router reads (`sift-serve --replicas 0`) neither hashes nor holds them."""
+        if not self._reporting or not call.request.docs:
             return
         with self._lock:
             for key, (_, text) in zip(call.doc_keys, call.request.docs):
@@ -254,6 +260,7 @@ class EngineWorker:
         """Routing keys of the documents whose KV this replica's store holds (either tier). Store keys of newly
         served documents are computed here, off the request path (it tokenises them)."""
         store = self.engine.kv_store
+        self._reporting = True
         with self._lock:
             new, self._unkeyed = self._unkeyed, {}
         keyed = {}
