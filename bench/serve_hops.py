@@ -6,8 +6,9 @@ uvicorn's protocol (bytes received, body complete, the response's header and fir
 (request parsing, the first chunk seen), the worker (the admission thread, the hand-back to the event loop) and
 the engine's `step`. `time.perf_counter` is CLOCK_MONOTONIC on Linux, one clock for both processes. The probe
 client is a blocking socket with the request's bytes encoded before the clock starts, so the client's own costs
-(JSON encoding, an event loop, an HTTP client library) stay out of the hops; the same requests are then sent the
-way bench_serve sends them (aiohttp, `json=body`) to show what the load generator adds on its own.
+(JSON encoding, an event loop, an HTTP client library) stay out of the hops; the same requests are then sent by
+bench_serve's client (asyncio streams, the body encoded before the clock starts) and by aiohttp (`json=body`), to
+show what a load generator adds on its own.
 
 Two states of the server: idle (the probe alone) and busy (`--busy` streams decoding throughout, as at 1 request
 / s on the GPU where each request runs for seconds): the loop thread then holds the GIL between its GPU waits,
@@ -213,31 +214,53 @@ def hops_of(probe: dict, trace: list, port: int) -> dict:
 
 def _busy_load(url: str, args, vocab: int, streams: int, stop) -> None:
     """Child process: `streams` streamed completions running at all times until `stop` is set."""
-    import aiohttp
-
     work = bench_serve.Workload(args, vocab)
     long = 64 if args.smoke else 512
 
-    async def stream(session):
+    async def stream(client):
         while not stop.is_set():
-            async with session.post(url, json=work.body("reuse", long)) as resp:
-                async for _ in resp.content:
-                    pass
+            await bench_serve.one_request(client, work.body("reuse", long), [])
 
     async def main():
-        async with aiohttp.ClientSession() as session:
-            await asyncio.gather(*(stream(session) for _ in range(streams)))
+        client = bench_serve.Client(url)
+        try:
+            await asyncio.gather(*(stream(client) for _ in range(streams)))
+        finally:
+            client.close()
 
     asyncio.run(main())
 
 
+async def _client_probes(url: str, bodies: list[dict], gap_s: float) -> list[dict]:
+    """The probes sent by bench_serve's client."""
+    records: list[dict] = []
+    client = bench_serve.Client(url)
+    try:
+        for body in bodies:
+            await bench_serve.one_request(client, body, records)
+            await asyncio.sleep(gap_s)
+    finally:
+        client.close()
+    return records
+
+
 async def _aiohttp_probes(url: str, bodies: list[dict], gap_s: float) -> list[dict]:
+    """The probes sent by aiohttp (`json=body`, its clock started before the call), in bench_serve's records."""
     import aiohttp
 
     records: list[dict] = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
         for body in bodies:
-            await bench_serve.one_request(session, url, body, records)
+            t0 = time.perf_counter()
+            rec = dict(status=None, ttft=None, engine_ttft=None, app_ttft=None)
+            records.append(rec)
+            async with session.post(url, json=body) as resp:
+                rec["status"] = resp.status
+                rec["engine_ttft"] = float(resp.headers["x-sift-engine-ttft"])
+                rec["app_ttft"] = float(resp.headers["x-sift-app-ttft"])
+                async for line in resp.content:
+                    if rec["ttft"] is None and line.startswith(b"data: {"):
+                        rec["ttft"] = time.perf_counter() - t0
             await asyncio.sleep(gap_s)
     return records
 
@@ -262,8 +285,9 @@ def measure(base: str, port: int, work, args, state: str) -> dict:
             app_part.append(probe["app_ttft"] - probe["engine_ttft"])
             wire_part.append(probe["c_data"] - probe["c_send"] - probe["app_ttft"])
             time.sleep(args.gap_s * rng.uniform(0.5, 1.5))
-    recs = asyncio.run(_aiohttp_probes(base + "/v1/completions", bodies, args.gap_s))
-    aio = bench_serve.http_overhead(recs)
+    url = base + "/v1/completions"
+    ours = bench_serve.http_overhead(asyncio.run(_client_probes(url, bodies, args.gap_s)))
+    aio = bench_serve.http_overhead(asyncio.run(_aiohttp_probes(url, bodies, args.gap_s)))
     encode = []
     for body in bodies:
         t0 = time.perf_counter()
@@ -273,7 +297,7 @@ def measure(base: str, port: int, work, args, state: str) -> dict:
     return dict(state=state, probes=len(bodies), hops_ms={k: ms(v) for k, v in per_hop.items()},
                 raw_client=dict(median_ms=ms(raw_overhead), p90_ms=1e3 * bench_serve.pct(raw_overhead, 90),
                                 app_median_ms=ms(app_part), wire_median_ms=ms(wire_part)),
-                aiohttp_client=aio, client_json_encode_ms=ms(encode))
+                bench_serve_client=ours, aiohttp_client=aio, client_json_encode_ms=ms(encode))
 
 
 def main() -> None:
@@ -338,6 +362,9 @@ def print_table(results: list[dict]) -> None:
     rows = [("raw client: TTFT - engine TTFT", lambda r: r["raw_client"]["median_ms"]),
             ("  in the app", lambda r: r["raw_client"]["app_median_ms"]),
             ("  on the wire", lambda r: r["raw_client"]["wire_median_ms"]),
+            ("bench_serve client: TTFT - engine TTFT", lambda r: r["bench_serve_client"].get("median_ms")),
+            ("  in the app", lambda r: r["bench_serve_client"].get("app_median_ms")),
+            ("  on the wire", lambda r: r["bench_serve_client"].get("wire_median_ms")),
             ("aiohttp client: TTFT - engine TTFT", lambda r: r["aiohttp_client"].get("median_ms")),
             ("  in the app", lambda r: r["aiohttp_client"].get("app_median_ms")),
             ("  on the wire", lambda r: r["aiohttp_client"].get("wire_median_ms")),
