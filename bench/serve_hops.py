@@ -113,6 +113,7 @@ def install_tracer() -> None:
     add, put = worker_mod.EngineWorker._add, worker_mod._Stream.put
 
     def traced_add(self, call, stream):
+        stream.hops_id = call.id
         _mark("t_add", call.id, stream.t_add)
         _mark("admit_start", call.id)
         add(self, call, stream)
@@ -121,11 +122,12 @@ def install_tracer() -> None:
     def traced_put(self, item):
         if not (isinstance(item, Chunk) and item.engine_ttft_s is not None):
             return put(self, item)
-        _mark("put_first")
+        rid = getattr(self, "hops_id", None)
+        _mark("put_first", rid)
         queue = self.queue
 
         def got():
-            _mark("loop_got")
+            _mark("loop_got", rid)
             queue.put_nowait(item)
         try:
             self.loop.call_soon_threadsafe(got)
@@ -180,7 +182,9 @@ def _raw_probe(sock: socket.socket, body: bytes) -> dict:
             t_data = now
     headers = dict(line.split(": ", 1) for line in buf.split(b"\r\n\r\n", 1)[0].decode().split("\r\n")[1:])
     status = int(buf.split(b" ", 2)[1])
-    return dict(status=status, c_send=t_send, c_head=t_head, c_data=t_data,
+    first = buf[buf.index(b"data: {") + 6:]
+    rid = json.loads(first[:first.index(b"\n\n")])["id"]
+    return dict(status=status, id=rid, c_send=t_send, c_head=t_head, c_data=t_data,
                 engine_ttft=float(headers.get("x-sift-engine-ttft", "nan")),
                 app_ttft=float(headers.get("x-sift-app-ttft", "nan")))
 
@@ -193,22 +197,28 @@ def _trace(base: str) -> list:
 
 
 def hops_of(probe: dict, trace: list, port: int) -> dict:
-    """The probe's timestamp at each hop, from the child's trace of its window (uvicorn's by the probe's
-    connection; the rest are the only ones of their kind in the window, busy streams excepted: their steps)."""
+    """The probe's timestamp at each hop, from the child's trace of its window: uvicorn's by the probe's
+    connection, the worker's by its request id; parsing starts at the last parse before its own, the app sees the
+    first chunk at the first such mark after its own hand-over, and its step is the last one that ended before
+    that hand-over (busy streams start requests and run steps in the same window)."""
     t: dict[str, float] = {k: probe[k] for k in ("c_send", "c_head", "c_data")}
-    for name, when, key in trace:
-        if not probe["c_send"] <= when <= probe["c_data"]:
-            continue
-        if name in ("recv", "body_done", "headers_write", "body_written") and key != port:
-            continue
-        if name.startswith("step"):
-            continue
-        t.setdefault(name, when)
-    # the prefill's step: the last one that ended before the first chunk was handed back
-    steps = [(n, w) for n, w, _ in trace if n.startswith("step")]
-    ends = [i for i, (n, w) in enumerate(steps) if n == "step_end" and w <= t.get("put_first", -1)]
-    if ends and ends[-1] > 0 and steps[ends[-1] - 1][0] == "step_start":
-        t["step_start"], t["step_end"] = steps[ends[-1] - 1][1], steps[ends[-1]][1]
+    window = [(n, w, k) for n, w, k in trace if probe["c_send"] <= w <= probe["c_data"]]
+    for name, when, key in window:
+        if key == (port if name in ("recv", "body_done", "headers_write", "body_written") else probe["id"]):
+            t.setdefault(name, when)
+    if "parse_end" in t:
+        starts = [w for n, w, _ in window if n == "parse_start" and w <= t["parse_end"]]
+        if starts:
+            t["parse_start"] = starts[-1]
+    if "loop_got" in t:
+        firsts = [w for n, w, _ in window if n == "app_first" and w >= t["loop_got"]]
+        if firsts:
+            t["app_first"] = firsts[0]
+    if "put_first" in t:
+        steps = [(n, w) for n, w, _ in trace if n.startswith("step")]
+        ends = [i for i, (n, w) in enumerate(steps) if n == "step_end" and w <= t["put_first"]]
+        if ends and ends[-1] > 0 and steps[ends[-1] - 1][0] == "step_start":
+            t["step_start"], t["step_end"] = steps[ends[-1] - 1][1], steps[ends[-1]][1]
     return t
 
 
@@ -302,7 +312,7 @@ def measure(base: str, port: int, work, args, state: str) -> dict:
 
 def main() -> None:
     ap = common.parser(__doc__.split("\n\n")[0])
-    ap.add_argument("--probes", type=int, default=30)
+    ap.add_argument("--probes", type=int, default=20)
     ap.add_argument("--gap-s", type=float, default=0.2, help="mean pause between probes")
     ap.add_argument("--busy", type=int, default=3, help="streams decoding throughout the busy state")
     ap.add_argument("--probe-tokens", type=int, default=bench_serve.PROBE_TOKENS, help="output tokens per probe")
@@ -315,8 +325,6 @@ def main() -> None:
     for k, v in dict(documents=1000, doc_tokens=2048, per_request=16, query_tokens=512, out_min=64, out_max=256,
                      alpha=1.0).items():
         setattr(args, k, v)
-    if args.smoke:
-        args.probes = min(args.probes, 20)
     from bench_ttft import llama_config
 
     vocab = llama_config(args.smoke).vocab_size
