@@ -21,7 +21,9 @@ rate: throughput (completed requests / s and output tokens / s), p50 / p99 TTFT 
 and the KV store's hits. Then, per system: the highest rate at which at least 90% of requests meet the SLO, the
 idle TTFT (one request at a time) and p99 TTFT against it below saturation; and the HTTP layer's share of TTFT:
 the client's TTFT minus the engine's own (add_request to its first token, header `x-sift-engine-ttft`) of the
-same requests, at 1 request / s in reuse mode.
+same requests, at 1 request / s in reuse mode. The load generator is a minimal HTTP/1.1 client (`Client`: asyncio
+streams, kept-alive connections, each request's JSON encoded before its clock starts), so a client's TTFT holds
+the server and the loopback, not an HTTP library's own work (bench/serve_hops.py times each hop).
 
 Checks (exit status 1 after writing the result if one fails): at every rate, each answered request got all its
 tokens and its whole prompt (usage), no request failed other than by a 503, and once the rate is over the engine
@@ -173,10 +175,10 @@ class GenerateWorker:
                 loop.call_soon_threadsafe(q.put_nowait, e)
 
 
-def serve(args, port: int, ready) -> None:
-    """Child process: model, corpus index, engine, the app (engine at /, transformers peer at /hf), uvicorn."""
+def serve(args, port: int, ready, extend=None) -> None:
+    """Child process: model, corpus index, engine, the app (engine at /, transformers peer at /hf), uvicorn.
+    extend(app, worker): called on the engine's app before it serves (bench/serve_hops.py adds a route)."""
     import uvicorn
-    from fastapi import FastAPI
 
     from bench_ttft import TILE, SyntheticIndex, anchor_bits, build_llama, write_index
     from common import IdTokenizer
@@ -209,10 +211,12 @@ def serve(args, port: int, ready) -> None:
         peer = GenerateWorker(model, tokenizer, args.max_queue)
         app = build_app(LocalBackend(worker), model="bench", defaults=defaults)
         hf = build_app(LocalBackend(peer), model="bench", defaults=defaults)
-        root = FastAPI()
-        root.mount("/hf", hf)
-        root.mount("/", app)
-        server = uvicorn.Server(uvicorn.Config(root, host="127.0.0.1", port=port, log_level="warning",
+        if extend is not None:
+            extend(app, worker)
+        # The engine's app is the one uvicorn serves, as `sift-serve --replicas 0` serves it; the peer is mounted
+        # on it (its routes come first, so the engine's requests meet no extra layer).
+        app.mount("/hf", hf)
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                                                access_log=False))
         ready.put("ready")
         server.run()
@@ -248,48 +252,120 @@ class Workload:
                     documents=[{"id": f"doc{d}", "text": self.docs[d]} for d in picks], sift_mode=mode)
 
 
-async def one_request(session, url: str, body: dict, out: list) -> None:
-    """One streamed completion -> out.append(record) with client-side timings."""
+class Client:
+    """The load generator's HTTP/1.1 client: asyncio streams over kept-alive connections to one URL. A request's
+    bytes are encoded before its clock starts and its chunked event stream is read as it arrives, so a measured
+    TTFT holds the server's time and the loopback's, not a client library's (aiohttp's request and response
+    machinery and its JSON encoding add most of a millisecond per request: bench/serve_hops.py)."""
+
+    IDLE_S = 2.0        # a connection idle longer is not reused (the server closes idle ones after 5 s)
+
+    def __init__(self, url: str):
+        import urllib.parse
+
+        u = urllib.parse.urlsplit(url)
+        self.host, self.port, self.path = u.hostname, u.port, u.path
+        self.idle: list[tuple[float, asyncio.StreamReader, asyncio.StreamWriter]] = []
+
+    def encode(self, body: dict) -> bytes:
+        data = json.dumps(body).encode()
+        return (f"POST {self.path} HTTP/1.1\r\nhost: {self.host}:{self.port}\r\ncontent-type: application/json\r\n"
+                f"content-length: {len(data)}\r\n\r\n").encode() + data
+
+    async def connect(self):
+        while self.idle:
+            since, reader, writer = self.idle.pop()
+            if time.perf_counter() - since < self.IDLE_S and not reader.at_eof():
+                return reader, writer
+            writer.close()
+        return await asyncio.open_connection(self.host, self.port)
+
+    def release(self, reader, writer) -> None:
+        self.idle.append((time.perf_counter(), reader, writer))
+
+    def close(self) -> None:
+        for _, _, writer in self.idle:
+            writer.close()
+        self.idle = []
+
+
+async def _response_head(reader) -> tuple[int, dict[str, str]]:
+    lines = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+    headers = {}
+    for line in lines[1:]:
+        if line:
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip()
+    return int(lines[0].split(" ", 2)[1]), headers
+
+
+async def _chunks(reader):
+    """The payloads of a chunked response body, as they arrive."""
+    while True:
+        size = int((await reader.readuntil(b"\r\n")).split(b";", 1)[0], 16)
+        data = await reader.readexactly(size + 2)
+        if size == 0:
+            return
+        yield data[:-2]
+
+
+async def one_request(client: Client, body: dict, out: list) -> None:
+    """One streamed completion -> out.append(record) with client-side timings (its clock starts once the request
+    is encoded)."""
+    request = client.encode(body)
     t0 = time.perf_counter()
     rec = dict(t_send=t0, status=None, ttft=None, tokens=0, prompt_tokens=None, t_last=None, engine_ttft=None,
                app_ttft=None, max_tokens=body["max_tokens"])
     out.append(rec)
-    async with session.post(url, json=body) as resp:
-        rec["status"] = resp.status
+    reader, writer = await client.connect()
+    whole = False           # the response was read to its end: the connection can serve the next request
+    try:
+        writer.write(request)
+        status, headers = await _response_head(reader)
+        rec["status"] = status
         for key in ("engine_ttft", "app_ttft"):
-            value = resp.headers.get("x-sift-" + key.replace("_", "-"))
+            value = headers.get("x-sift-" + key.replace("_", "-"))
             if value:
                 rec[key] = float(value)
-        if resp.status != 200:
-            await resp.read()
+        if headers.get("transfer-encoding") != "chunked":
+            await reader.readexactly(int(headers.get("content-length", 0)))
+            whole = True
             return
-        async for line in resp.content:
-            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                continue
-            event = json.loads(line[6:])
-            if event.get("error"):
-                rec["status"] = event["error"].get("code")
-                return
-            if event.get("usage"):
-                rec["tokens"] = event["usage"]["completion_tokens"]
-                rec["prompt_tokens"] = event["usage"]["prompt_tokens"]
-            elif event["choices"] and event["choices"][0]["text"]:
-                now = time.perf_counter()
-                if rec["ttft"] is None:
-                    rec["ttft"] = now - t0
-                rec["t_last"] = now
+        pending = b""
+        async for data in _chunks(reader):
+            pending += data
+            *events, pending = pending.split(b"\n\n")
+            for line in events:
+                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                    continue
+                event = json.loads(line[6:])
+                if event.get("error"):
+                    rec["status"] = event["error"].get("code")
+                    return
+                if event.get("usage"):
+                    rec["tokens"] = event["usage"]["completion_tokens"]
+                    rec["prompt_tokens"] = event["usage"]["prompt_tokens"]
+                elif event["choices"] and event["choices"][0]["text"]:
+                    now = time.perf_counter()
+                    if rec["ttft"] is None:
+                        rec["ttft"] = now - t0
+                    rec["t_last"] = now
+        whole = True
+    finally:
+        if whole:
+            client.release(reader, writer)
+        else:
+            writer.close()      # a request cancelled or cut short: the server sees its client leave
 
 
 async def run_point(url: str, work: Workload, mode: str, rate: float, window_s: float, min_requests: int,
                     drain_s: float, seed: int) -> list[dict]:
     """Poisson arrivals at `rate` for window_s (at least min_requests), then drain_s for the stragglers."""
-    import aiohttp
-
     rng = np.random.default_rng(seed)
     records: list[dict] = []
     tasks = []
-    timeout = aiohttp.ClientTimeout(total=None)
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+    client = Client(url)
+    try:
         start = time.perf_counter()
         t = 0.0
         n = 0
@@ -298,7 +374,7 @@ async def run_point(url: str, work: Workload, mode: str, rate: float, window_s: 
             delay = start + t - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one_request(session, url, work.body(mode), records)))
+            tasks.append(asyncio.create_task(one_request(client, work.body(mode), records)))
             n += 1
         done, pending = await asyncio.wait(tasks, timeout=drain_s)
         for task in pending:
@@ -307,6 +383,8 @@ async def run_point(url: str, work: Workload, mode: str, rate: float, window_s: 
         for task in done:
             if task.exception() is not None:
                 print(f"request failed: {task.exception()!r}", flush=True)
+    finally:
+        client.close()
     return records
 
 
@@ -382,12 +460,13 @@ def check_point(checks, name: str, records: list[dict], prompt_tokens: int, afte
 
 async def idle_ttft(url: str, work: Workload, mode: str, n: int) -> list[dict]:
     """n requests one after another (nothing else running), PROBE_TOKENS tokens each."""
-    import aiohttp
-
     records: list[dict] = []
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
+    client = Client(url)
+    try:
         for _ in range(n):
-            await one_request(session, url, work.body(mode, PROBE_TOKENS), records)
+            await one_request(client, work.body(mode, PROBE_TOKENS), records)
+    finally:
+        client.close()
     return records
 
 

@@ -335,6 +335,28 @@ def test_concurrent_streams_with_disconnects(server):
     assert server["worker"].snapshot()["aborted"] - aborted_before == 4
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_client_leaving_while_its_request_runs_aborts_it(server, stream):
+    """A client that hangs up while its request is in the engine (a plain request: before its answer; a stream:
+    as soon as the worker holds it, before or just after its first chunk) has it aborted, not run to its end, and
+    its pages freed."""
+    worker = server["worker"]
+    before = worker.snapshot()
+    body = json.dumps(_chat_body(server, max_tokens=200, temperature=0, stream=stream)).encode()
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\n\r\n").encode()
+    with socket.create_connection(("127.0.0.1", int(server["url"].rsplit(":", 1)[1]))) as sock:
+        sock.sendall(head + body)
+        deadline = time.monotonic() + 30
+        while worker.load() == (0, 0):
+            assert time.monotonic() < deadline, "the request never reached the worker"
+            time.sleep(0.005)
+    assert_nothing_held(server)
+    after = worker.snapshot()
+    assert after["aborted"] == before["aborted"] + 1, (before, after)
+    assert after["finished"] == before["finished"], (before, after)
+
+
 def test_overload_is_a_503_with_retry_after(server):
     """Past --max-queue waiting requests, a request is refused at once with 503 and Retry-After."""
     worker = server["worker"]

@@ -26,10 +26,6 @@ from .metrics import CONTENT_TYPE, Metrics
 from .protocol import Call, Chunk, EventStream, Parsed, ServerDefaults, error_of, parse_chat, parse_completion
 from .protocol import response
 
-# How often a waiting handler checks whether its client went away.
-DISCONNECT_POLL_S = 0.1
-
-
 class Backend(Protocol):
     def stream(self, call: Call) -> AsyncIterator[Chunk]: ...
 
@@ -54,24 +50,54 @@ class LocalBackend:
         return self.worker.alive
 
 
-class _Disconnected(Exception):
-    pass
+class _Watch:
+    """Watches a request's connection once its body is read: when the client goes away it cancels the request's
+    task (awaiting the backend, or streaming the response), whose handler then closes the backend's generator,
+    which aborts the request in its engine. The watch is a task of its own awaiting ASGI `receive`, so the
+    request's own path, a chunk from the backend to the client, awaits nothing else: the chunk resumes the
+    request's task in the event loop's next iteration and goes out in that one."""
+
+    def __init__(self, receive):
+        self.disconnected = False
+        self._task = asyncio.current_task()
+        self._watcher = asyncio.ensure_future(self._watch(receive))
+
+    async def _watch(self, receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.disconnected = True
+        self._task.cancel()
+
+    def stop(self) -> None:
+        """Stop watching (before the response completes: the server reports a completed response as a
+        disconnect too)."""
+        self._watcher.cancel()
+
+    def left(self) -> bool:
+        """Called on a CancelledError of the request's task: whether the watch cancelled it (the client left);
+        if so the cancellation is taken back and the handler answers instead."""
+        if self.disconnected:
+            self._task.uncancel()
+        return self.disconnected
 
 
-async def _unless_disconnected(request: Request, awaitable):
-    """Await `awaitable`, or raise _Disconnected (cancelling it) when the client goes away first."""
-    task = asyncio.ensure_future(awaitable)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                raise _Disconnected()
-    finally:
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+class _EventStreamResponse(StreamingResponse):
+    """Starlette's StreamingResponse sent from the request's own task, without a second task listening for the
+    disconnect (the request's `_Watch` does): nothing but the iterator stands between a chunk and its write."""
+
+    def __init__(self, events: AsyncIterator[bytes], watch: _Watch, headers: dict[str, str]):
+        super().__init__(events, media_type="text/event-stream", headers=headers)
+        self.watch = watch
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await self.stream_response(send)
+        except asyncio.CancelledError:
+            if not self.watch.left():
+                raise
+        finally:
+            self.watch.stop()
+            await self.body_iterator.aclose()   # cancelled outside it (in a send): its `finally` runs now
 
 
 def _error_response(err: ApiError) -> JSONResponse:
@@ -81,28 +107,28 @@ def _error_response(err: ApiError) -> JSONResponse:
 class _Timing:
     """TTFT and TPOT of one request as the front sees it."""
 
-    def __init__(self, metrics: Metrics, t0: float):
-        self.metrics, self.t0 = metrics, t0
+    def __init__(self, metrics: Metrics, t0: float, mode: str):
+        self.metrics, self.series, self.t0 = metrics, metrics.mode(mode), t0
         self.first = self.last = None
         self.tokens = 0
 
-    def saw(self, chunk: Chunk, mode: str) -> None:
+    def saw(self, chunk: Chunk) -> None:
         now = time.perf_counter()
         if chunk.token_ids and self.first is None:
             self.first = now
-            self.metrics.ttft.labels(mode).observe(now - self.t0)
+            self.series.ttft.observe(now - self.t0)
         if chunk.engine_ttft_s is not None:
-            self.metrics.engine_ttft.labels(mode).observe(chunk.engine_ttft_s)
+            self.series.engine_ttft.observe(chunk.engine_ttft_s)
         if chunk.tile_fraction is not None:
-            self.metrics.tile_fraction.labels(mode).observe(chunk.tile_fraction)
+            self.series.tile_fraction.observe(chunk.tile_fraction)
         if chunk.token_ids:
             self.last = now
             self.tokens += len(chunk.token_ids)
             self.metrics.generation_tokens.inc(len(chunk.token_ids))
 
-    def finish(self, chunk: Chunk, mode: str) -> None:
+    def finish(self, chunk: Chunk) -> None:
         if self.tokens > 1:
-            self.metrics.tpot.labels(mode).observe((self.last - self.first) / (self.tokens - 1))
+            self.series.tpot.observe((self.last - self.first) / (self.tokens - 1))
         self.metrics.prompt_tokens.inc(chunk.prompt_tokens)
 
 
@@ -152,59 +178,60 @@ def build_app(backend: Backend, *, model: str, defaults: ServerDefaults, rendere
 
     async def _generate(request: Request, kind: str):
         t0 = time.perf_counter()
-        gen = None
+        gen = watch = None
         try:
             parsed = _parse(kind, await request.body())
+            watch = _Watch(request.receive)
             gen = backend.stream(parsed.call)
-            first = await _unless_disconnected(request, gen.__anext__())
-        except _Disconnected:
-            await _close(gen)
-            metrics.requests.labels(kind, "disconnected").inc()
-            return Response(status_code=499)
-        except asyncio.CancelledError:     # the server cancelled the request (its client went away)
-            await _close(gen)
-            raise
-        except Exception as e:  # noqa: BLE001 - every failure becomes an HTTP error
-            await _close(gen)
-            err = error_of(e, kind)
-            metrics.requests.labels(kind, err.code or str(err.status)).inc()
-            return _error_response(err)
-        mode = parsed.call.mode
-        timing = _Timing(metrics, t0)
-        timing.saw(first, mode)
+            first = await gen.__anext__()
+        except BaseException as e:  # noqa: BLE001 - every failure becomes an HTTP error
+            return await _failed(e, kind, gen, watch)
+        timing = _Timing(metrics, t0, parsed.call.mode)
+        timing.saw(first)
         # Where this request's TTFT went: the app's (request received -> first chunk) and the engine's own
         # (add_request -> first token), beside what the client measures.
         headers = {"x-sift-replica": first.replica, "x-sift-app-ttft": f"{time.perf_counter() - t0:.6f}"}
         if first.engine_ttft_s is not None:
             headers["x-sift-engine-ttft"] = f"{first.engine_ttft_s:.6f}"
         if parsed.stream:
-            return StreamingResponse(_events(parsed, first, gen, timing), media_type="text/event-stream",
-                                     headers=headers)
+            return _EventStreamResponse(_events(parsed, first, gen, timing, watch), watch, headers)
         try:
-            text, last = await _unless_disconnected(request, _collect(first, gen, timing, mode))
-        except _Disconnected:
-            metrics.requests.labels(kind, "disconnected").inc()
-            return Response(status_code=499)
-        except Exception as e:  # noqa: BLE001
-            err = error_of(e, kind)
-            metrics.requests.labels(kind, err.code or str(err.status)).inc()
-            return _error_response(err)
-        finally:
-            await _close(gen)
-        timing.finish(last, mode)
+            text, last = await _collect(first, gen, timing)
+        except BaseException as e:  # noqa: BLE001
+            return await _failed(e, kind, gen, watch)
+        watch.stop()
+        await _close(gen)
+        timing.finish(last)
         metrics.requests.labels(kind, last.finish_reason).inc()
         return JSONResponse(response(parsed, model, text, last), headers=headers)
 
-    async def _collect(first: Chunk, gen, timing: _Timing, mode: str) -> tuple[str, Chunk]:
+    async def _failed(e: BaseException, kind: str, gen, watch: _Watch | None) -> Response:
+        """A request that failed before its response started: its generator closed, its HTTP error (499 when the
+        client left). A cancellation by the server is raised on."""
+        if watch is not None:
+            watch.stop()
+        await _close(gen)
+        if isinstance(e, asyncio.CancelledError):
+            if watch is None or not watch.left():
+                raise e
+            metrics.requests.labels(kind, "disconnected").inc()
+            return Response(status_code=499)
+        if not isinstance(e, Exception):
+            raise e
+        err = error_of(e, kind)
+        metrics.requests.labels(kind, err.code or str(err.status)).inc()
+        return _error_response(err)
+
+    async def _collect(first: Chunk, gen, timing: _Timing) -> tuple[str, Chunk]:
         parts, last = [first.text], first
         while not last.finished:
             last = await gen.__anext__()
-            timing.saw(last, mode)
+            timing.saw(last)
             parts.append(last.text)
         return "".join(parts), last
 
-    async def _events(parsed: Parsed, first: Chunk, gen, timing: _Timing):
-        kind, mode = parsed.kind, parsed.call.mode
+    async def _events(parsed: Parsed, first: Chunk, gen, timing: _Timing, watch: _Watch):
+        kind = parsed.kind
         stream = EventStream(parsed, model)
         outcome = "disconnected"
         try:
@@ -213,10 +240,10 @@ def build_app(backend: Backend, *, model: str, defaults: ServerDefaults, rendere
                 yield event
             while not chunk.finished:
                 chunk = await gen.__anext__()
-                timing.saw(chunk, mode)
+                timing.saw(chunk)
                 for event in stream.events(chunk):
                     yield event
-            timing.finish(chunk, mode)
+            timing.finish(chunk)
             outcome = chunk.finish_reason
             yield EventStream.DONE
         except Exception as e:  # noqa: BLE001 - after the first chunk an error is the stream's last event
@@ -225,6 +252,7 @@ def build_app(backend: Backend, *, model: str, defaults: ServerDefaults, rendere
             yield EventStream.error(err)
             yield EventStream.DONE
         finally:
+            watch.stop()            # before the response's last send (which the server reports as a disconnect)
             await _close(gen)
             metrics.requests.labels(kind, outcome).inc()
 

@@ -22,7 +22,7 @@ Each app has its own registry, so several apps in one process (tests, benchmarks
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Callable, Iterable, NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -54,9 +54,25 @@ class Metrics:
         self.tile_fraction = Histogram("sift_tile_fraction", "Attention tiles computed over dense, per request",
                                        ["mode"], buckets=FRACTION_BUCKETS, registry=r)
         r.register(_ReplicaCollector(snapshots))
+        self._modes: dict[str, ModeSeries] = {}
+
+    def mode(self, mode: str) -> "ModeSeries":
+        """The histograms of one mode (their labelled children looked up once per mode, not per token)."""
+        series = self._modes.get(mode)
+        if series is None:
+            series = self._modes[mode] = ModeSeries(self.ttft.labels(mode), self.engine_ttft.labels(mode),
+                                                    self.tpot.labels(mode), self.tile_fraction.labels(mode))
+        return series
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class ModeSeries(NamedTuple):
+    ttft: Histogram
+    engine_ttft: Histogram
+    tpot: Histogram
+    tile_fraction: Histogram
 
 
 class _ReplicaCollector:

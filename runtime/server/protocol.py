@@ -14,6 +14,7 @@ than ignored; fields the server does not know are ignored, as OpenAI-compatible 
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import time
@@ -42,14 +43,20 @@ def doc_key(text: str) -> str:
 @dataclass(frozen=True)
 class Call:
     """One generation as the ingress hands it to an engine replica (picklable: it crosses Ray's object store).
-    doc_keys: `doc_key` of each document, read by the router; timeout_s: the server's per-request timeout."""
+    timeout_s: the server's per-request timeout."""
 
     id: str
     request: Request
     params: SamplingParams
     mode: str
-    doc_keys: tuple[str, ...]
     timeout_s: float
+
+    @functools.cached_property
+    def doc_keys(self) -> tuple[str, ...]:
+        """`doc_key` of each document, read by the router. Hashed when first read (by the router, before the
+        call leaves the ingress, and pickled with it), so a server without a router never hashes on a request's
+        way to its first token."""
+        return tuple(doc_key(text) for _, text in self.request.docs)
 
 
 @dataclass(frozen=True)
@@ -252,8 +259,7 @@ def _sampling(body: _Body, max_tokens: int | None, default_max: int) -> Sampling
 
 def _call(body: _Body, request: Request, params: SamplingParams, defaults: ServerDefaults, prefix: str) -> Call:
     return Call(id=f"{prefix}-{uuid.uuid4().hex}", request=request, params=params,
-                mode=body.sift_mode or defaults.mode, doc_keys=tuple(doc_key(d.text) for d in body.documents),
-                timeout_s=defaults.timeout_s)
+                mode=body.sift_mode or defaults.mode, timeout_s=defaults.timeout_s)
 
 
 def parse_completion(body: bytes | dict, defaults: ServerDefaults) -> Parsed:

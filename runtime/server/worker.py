@@ -39,6 +39,10 @@ log = logging.getLogger("sift.serve")
 
 # Routing keys of documents this replica served, remembered to report which of them its store still holds.
 _KNOWN_DOCS = 100_000
+_TIMED_OUT = object()       # put in a request's queue when it runs past its timeout
+# How long the loop thread waits at most, after a step that produced first tokens, for their endpoints to take
+# them (see EngineWorker._run).
+FIRST_CHUNK_WAIT_S = 0.002
 
 
 @dataclass(eq=False)
@@ -51,6 +55,7 @@ class _Stream:
     state: str = "waiting"              # "waiting" (no token yet) | "running" | "done"
     sent_text: int = 0                  # characters of the output's text already handed on
     sent_ids: int = 0
+    taken: threading.Event = field(default_factory=threading.Event)   # the endpoint took its first item
 
     def put(self, item) -> None:
         try:
@@ -87,6 +92,7 @@ class EngineWorker:
         self._counts = _Counters()
         self._known: collections.OrderedDict[str, str] = collections.OrderedDict()   # routing key -> store key
         self._unkeyed: dict[str, str] = {}        # routing key -> text, store key not computed yet
+        self._reporting = False                   # whether warm_documents was called (a router reads this worker)
         self._admit = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sift-admit")
         self._thread = threading.Thread(target=self._run, name="sift-engine-loop", daemon=True)
         self._thread.start()
@@ -115,16 +121,19 @@ class EngineWorker:
             added.add_done_callback(lambda f: f.cancelled() or f.exception() or self.abort(call.id))
             raise
         done = False
+        # One timer for the whole request rather than a timeout per chunk: the endpoint awaits its queue
+        # directly, so a chunk handed over by the loop thread resumes it in the event loop's next iteration.
+        timer = loop.call_later(max(deadline - time.perf_counter(), 0.0), stream.queue.put_nowait, _TIMED_OUT)
         try:
             while True:
-                remaining = deadline - time.perf_counter()
-                try:
-                    item = await asyncio.wait_for(stream.queue.get(), timeout=max(remaining, 0.0))
-                except asyncio.TimeoutError:
+                item = await stream.queue.get()
+                if not stream.taken.is_set():
+                    stream.taken.set()      # the loop thread goes on (_run)
+                if item is _TIMED_OUT:
                     with self._lock:
                         self._counts.timed_out += 1
                     raise RequestTimeout(f"the request ran past the server's timeout of {call.timeout_s:g} s "
-                                         f"and was aborted") from None
+                                         f"and was aborted")
                 if isinstance(item, BaseException):
                     done = True
                     raise item
@@ -133,6 +142,7 @@ class EngineWorker:
                 if done:
                     return
         finally:
+            timer.cancel()
             if not done:
                 self.abort(call.id)
             self._remember_docs(call)
@@ -186,14 +196,21 @@ class EngineWorker:
                 self._step_error = e
                 continue
             now = time.perf_counter()
-            for out in outputs:
-                self._deliver(out, now)
+            firsts = [stream for out in outputs if (stream := self._deliver(out, now)) is not None]
+            # A first token goes out before the next step's host work: right after a step the loop thread runs
+            # Python (it launches the next decode step), and the event loop, woken to send the token, would wait
+            # for the GIL until a switch interval forced it over. So the loop thread waits (bounded) until the
+            # endpoints took their first chunks; the decode step launched by this one runs on the device meanwhile.
+            deadline = now + FIRST_CHUNK_WAIT_S
+            for stream in firsts:
+                stream.taken.wait(max(deadline - time.perf_counter(), 0.0))
 
-    def _deliver(self, out, now: float) -> None:
+    def _deliver(self, out, now: float) -> _Stream | None:
+        """Hand `out` to its endpoint -> its stream when this was the request's first token."""
         with self._lock:
             stream = self._streams.get(out.request_id)
             if stream is None:
-                return                  # aborted by its endpoint; the engine's "abort" output needs no one
+                return None             # aborted by its endpoint; the engine's "abort" output needs no one
             if stream.state == "waiting":
                 stream.state = "running"
                 engine_ttft = now - stream.t_add
@@ -210,7 +227,7 @@ class EngineWorker:
         if out.finished and out.finish_reason == "abort":
             # the engine ended it without being asked: its prefill failed
             stream.put(self._step_error or RuntimeError("the engine aborted the request"))
-            return
+            return None
         text = out.text[stream.sent_text:] if len(out.text) > stream.sent_text else ""
         ids = tuple(out.token_ids[stream.sent_ids:])
         stream.sent_text, stream.sent_ids = max(stream.sent_text, len(out.text)), len(out.token_ids)
@@ -218,6 +235,7 @@ class EngineWorker:
                          prompt_tokens=out.prompt_tokens, completion_tokens=len(out.token_ids),
                          replica=self.replica, engine_ttft_s=engine_ttft,
                          tile_fraction=out.tile_fraction if engine_ttft is not None else None))
+        return stream if engine_ttft is not None else None
 
     # --------------------------------------------------------------------------------------- reporting
 
@@ -241,7 +259,9 @@ class EngineWorker:
                     store=self.engine.kv_store.stats(), index=index.stats() if index is not None else {})
 
     def _remember_docs(self, call: Call) -> None:
-        if not call.doc_keys:
+        """Keep the routing keys (and texts, keyed later) of a request's documents, once a router has asked which
+        documents are warm: a worker no router reads (`sift-serve --replicas 0`) neither hashes nor holds them."""
+        if not self._reporting or not call.request.docs:
             return
         with self._lock:
             for key, (_, text) in zip(call.doc_keys, call.request.docs):
@@ -254,6 +274,7 @@ class EngineWorker:
         """Routing keys of the documents whose KV this replica's store holds (either tier). Store keys of newly
         served documents are computed here, off the request path (it tokenises them)."""
         store = self.engine.kv_store
+        self._reporting = True
         with self._lock:
             new, self._unkeyed = self._unkeyed, {}
         keyed = {}
