@@ -102,8 +102,8 @@ def _previous_generation(index: Location) -> Manifest | None:
 
 def resolve_target(cfg: BuildConfig, model_dir: Path, index: Location) -> BuildTarget:
     """Read the previous generation and the model's identity; derive the prefix, max_tokens and profile key.
-    Needs no Ray: the build runs it while Ray starts. (transformers, and torch with it, are imported here, not
-    with the module, so neither delays Ray's start nor a reading task that only tokenises.)"""
+    Needs no Ray: the build runs it while the actors set up. (transformers, and torch with it, are imported here,
+    not with the module, so neither delays the driver's start nor a reading task that only tokenises.)"""
     from transformers import AutoConfig
 
     from .profiler import profiling_prefix_ids, profiling_reader_ids
