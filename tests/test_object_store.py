@@ -371,14 +371,15 @@ def test_unreadable_shard_is_profiled_again_on_s3(s3, built):
     manifest = json.loads(store.read_bytes(fmt.MANIFEST))
     bad = manifest["shards"][0]
     lost = set(pq.read_table(store.path(bad["path"]), filesystem=store.fs, columns=["doc_id"])["doc_id"].to_pylist())
-    assert len(lost) == bad["rows"] == 2
+    n_lost = bad["rows"]        # shards close at shard_rows = 2, or earlier when an idle actor takes what is gathered
+    assert len(lost) == n_lost >= 1 and len(before) == 4
     damaged = b"these bytes are listed with their checksum but are not Parquet\n"
     store.put(bad["path"], damaged)
     bad.update(bytes=len(damaged), sha256=hashlib.sha256(damaged).hexdigest())
     store.put(fmt.MANIFEST, json.dumps(manifest).encode())
 
     stats = run_build(corpus, index, load_config(built[3]), echo=quiet)
-    assert (stats.generation, stats.profiled, stats.reused, stats.deleted) == (2, 2, 2, 0)
+    assert (stats.generation, stats.profiled, stats.reused, stats.deleted) == (2, n_lost, 4 - n_lost, 0)
     assert bad["path"] in stats.note and "not Parquet" in stats.note
     after = rows_by_id(index)
     assert set(after) == set(before)
