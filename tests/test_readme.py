@@ -4,7 +4,7 @@ index `make demo` builds.
 The test builds that index from the sample corpus's documents the blocks name (profiled by the builder's own
 `Profiler` on the real SmolLM2 weights, written by its own writers: the index `sift-build` writes, restricted to
 those documents), puts it at `index/sample` of a scratch folder beside a link to `pipeline/sample_corpus`, and
-executes every block of a file in order in one namespace, as a reader pasting them into one session would. The
+executes every block of a file in order in one namespace, as a reader pasting them into one interpreter would. The
 README's HTTP client block runs against `sift-serve index/sample --replicas 0`, started from that folder as the
 README starts it (on a free port instead of 8000).
 """
@@ -28,6 +28,7 @@ from sift.pipeline.corpus import SAMPLE_CORPUS
 
 from .helpers import smollm2
 from .test_engine import write_index
+from .test_server import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 FENCE = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
@@ -106,14 +107,6 @@ def test_readme_python_runs(sample_root, monkeypatch):
 def test_building_doc_python_runs(sample_root, monkeypatch):
     """docs/building.md reads the index with pyarrow and with DuckDB."""
     run_blocks(ROOT / "docs" / "building.md", sample_root, monkeypatch)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_readme_server_and_client_run(sample_root, monkeypatch):
