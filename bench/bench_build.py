@@ -5,6 +5,7 @@ same device, all in one run -> bench/results/build.json (GPU) or build-cpu.json 
     python bench/bench_build.py --device cpu           # CPU: SmolLM2-135M fp32 (torch backend), passages
     python bench/bench_build.py --smoke                # CPU: a 2-layer random model, tiny corpora (checks the script)
     python bench/bench_build.py --model 8b --criterion reader --passages 1000 --chunks 64   # the reader criterion
+    python bench/bench_build.py --model 8b --chunks 0 --only-build   # one sift-build of the passages, its start-up
 
 Models: "8b" (32 layers, 32 query / 8 KV heads, head_dim 128; random bf16 weights made on the device, saved with
 SmolLM2's tokenizer as a local model folder), "smollm2" (the default model). Corpora, from the Wikipedia leads of
@@ -300,6 +301,9 @@ def main() -> None:
                     help="[profile] criterion of the builds and the in-process profiler")
     ap.add_argument("--threads", type=int, default=None,
                     help="CPU: torch threads of the builds' actors (build.threads) and of this process's forwards")
+    ap.add_argument("--only-build", action="store_true",
+                    help="after the cold build, one sift-build of each whole corpus and its start-up breakdown: no "
+                         "half-corpus build, no forwards, no result file")
     args = ap.parse_args()
     device = "cpu" if args.smoke else args.device
     if args.threads:
@@ -335,6 +339,13 @@ def main() -> None:
     # The first build on a machine compiles the Triton kernels into Triton's cache; later builds find them there.
     cold = build(write_corpus(work / "cold", corpora["passages"][:16]), work / "index-cold", config,
                  args.build_timeout)
+    if args.only_build:
+        for name, docs in corpora.items():
+            print_build(name, build(write_corpus(work / name / "whole", docs), work / name / "index-whole", config,
+                                    args.build_timeout))
+        if args.work is None:
+            shutil.rmtree(work, ignore_errors=True)
+        return
     results = {name: run_builds(name, docs, args, work, config) for name, docs in corpora.items()}
     # Then the forwards, the builds' actors gone: the same model loaded once in this process.
     model_obj, tok, _ = load_model(model, dtype=dtype, device=device, attn_implementation="sdpa")
@@ -351,6 +362,14 @@ def main() -> None:
     print_table(json.loads(path.read_text()))
     if args.work is None:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def print_build(name: str, b: dict) -> None:
+    """One build's wall time from outside, its own seconds and its start-up breakdown (`--only-build`)."""
+    last = b["last_build"]
+    print(f"{name}: {b['documents']} documents, {b['tokens']} tokens: end to end {b['wall_seconds']:.1f} s, build "
+          f"{last['seconds']:.1f} s, actor compute {last['actor_seconds']:.1f} s")
+    print("  start-up: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(last["startup"].items(), key=lambda kv: kv[1])))
 
 
 def run_builds(name: str, docs: list[str], args, work: Path, config: Path) -> dict:

@@ -80,17 +80,32 @@ def build_main(corpus, out, config_path, model, tile, alpha, beta, gamma, ray_ad
                f"(profiled {stats.profiled}, reused {stats.reused + stats.reused_orphans}, deleted {stats.deleted}), "
                f"{stats.errors} errors, {stats.seconds:.1f} s, {tps:.0f} tokens/s profiling"
                f"{'; ' + stats.note if stats.note else ''}")
+    code = EXIT_DOC_ERRORS if stats.errors else EXIT_OK
     if not verbose:
-        _leave_ray()
-    sys.exit(EXIT_DOC_ERRORS if stats.errors else EXIT_OK)
+        _leave_ray(code)
+    sys.exit(code)
 
 
-def _leave_ray() -> None:
-    """Stop the local Ray the build started (or leave the cluster it joined) now rather than in Ray's exit hook,
-    which first waits half a second for worker output that only `--verbose` prints."""
+def _leave_ray(code: int) -> None:
+    """Once the build is committed and its summary printed: when this process is the `sift-build` command and
+    started its own Ray, exit now with `code` (`os._exit`, after flushing what it printed), without stopping Ray
+    one process after another or tearing the interpreter down, which took 3 to 6 s after the last line. Ray's
+    GCS and raylet end with this process (they are tied to it), the raylet's workers with the raylet, and the
+    session's reaper (`ray_driver.py`) SIGKILLs whatever is left within a fraction of a second. Otherwise (the
+    build called from Python, or a cluster joined) stop the local Ray, or leave the cluster, here rather than in
+    Ray's exit hook, which first waits half a second for worker output that only `--verbose` prints."""
+    from .ray_driver import started_local
+
     ray = sys.modules.get("ray")
-    if ray is not None and ray.is_initialized():
-        ray.shutdown()
+    if ray is None or not ray.is_initialized():
+        return
+    main = getattr(sys.modules.get("__main__"), "__file__", None) or ""
+    if started_local() and Path(main).name == "sift-build" and Path(sys.argv[0]).name == "sift-build":
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    ray.shutdown()
 
 
 def _process_started() -> float | None:

@@ -55,12 +55,15 @@ STARTUP_KEYS = {
     "actor_code": "moment: the actor's process began importing the builder",
     "actor_init": "moment: the actor's set-up began (its code imported)",
     "model_load": "duration: the actor's set-up (weights on its device, profiler ready)",
-    "weights": "duration: of which `load_model` (transformers' import, the weights onto the device)",
+    "imports": "duration: of which the imports (torch, transformers' model classes, the profiler; CUDA's start)",
+    "weights": "duration: of which `load_model` (the weights onto the device, the tokenizer)",
     "actor_ready": "moment: the actor can profile",
     "first_records": "moment: the first tokenised records reached the driver",
     "first_submit": "moment: the first shard was handed to an actor",
     "first_shard": "moment: the first shard was profiled and written",
     "first_shard_compute": "duration: that shard's profiling, warm-up included",
+    "last_records": "moment: the whole corpus was read and tokenised",
+    "last_shard": "moment: the last shard was profiled and written (the commit follows)",
 }
 
 
@@ -106,6 +109,7 @@ class ProfileShardWriter:
         t0, init = time.perf_counter(), time.time()
         import ray
         import torch
+        import transformers
 
         from sift.model import load_model
 
@@ -114,9 +118,13 @@ class ProfileShardWriter:
         from .config import BACKENDS, load_config_dict
         from .profiler import Profiler
 
+        transformers.AutoModelForCausalLM  # noqa: B018 - its lazy import, here rather than inside `weights`
         cfg = load_config_dict(cfg_dict)
         torch.set_num_threads(max(1, threads))
         device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device == "cuda":
+            torch.cuda.init()
+        imports = time.perf_counter() - t0
         backend = resolve_backend(cfg.build.backend, device, choices=BACKENDS, setting="build.backend")
         t_weights = time.perf_counter()
         model_obj, tokenizer, _ = load_model(model, dtype=cfg.profile.dtype, device=device, identity=False)
@@ -127,7 +135,7 @@ class ProfileShardWriter:
         self.device_lock = threading.Lock()
         # The actor's start-up: wall-clock moments (the driver counts them from the build's start) and durations.
         self.timeline = {"actor_code": IMPORT_STARTED, "actor_init": init, "actor_ready": time.time(),
-                         "model_load": time.perf_counter() - t0, "weights": weights}
+                         "model_load": time.perf_counter() - t0, "imports": imports, "weights": weights}
 
     def ready(self) -> None:
         """Answers once the actor is set up (the driver's sign that it can profile)."""
@@ -356,9 +364,10 @@ class _Results:
         self.tokens, self.actor_seconds = 0, 0.0
 
     def __call__(self, result: dict) -> None:
+        now = time.perf_counter() - self.t_start
         if "first_shard" not in self.startup:
-            self.startup.update(first_shard=time.perf_counter() - self.t_start,
-                                first_shard_compute=result["seconds"])
+            self.startup.update(first_shard=now, first_shard_compute=result["seconds"])
+        self.startup["last_shard"] = now
         timeline = result["timeline"]
         if timeline["actor_ready"] > self.ready:  # the slowest actor's start-up
             self.ready = timeline["actor_ready"]
@@ -410,6 +419,7 @@ def profile(records, planner: Planner, pool: _Pool, cfg: BuildConfig, echo, prog
             if batching.docs and pool.waiting(results):  # a set-up actor has nothing to do: what is gathered
                 submit(batching.take())
             pool.collect(results, block=False)
+        results.startup["last_records"] = time.perf_counter() - t_start
         submit(batching.take())
         progress.total(planner.todo, planner.todo_tokens, final=True)
         echo(planner.summary())

@@ -3,6 +3,7 @@ keep Ray's native error lines off a quiet terminal.
 
     start_local(**chatter)    ray.init without the dashboard (a build has no use for it), then `reaper.py` for
                               the session: no process of it survives the driver, however the driver dies
+    started_local()           whether the connected Ray is one `start_local` started (the CLI then just exits)
     native_stderr_to_logs()   the driver's file descriptor 2 (where Ray's C++ core worker writes its error lines,
                               which it also writes to its own log file) -> a file in Ray's log folder; Python's
                               stderr (the build's one-line errors, warnings) stays on the terminal (`sift-build -q`)
@@ -21,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 REAPER = Path(__file__).with_name("reaper.py")
+_REAPED: list[str] = []   # the session of the local Ray this process started, once started
 
 
 def start_local(**chatter) -> None:
@@ -32,6 +34,15 @@ def start_local(**chatter) -> None:
     # Its own process group: a Ctrl-C at the terminal stops the driver, which shuts Ray down, then the reaper.
     subprocess.Popen([sys.executable, str(REAPER), str(os.getpid()), session], stdin=subprocess.DEVNULL,
                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, process_group=0)
+    _REAPED[:] = [session]
+
+
+def started_local() -> bool:
+    """Whether the Ray this process is connected to is a local one it started, with its reaper, and still up:
+    then nothing of it outlives the process, however the process ends."""
+    import ray
+
+    return bool(_REAPED) and ray.is_initialized() and ray.get_runtime_context().get_session_name() in _REAPED
 
 
 def native_stderr_to_logs() -> Path:

@@ -210,13 +210,28 @@ def check_startup(last_build: dict) -> None:
     s = last_build["startup"]
     assert set(s) == set(STARTUP_KEYS), set(s) ^ set(STARTUP_KEYS)
     assert 0 <= s["process"] < 60 and s["ray"] > 0 and s["plan"] > 0
-    assert 0 < s["weights"] <= s["model_load"]
+    assert 0 < s["imports"] and 0 < s["weights"] and s["imports"] + s["weights"] <= s["model_load"]
     # The actor's moments come from its own clock (the same machine here): started, set up, ready, in order, and
     # its set-up lasting what it measured itself.
     assert s["actor_code"] <= s["actor_init"] <= s["actor_ready"] <= s["first_shard"]
     assert abs((s["actor_ready"] - s["actor_init"]) - s["model_load"]) < 0.05
     assert s["first_records"] <= s["first_submit"] <= s["first_shard"] <= last_build["seconds"]
     assert 0 < s["first_shard_compute"] < s["first_shard"]
+    assert s["first_records"] <= s["last_records"] <= last_build["seconds"]
+    assert s["first_shard"] <= s["last_shard"] <= last_build["seconds"]
+
+
+def _session_processes(session: Path) -> list[int]:
+    """Processes holding a file of the Ray session folder `session` open (its GCS, raylet, agents, workers)."""
+    held = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+        except OSError:  # gone, or not ours to read
+            continue
+        if any(link.startswith(f"{session}/") for link in links):
+            held.append(int(pid))
+    return held
 
 
 def test_sigkill_mid_build_then_resume_with_concurrent_reader(tmp_path):
@@ -224,7 +239,22 @@ def test_sigkill_mid_build_then_resume_with_concurrent_reader(tmp_path):
     names = make_corpus(corpus, 3)
     cfg = write_config(tmp_path / "c.toml", shard_rows=1)
     index = tmp_path / "index"
-    run_cli("sift-build", str(corpus), "--out", str(index), "--config", str(cfg), "-q", check=0)
+    # The command exits right after its summary line, without stopping its local Ray one process after another:
+    # within seconds, no process of that Ray session is left (`-q` puts the driver's native error lines into the
+    # session's log folder, under the driver's pid).
+    proc = subprocess.Popen([str(BIN / "sift-build"), str(corpus), "--out", str(index), "--config", str(cfg), "-q"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0 and out.startswith("committed generation 1"), err[-2000:]
+    from ray._common.utils import get_default_system_temp_dir
+
+    sessions = [d for d in (Path(get_default_system_temp_dir()) / "ray").glob("session_*")
+                if (d / "logs" / f"sift-build-{proc.pid}.err").exists()]
+    assert len(sessions) == 1, sessions
+    deadline = time.monotonic() + 10
+    while _session_processes(sessions[0]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _session_processes(sessions[0])
     gen1 = rows_by_id(index)
     check_startup(IndexReader.open(index).manifest.last_build)
 
