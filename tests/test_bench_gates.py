@@ -167,8 +167,8 @@ def decode_case():
 def decode(inputs, kernel=False, **changes):
     args = dict(inputs, **changes)
     if kernel:
-        return decode_attention(**{name: x.to(DEVICE) for name, x in args.items()}, scale=D ** -0.5,
-                                block=BLOCK)[0].cpu()
+        args = {name: x.to(DEVICE) if isinstance(x, torch.Tensor) else x for name, x in args.items()}
+        return decode_attention(**args, scale=D ** -0.5, block=BLOCK)[0].cpu()
     return decode_attention_ref(**args, scale=D ** -0.5, block=BLOCK)[0]
 
 

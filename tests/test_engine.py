@@ -26,7 +26,8 @@ from sift.runtime import Request, SiftEngine, SiftIndex
 from sift.quality.prompts import QUERY, SYSTEM, load_questions
 from sift.kernels.sparse_attention import sparse_attention_sdpa
 
-from .helpers import DEVICE, assert_within, model_logit_tol, model_on_device, rounding_tol, run_in_threads, smollm2
+from .helpers import (DEVICE, assert_within, model_logit_tol, model_on_device, rounding_tol, run_in_threads,
+                      smollm2)
 
 
 
