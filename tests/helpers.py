@@ -1,5 +1,6 @@
-"""Shared test utilities: the real SmolLM2 weights (loaded once per process), the embedded sample data, and
-float tolerances derived from the dtype and the depth of the computation."""
+"""Shared test utilities: the device the Triton kernels run on, the real SmolLM2 weights (loaded once per
+process), the embedded sample data, and float tolerances derived from the dtype and the depth of the computation."""
+import copy
 import functools
 import json
 import math
@@ -8,6 +9,26 @@ import threading
 import torch
 
 from sift.pipeline.corpus import SAMPLE_CORPUS
+
+
+# The device of every test that launches a Triton kernel: the GPU where there is one, else the CPU, where the
+# kernels run in the Triton interpreter (TRITON_INTERPRET=1, set by tests/conftest.py). Inputs are drawn on the
+# CPU from seeded generators and then moved, so both devices see the same values; the torch references stay on
+# the CPU (fp32 / float64) and the kernels' results come back with .cpu() before they are compared.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def on_device(*xs):
+    """The tensors on DEVICE (None stays None), as a list."""
+    return [None if x is None else x.to(DEVICE) for x in xs]
+
+
+def model_on_device(model):
+    """`model` on DEVICE: the model itself where it is there already (the CPU), else a copy, so that a test can
+    compare the copy's run (Triton kernels) with the original's (torch backend, CPU)."""
+    if next(model.parameters()).device.type == torch.device(DEVICE).type:
+        return model
+    return copy.deepcopy(model).to(DEVICE)
 
 
 @functools.lru_cache(maxsize=None)
@@ -98,6 +119,6 @@ def kernel_tol(dtype: torch.dtype, *, roundings: int, reduction: int, scale: flo
 
 def assert_within(got: torch.Tensor, want: torch.Tensor, tol: float, what: str = "") -> None:
     """max |got - want| <= tol, the error printed first (run with -s to see it)."""
-    err = (got.double() - want.double()).abs().max().item()
+    err = (got.double().cpu() - want.double().cpu()).abs().max().item()
     print(f"{what}: max |diff| = {err:.2e} (tolerance {tol:.2e})")
     assert err <= tol, f"{what}: max |diff| {err:.3e} > tolerance {tol:.3e}"

@@ -21,8 +21,8 @@ from sift.kernels import sparse_attention_tl
 from sift.kernels.sparse_attention_tl import AttentionConfig
 from sift.runtime.modes import Mode
 
-from .helpers import kernel_tol
-from .test_sparse_attention import (DEVICE, Layout, allowed_slots, default_inv_freq, layout_of, make_csr, make_layout,
+from .helpers import DEVICE, kernel_tol
+from .test_sparse_attention import (Layout, allowed_slots, default_inv_freq, layout_of, make_csr, make_layout,
                                     make_qkv)
 
 # Outputs of magnitude ~1 (V ~ N(0, 1)); a 16-bit kernel rounds q, the K tile, P and the output (4 roundings),

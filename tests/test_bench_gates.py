@@ -2,7 +2,8 @@
 
 Each gate is the one a GPU script applies, with the script's own depth constants: the wrong kernels (a dropped
 block, a perturbed output, a wrong rotation, a flipped bit) are computed on CPU with the kernels' ref twins, and
-the kernels under test run in the Triton interpreter, fp16 (bf16 is broken in the interpreter) at tiny shapes.
+the kernels under test run on tests/helpers.py DEVICE (the GPU, or the Triton interpreter without one), fp16 (bf16
+is broken in the interpreter) at tiny shapes.
 Where a gate also runs in bf16 on the GPU, the test shows the wrong kernel's error exceeds the bf16 bound too.
 """
 import copy
@@ -22,6 +23,8 @@ from sift.kernels.decode_attention import decode_attention, decode_attention_ref
 from sift.kernels.layout import build_layout  # noqa: E402
 from sift.kernels.rope import apply_rope_ref, rotate_key_blocks, rotate_key_blocks_ref  # noqa: E402
 from sift.kernels.sparse_attention import sparse_attention, sparse_attention_ref  # noqa: E402
+
+from .helpers import DEVICE, on_device  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 BLOCK, D = 16, 64
@@ -94,9 +97,11 @@ def prefill_case():
 
 def attend(case, mask=None, rope=True, kernel=False):
     lay, full, q, k, v = case
-    fn = sparse_attention if kernel else sparse_attention_ref
-    return fn(q, k, v, *csr(full if mask is None else mask), lay.block_valid, lay.block_offset,
-              inv_freq() if rope else None, scale=D ** -0.5, block=BLOCK)
+    args = (q, k, v, *csr(full if mask is None else mask), lay.block_valid, lay.block_offset,
+            inv_freq() if rope else None)
+    if kernel:
+        return sparse_attention(*on_device(*args), scale=D ** -0.5, block=BLOCK).cpu()
+    return sparse_attention_ref(*args, scale=D ** -0.5, block=BLOCK)
 
 
 def blocks(x):
@@ -160,8 +165,11 @@ def decode_case():
 
 
 def decode(inputs, kernel=False, **changes):
-    fn = decode_attention if kernel else decode_attention_ref
-    return fn(**dict(inputs, **changes), scale=D ** -0.5, block=BLOCK)[0]
+    args = dict(inputs, **changes)
+    if kernel:
+        args = {name: x.to(DEVICE) if isinstance(x, torch.Tensor) else x for name, x in args.items()}
+        return decode_attention(**args, scale=D ** -0.5, block=BLOCK)[0].cpu()
+    return decode_attention_ref(**args, scale=D ** -0.5, block=BLOCK)[0]
 
 
 def test_decode_gate_passes_the_kernel(decode_case):
@@ -199,7 +207,7 @@ def test_key_pass_gate():
     k = torch.randn(2, 4 * BLOCK, D, generator=gen).to(torch.float16)
     offset = torch.tensor([0, 100, 100, 70_000], dtype=torch.int32)
     ref = rotate_key_blocks_ref(k, offset, inv_freq(), block=BLOCK).unflatten(1, (4, BLOCK))
-    good = rotate_key_blocks(k, offset, inv_freq(), block=BLOCK).unflatten(1, (4, BLOCK))
+    good = rotate_key_blocks(*on_device(k, offset, inv_freq()), block=BLOCK).cpu().unflatten(1, (4, BLOCK))
     assert common.check_close("key pass", good, ref, torch.float16, DEPTH_KEY_PASS, group_dims=2).ok
     wrong = rotate_key_blocks_ref(k, offset + torch.tensor([0, 0, 1, 0], dtype=torch.int32), inv_freq(),
                                   block=BLOCK).unflatten(1, (4, BLOCK))   # block 2 rotated one position off
@@ -317,12 +325,16 @@ def test_peer_gate(tiny_engine_case):
 def test_profile_gate_rejects_a_flipped_bit(monkeypatch):
     """bench_profile's check: every bit that differs from the reference must sit at a threshold. The kernel as
     it is passes; a kernel that drops one LA tile far from the threshold (the diagonal) fails."""
+    import dataclasses
+
     import bench_profile
     from sift.kernels import profile as pk
     from sift.kernels.profile_ref import LayerBits
 
+    # The smoke setup's shapes, on DEVICE (check_case draws its inputs and runs its oracle there).
+    setup = dataclasses.replace(bench_profile.CPU_SMOKE, dev=DEVICE)
     case = dict(name="fp32 tiny", dtype=torch.float32, hq=2, hkv=1, d=64, n_prefix=1, n_doc=48, tile=16)
-    assert bench_profile.check_case(bench_profile.CPU_SMOKE, **case)["ok"]
+    assert bench_profile.check_case(setup, **case)["ok"]
     right = pk.profile_layer
 
     def wrong(*args, **kwargs):
@@ -332,4 +344,4 @@ def test_profile_gate_rejects_a_flipped_bit(monkeypatch):
         return LayerBits(la=la, ca=bits.ca), extra
 
     monkeypatch.setattr(pk, "profile_layer", wrong)
-    assert not bench_profile.check_case(bench_profile.CPU_SMOKE, **case)["ok"]
+    assert not bench_profile.check_case(setup, **case)["ok"]

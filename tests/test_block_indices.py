@@ -3,6 +3,9 @@
 The reference here never coarsens tiles: it builds the token-level boolean mask of the SIFT pattern from the
 unpacked bits (LA tiles with SPEC's always-kept diagonal, CA pages, dense prefix and query rows, causal), then
 maps tokens to their physical blocks and keeps a block pair iff any token pair in it is attended.
+
+The Triton decode runs on tests/helpers.py DEVICE (the GPU, or the interpreter without one); the references and
+the comparisons on the CPU.
 """
 import random
 
@@ -20,6 +23,8 @@ from sift.kernels.block_indices import (
     pack_doc_bits,
 )
 from sift.kernels.layout import build_layout
+
+from .helpers import DEVICE
 
 # The interpreter converts loop bounds loaded from memory with a NumPy deprecation warning; nothing of ours.
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
@@ -108,10 +113,21 @@ def decode_both(requests, tile, block, n_heads, fill, seed=0):
     all_la, all_ca = bits.all_layer_ptrs()
     assert torch.equal(all_la[LAYER], la_ptr) and torch.equal(all_ca[LAYER], ca_ptr)
     want = expected_csr(requests, layout, la_bits, ca_bits, tile, n_heads)
-    got_kernel = block_indices(layout, bits.la_bytes, la_ptr, bits.ca_bytes, ca_ptr, tile)
+    # The kernels' inputs on DEVICE: the layout and the bits (and the pointers the device arithmetic derives).
+    lay_d = layout.to(DEVICE)
+    bits_d = pack_doc_bits(la_blobs, ca_blobs, n_tokens, tile=tile, n_layers=N_LAYERS, n_heads=n_heads,
+                           device=DEVICE)
+    la_ptr_d, ca_ptr_d = bits_d.layer_ptrs(LAYER)
+    all_la_d, all_ca_d = bits_d.all_layer_ptrs()
+
+    def cpu(xs):
+        return tuple(x.cpu() for x in xs)
+
+    got_kernel = cpu(block_indices(lay_d, bits_d.la_bytes, la_ptr_d, bits_d.ca_bytes, ca_ptr_d, tile))
     got_ref = block_indices_ref(layout, bits.la_bytes, la_ptr, bits.ca_bytes, ca_ptr, tile)
     # One-pass mode: rows at their dense starts, each ending at row_end; compacted it is the same CSR.
-    starts, idx, ends = block_indices(layout, bits.la_bytes, la_ptr, bits.ca_bytes, ca_ptr, tile, padded=True)
+    starts, idx, ends = cpu(block_indices(lay_d, bits_d.la_bytes, la_ptr_d, bits_d.ca_bytes, ca_ptr_d, tile,
+                                          padded=True))
     assert torch.equal(starts, dense_indptr(layout, n_heads))
     assert bool((ends >= starts[:-1]).all()) and bool((ends <= starts[1:]).all())
     compact = torch.cat([idx[a:b] for a, b in zip(starts[:-1].tolist(), ends.tolist())])
@@ -119,7 +135,8 @@ def decode_both(requests, tile, block, n_heads, fill, seed=0):
     ptr[1:] = torch.cumsum(ends - starts[:-1], 0)
     assert_csr_equal((ptr, compact.to(torch.int32)), want, "one-pass (padded) kernel")
     # Every layer in one launch: layer LAYER against the token-level construction, the others against the twin.
-    starts_l, idx_l, ends_l = block_indices_layers(layout, bits.la_bytes, all_la, bits.ca_bytes, all_ca, tile)
+    starts_l, idx_l, ends_l = cpu(block_indices_layers(lay_d, bits_d.la_bytes, all_la_d, bits_d.ca_bytes, all_ca_d,
+                                                       tile))
     assert torch.equal(starts_l, starts) and idx_l.shape[0] == ends_l.shape[0] == N_LAYERS
     for layer in range(N_LAYERS):
         compact = torch.cat([idx_l[layer, a:b] for a, b in zip(starts[:-1].tolist(), ends_l[layer].tolist())])
@@ -200,13 +217,15 @@ def test_no_documents():
     layout = build_layout([[("prefix", 20), ("query", 9)], [("query", 40)]], 16)
     empty8, empty64 = torch.zeros(0, dtype=torch.uint8), torch.zeros(0, 3, dtype=torch.int64)
     want = dense_block_indices(layout, 3)
-    assert_csr_equal(block_indices(layout, empty8, empty64, empty8, empty64, 16), want, "kernel")
+    got = block_indices(layout.to(DEVICE), empty8.to(DEVICE), empty64.to(DEVICE), empty8.to(DEVICE),
+                        empty64.to(DEVICE), 16)
+    assert_csr_equal(tuple(x.cpu() for x in got), want, "kernel")
     assert_csr_equal(block_indices_ref(layout, empty8, empty64, empty8, empty64, 16), want, "reference")
 
 
 def test_rejects_tile_larger_than_block():
-    layout = build_layout([[("doc", 40)]], 16)
-    z8, z64 = torch.zeros(8, dtype=torch.uint8), torch.zeros(1, 1, dtype=torch.int64)
+    layout = build_layout([[("doc", 40)]], 16, DEVICE)
+    z8, z64 = torch.zeros(8, dtype=torch.uint8, device=DEVICE), torch.zeros(1, 1, dtype=torch.int64, device=DEVICE)
     with pytest.raises(ValueError, match="larger than the kernel block"):
         block_indices(layout, z8, z64, z8, z64, 32)
 

@@ -9,10 +9,7 @@ from sift.kernels.decode_attention import decode_attention, decode_attention_ref
 from sift.kernels.layout import build_layout
 from sift.kernels.rope import apply_rope_ref
 
-from .helpers import kernel_tol
-
-# The kernel runs on the GPU where there is one, else under the Triton interpreter (TRITON_INTERPRET=1).
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+from .helpers import DEVICE, kernel_tol
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 

@@ -26,7 +26,8 @@ from sift.runtime import Request, SiftEngine, SiftIndex
 from sift.quality.prompts import QUERY, SYSTEM, load_questions
 from sift.kernels.sparse_attention import sparse_attention_sdpa
 
-from .helpers import assert_within, model_logit_tol, rounding_tol, run_in_threads, smollm2
+from .helpers import (DEVICE, assert_within, model_logit_tol, model_on_device, rounding_tol, run_in_threads,
+                      smollm2)
 
 
 
@@ -340,8 +341,9 @@ def test_refusals(tokenizer, tmp_path):
 
 
 def test_triton_backend_equals_torch_backend(tokenizer, tmp_path):
-    """The GPU path (Triton block_indices, sparse_attention, decode_attention; interpreted on CPU) on a short
-    prompt with sparse random bits: same logits and greedy tokens as the torch backend."""
+    """The GPU path (Triton block_indices, sparse_attention, decode_attention; on DEVICE, interpreted on CPU) on a
+    short prompt with sparse random bits: same logits and greedy tokens as the torch backend on the CPU. Both at
+    block 16 (the CPU's default; a GPU engine's is 128), so that both compute the same tiles."""
     model = _tiny("llama", tmp_path)
     r = Request("Hi.", [("a", "Lilu is a spirit. In Akkadian texts the lilu were wind demons of the night."),
                         ("b", "Gallu is a demon of the underworld, one of the seven who drag souls below.")], "Lilu?")
@@ -354,8 +356,9 @@ def test_triton_backend_equals_torch_backend(tokenizer, tmp_path):
         bits[d] = (pack_msb(torch.rand(8, p * (p + 1) // 2, generator=gen) < 0.5).numpy().tobytes(),
                    pack_msb(torch.rand(8, p, generator=gen) < 0.5).numpy().tobytes())
     index = write_index(tmp_path / "index", model, fingerprint(tmp_path / "model"), docs, tile=16, bits=bits)
-    gpu = SiftEngine(model, tokenizer, index, backend="triton").generate([r], max_new_tokens=3)
-    cpu = SiftEngine(model, tokenizer, index, backend="torch").generate([r], max_new_tokens=3)
+    gpu = SiftEngine(model_on_device(model), tokenizer, SiftIndex.open(tmp_path / "index", device=DEVICE),
+                     backend="triton", block=16).generate([r], max_new_tokens=3)
+    cpu = SiftEngine(model, tokenizer, index, backend="torch", block=16).generate([r], max_new_tokens=3)
     assert gpu.prefill.backend == "triton"
     assert_within(gpu.prefill.logits, cpu.prefill.logits, model_logit_tol(model.config, cpu.prefill.logits),
                   f"triton vs torch backend, tiles {gpu.prefill.tile_fraction:.2f}")

@@ -21,10 +21,10 @@ from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from sift.errors import SiftError
-from sift.runtime import KVStore, Request, SiftEngine
+from sift.runtime import KVStore, Request, SiftEngine, SiftIndex
 from sift.quality.prompts import QUERY, SYSTEM
 
-from .helpers import assert_within, model_logit_tol
+from .helpers import DEVICE, assert_within, model_logit_tol, model_on_device
 from .test_engine import doc_ids, hotpot, plain_last_logits, real, write_index  # noqa: F401 (fixture)
 
 CHARS = 260   # paragraphs cut to ~50-60 tokens: a few blocks of 16 each, fast on CPU
@@ -264,8 +264,9 @@ def test_budget_too_small_and_bad_modes_are_refused(setup):
 
 def test_triton_backend_reuse_equals_torch_backend(tmp_path):
     """The GPU path of the reuse modes (q_blocks prefill over pages gathered from the token-major pool, decode
-    reading the pool in place with per-entry offsets; Triton interpreted on CPU) on a tiny random Llama: same
-    logits and greedy tokens as the torch backend, one request holding a document the other holds elsewhere."""
+    reading the pool in place with per-entry offsets; on DEVICE, Triton interpreted on CPU) on a tiny random
+    Llama: same logits and greedy tokens as the torch backend on the CPU, one request holding a document the other
+    holds elsewhere. Both at block 16 (the CPU's default; a GPU engine's is 128): the same blocks reused."""
     from .test_engine import _tiny, fingerprint
     from transformers import AutoTokenizer
     from sift.model import DEFAULT_MODEL, resolve_model_dir
@@ -278,9 +279,12 @@ def test_triton_backend_reuse_equals_torch_backend(tmp_path):
     index = write_index(tmp_path / "index", model, fingerprint(tmp_path / "model"), doc_ids(tokenizer, reqs),
                         tile=16, prefix_ids=[tokenizer.bos_token_id])
     out = {}
-    for backend in ("triton", "torch"):
+    runs = {"triton": (model_on_device(model), SiftIndex.open(tmp_path / "index", device=DEVICE)),
+            "torch": (model, index)}
+    for backend, (on_model, on_index) in runs.items():
         store = KVStore(hbm_bytes=8 << 20)
-        engine = SiftEngine(model, tokenizer, index, backend=backend, kv_store=store, hybrid_fraction=0.5)
+        engine = SiftEngine(on_model, tokenizer, on_index, backend=backend, kv_store=store, hybrid_fraction=0.5,
+                            block=16)
         out[backend] = [engine.generate(reqs, max_new_tokens=3, mode=m) for m in ("reuse", "hybrid:bits")]
     for g, c in zip(out["triton"], out["torch"]):
         assert g.prefill.backend == "triton"

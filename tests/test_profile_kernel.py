@@ -1,6 +1,8 @@
 """The Triton profiling kernel (`sift.kernels.profile`) against the torch reference (`profile_ref`).
 
-Without a GPU this runs in the Triton interpreter (tests/conftest.py), so shapes and blocks are small.
+The kernels run on tests/helpers.py DEVICE: the GPU, or without one the Triton interpreter (tests/conftest.py),
+so shapes and blocks are small; the references run on the CPU. fp32 inputs take IEEE `tl.dot` products (the
+launcher's choice), so the fp32 tolerances hold on the GPU too.
 
 Statistics are compared with tolerances against a dense oracle (the full softmax of a small layer, computed
 here); bits against `profile_layer_ref`. The kernel computes A with exp2 from a row log-sum-exp while the
@@ -18,7 +20,9 @@ import torch
 from sift.format import n_pages
 from sift.kernels.bits import tril_to_square, unpack_msb
 from sift.kernels.profile import ProfileKernelConfig, profile_layer, profile_stats
-from sift.kernels.profile_ref import finish_bits, profile_layer_ref
+from sift.kernels.profile_ref import LayerBits, finish_bits, profile_layer_ref
+
+from .helpers import DEVICE
 
 NEAR_RTOL = 1e-4  # |A - threshold| <= NEAR_RTOL * threshold: a cell whose side may differ from the reference
 STAT_RTOL = 1e-4  # fp32 statistics: relative error of the tile maxima
@@ -82,13 +86,14 @@ CASES = {
 }
 
 
-def _inputs(c: Case):
+def _inputs(c: Case, device="cpu"):
+    """(q [Hq, Lp, D], k [Hkv, Lp, D]) on `device`, drawn on the CPU (the same values on every device)."""
     g = torch.Generator().manual_seed(c.seed)
     lp = c.n_prefix + c.n_doc
     # N(0, 1) * 1.5 with scale 1/sqrt(D): score std ~2.3, so rows are peaked like a trained model's.
     q = torch.randn(lp, c.hq, c.d, generator=g) * 1.5
     k = torch.randn(lp, c.hkv, c.d, generator=g) * 1.5
-    q, k = q.to(c.dtype), k.to(c.dtype)
+    q, k = q.to(c.dtype).to(device), k.to(c.dtype).to(device)
     if c.strided:
         return q.transpose(0, 1), k.transpose(0, 1)
     return q.transpose(0, 1).contiguous(), k.transpose(0, 1).contiguous()
@@ -136,9 +141,9 @@ def _square_la(la, p):
 
 
 def _run_case(c: Case):
-    q, k = _inputs(c)
+    q, k = _inputs(c, DEVICE)
     scale = c.d ** -0.5
-    a, lse_ref = _dense_probs(q, k, scale=scale, softcap=c.softcap)
+    a, lse_ref = _dense_probs(q.cpu(), k.cpu(), scale=scale, softcap=c.softcap)
     n = c.n_doc
     p = n_pages(n, c.tile)
     tm_pre, _, causal = _oracle(a, n_prefix=c.n_prefix, tile=c.tile, beta=0.0)
@@ -158,33 +163,35 @@ def _run_case(c: Case):
     configs = (ProfileKernelConfig(*c.blocks), ProfileKernelConfig(*c.blocks, key_rows=c.key_rows, tma=c.tma))
     stats = profile_stats(q, k, scale=scale, n_prefix=c.n_prefix, tile=c.tile, beta=beta, softcap=c.softcap,
                           configs=configs)
+    stats_lse, tile_max, key_counts = stats.lse.cpu(), stats.tile_max.cpu(), stats.key_counts.cpu()
 
     # Row log-sum-exp of the document rows.
-    lse_err = (stats.lse - lse_ref[:, c.n_prefix:]).abs().max().item()
+    lse_err = (stats_lse - lse_ref[:, c.n_prefix:]).abs().max().item()
     print(f"\n{c}\n  lse max abs err {lse_err:.3g}")
     assert lse_err <= 1e-5 * max(1.0, lse_ref.abs().max().item())
 
     # Tile maxima: lower triangle within tolerance, upper triangle 0.
     tril = torch.ones(p, p, dtype=torch.bool).tril()
-    err = (stats.tile_max - tm_ref).abs()
+    err = (tile_max - tm_ref).abs()
     rel = (err / tm_ref.clamp_min(1e-30))[:, tril]
     print(f"  tile_max max abs err {err.max().item():.3g}, max rel err {rel.max().item():.3g}")
     assert bool((err[:, tril] <= STAT_RTOL * tm_ref[:, tril] + 1e-12).all())
-    assert bool((stats.tile_max[:, ~tril] == 0).all())
+    assert bool((tile_max[:, ~tril] == 0).all())
 
     # Key counts: every difference is a near-beta cell of that key's column.
     near_cells = (_near(ad, beta) & causal).sum(dim=1)
-    count_diff = (stats.key_counts.long() - counts_ref).abs()
+    count_diff = (key_counts.long() - counts_ref).abs()
     print(f"  key_counts flips {int(count_diff.sum())} (near-beta cells {int(near_cells.sum())})")
     assert bool((count_diff <= near_cells).all()), (count_diff, near_cells)
 
     # Bits, end to end (the first pass is checked above; reuse its lse to keep the interpreter run short).
     args = dict(scale=scale, n_prefix=c.n_prefix, tile=c.tile, alpha=alpha, beta=beta, gamma=gamma,
                 softcap=c.softcap, ca_normalize=c.ca_normalize, dense_heads=c.dense_heads)
-    lse_full = torch.zeros(c.hq, c.n_prefix + n)
+    lse_full = torch.zeros(c.hq, c.n_prefix + n, device=DEVICE)
     lse_full[:, c.n_prefix:] = stats.lse
     bits, out = profile_layer(q, k, lse=lse_full, configs=configs, **args)
-    ref, _ = profile_layer_ref(q.float(), k.float(), **args)
+    bits = LayerBits(la=bits.la.cpu(), ca=bits.ca.cpu())
+    ref, _ = profile_layer_ref(q.cpu().float(), k.cpu().float(), **args)
     assert out is None
     assert bits.la.dtype == torch.uint8 and bits.la.shape == ref.la.shape
     assert bits.ca.dtype == torch.uint8 and bits.ca.shape == ref.ca.shape
@@ -215,19 +222,20 @@ def test_layer_defaults_without_lse_and_in_head_chunks(dtype):
     """Default launch parameters, the first pass inside profile_layer, heads split over chunks (dense heads
     renumbered per chunk)."""
     c = Case(hq=4, hkv=2, n_doc=50, n_prefix=2, dense_heads=(2,), dtype=dtype)
-    q, k = _inputs(c)
+    q, k = _inputs(c, DEVICE)
     args = dict(scale=c.d ** -0.5, n_prefix=c.n_prefix, tile=c.tile, alpha=0.02, beta=0.05, gamma=0.2,
                 dense_heads=c.dense_heads)
-    ref, _ = profile_layer_ref(q.float(), k.float(), **args)
+    ref, _ = profile_layer_ref(q.cpu().float(), k.cpu().float(), **args)
     p = n_pages(c.n_doc, c.tile)
     whole, _ = profile_layer(q, k, **args)
     chunked, _ = profile_layer(q, k, stats_bytes=p * p * 4, **args)  # one head per chunk
     assert torch.equal(chunked.la, whole.la) and torch.equal(chunked.ca, whole.ca)
     # The reference's finish_bits on the kernel's own statistics gives the same bits as the bits kernel.
     stats = profile_stats(q, k, scale=args["scale"], n_prefix=c.n_prefix, tile=c.tile, beta=args["beta"])
-    torch_bits = finish_bits(stats.tile_max, stats.key_counts, c.n_doc, tile=c.tile, alpha=args["alpha"],
-                             gamma=args["gamma"], ca_normalize="causal", force_sink_page=True,
+    torch_bits = finish_bits(stats.tile_max.cpu(), stats.key_counts.cpu(), c.n_doc, tile=c.tile,
+                             alpha=args["alpha"], gamma=args["gamma"], ca_normalize="causal", force_sink_page=True,
                              dense_heads=c.dense_heads)
+    whole = LayerBits(la=whole.la.cpu(), ca=whole.ca.cpu())
     assert torch.equal(torch_bits.la, whole.la) and torch.equal(torch_bits.ca, whole.ca)
     flips = int((unpack_msb(whole.la, p * (p + 1) // 2) != unpack_msb(ref.la, p * (p + 1) // 2)).sum()) \
         + int((unpack_msb(whole.ca, p) != unpack_msb(ref.ca, p)).sum())
@@ -237,14 +245,14 @@ def test_layer_defaults_without_lse_and_in_head_chunks(dtype):
 
 def test_rejects_bad_input():
     c = Case(n_doc=20)
-    q, k = _inputs(c)
+    q, k = _inputs(c, DEVICE)
     args = dict(scale=0.125, n_prefix=1, tile=16, alpha=0.001, beta=0.01, gamma=0.1)
     with pytest.raises(ValueError, match="dtype"):
         profile_layer(q.double(), k.double(), **args)
     with pytest.raises(ValueError, match="share dtype"):
         profile_layer(q, k.half(), **args)
     with pytest.raises(ValueError, match="lse must be"):
-        profile_layer(q, k, lse=torch.zeros(c.hq, 5), **args)
+        profile_layer(q, k, lse=torch.zeros(c.hq, 5, device=DEVICE), **args)
     with pytest.raises(ValueError, match="dense_heads"):
         profile_layer(q, k, dense_heads=(c.hq,), **args)
     with pytest.raises(ValueError, match="softcap"):
@@ -291,14 +299,16 @@ def test_bits_kernel_matches_finish_bits(n_doc, tile, normalize, sink, dense):
     counts = torch.where(torch.rand(hq, n_doc, generator=g) < 4.0 / tile, counts, counts // 2).to(torch.int32)
     ref = finish_bits(tile_max, counts, n_doc, tile=tile, alpha=alpha, gamma=gamma, ca_normalize=normalize,
                       force_sink_page=sink, dense_heads=dense)
-    la = torch.full_like(ref.la, 0xAA)
-    ca = torch.full_like(ref.ca, 0xAA)
+    la = torch.full_like(ref.la, 0xAA, device=DEVICE)
+    ca = torch.full_like(ref.ca, 0xAA, device=DEVICE)
     flags = torch.zeros(hq, dtype=torch.uint8)
     flags[list(dense)] = 1
-    plan = plan_pack(PackedDocs(0, (n_doc,), tile), head_dim=16, dtype=torch.float32, device="cpu")
+    plan = plan_pack(PackedDocs(0, (n_doc,), tile), head_dim=16, dtype=torch.float32, device=DEVICE)
+    tile_max, counts, flags = tile_max.to(DEVICE), counts.to(DEVICE), flags.to(DEVICE)
     for h0, h1 in ((0, 1), (1, hq)):  # two head chunks, as profile_packed launches them
         _launch_bits(tile_max[h0:h1].reshape(h1 - h0, p * p), counts, flags if dense else None, la, ca,
                      range(h0, h1), plan, alpha=alpha, gamma=gamma, ca_normalize=normalize, force_sink_page=sink)
+    la, ca = la.cpu(), ca.cpu()
     assert ref.la.shape[1] > LA_BYTES_PER_PROGRAM or n_doc < 4000
     print(f"\nLA density {unpack_msb(ref.la, p * (p + 1) // 2).float().mean():.2f}, "
           f"CA density {unpack_msb(ref.ca, p).float().mean():.2f}")

@@ -1,5 +1,6 @@
 """Packed profiling: many documents in one pass (`sift.kernels.packing.PackedDocs`), each document's bits equal to
-those of profiling it alone, for the Triton kernels (in the interpreter without a GPU) and the torch reference.
+those of profiling it alone, for the Triton kernels (on tests/helpers.py DEVICE: the GPU, or the interpreter without
+one) and the torch reference.
 
 The kernels cut every document into the blocks they would cut it into alone and never read across a document
 boundary, so equality is exact (torch.equal), not up to rounding. The attention forward of a pack
@@ -17,6 +18,8 @@ from sift.format import ca_nbytes, la_nbytes
 from sift.kernels import profile as pk
 from sift.kernels.packing import PackedDocs
 from sift.kernels.profile_ref import profile_layer_ref, profile_packed_ref
+
+from .helpers import DEVICE, on_device
 
 # Mixed lengths: a 1-token document, lengths that are not multiples of the tile or the blocks, whole tiles, and
 # one document as long as the rest together (the budget-sized one a pack may hold alone).
@@ -64,10 +67,11 @@ def _kernel_alone(q, k, docs, s, *, dense_heads=()):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_kernel_pack_equals_each_document_alone(n_prefix, dtype):
     docs, q, k, v = _pack(n_prefix, LENGTHS, dtype=dtype)
-    plan = pk.plan_pack(docs, head_dim=32, dtype=dtype, device="cpu", configs=(SMALL, SMALL), fwd_config=SMALL)
-    dense = pk.dense_flags((1,), 4, "cpu")
-    la = torch.full((4, docs.la_total), 0xAA, dtype=torch.uint8)  # every byte must be written
-    ca = torch.full((4, docs.ca_total), 0xAA, dtype=torch.uint8)
+    q, k, v = on_device(q, k, v)   # .to keeps the [T, H, D] views' strides
+    plan = pk.plan_pack(docs, head_dim=32, dtype=dtype, device=DEVICE, configs=(SMALL, SMALL), fwd_config=SMALL)
+    dense = pk.dense_flags((1,), 4, DEVICE)
+    la = torch.full((4, docs.la_total), 0xAA, dtype=torch.uint8, device=DEVICE)  # every byte must be written
+    ca = torch.full((4, docs.ca_total), 0xAA, dtype=torch.uint8, device=DEVICE)
     pk.profile_packed(q, k, plan, la_out=la, ca_out=ca, dense=dense, **ARGS)
     for s in range(len(docs)):
         alone = _kernel_alone(q, k, docs, s, dense_heads=(1,))
@@ -102,8 +106,8 @@ def _dense_attention(q, k, v, docs, scale):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_attention_forward_of_a_pack_attends_within_each_sequence(dtype):
     docs, q, k, v = _pack(1, LENGTHS, dtype=dtype, seed=3)
-    plan = pk.plan_pack(docs, head_dim=32, dtype=dtype, device="cpu", configs=(SMALL, SMALL), fwd_config=SMALL)
-    out, lse2 = pk.attention_packed(q, k, v, plan, scale=ARGS["scale"])
+    plan = pk.plan_pack(docs, head_dim=32, dtype=dtype, device=DEVICE, configs=(SMALL, SMALL), fwd_config=SMALL)
+    out, lse2 = (x.cpu() for x in pk.attention_packed(*on_device(q, k, v), plan, scale=ARGS["scale"]))
     ref_out, ref_lse = _dense_attention(q, k, v, docs, ARGS["scale"])
     assert out.shape == (docs.total, 4, 32) and out.dtype == dtype
     out_err = (out.float() - ref_out).abs().max().item()

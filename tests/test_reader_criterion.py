@@ -21,7 +21,7 @@ from sift.kernels.bits import tril_to_square, unpack_msb
 from sift.kernels.packing import PackedDocs
 from sift.kernels.profile_ref import profile_packed_ref, reader_masses_ref
 
-from .helpers import SIGMAS, model_rounding, smollm2, wiki_texts
+from .helpers import DEVICE, SIGMAS, model_rounding, on_device, smollm2, wiki_texts
 
 EPS32 = torch.finfo(torch.float32).eps
 KC = pk.ProfileKernelConfig
@@ -178,14 +178,15 @@ def test_kernel_equals_reference_and_definition(case, dtype):
     # The reference on the same values upcast (fp16 products are exact in the kernel's fp32 accumulator).
     profile_packed_ref(q.float(), k.float(), docs, la_out=ref_la, ca_out=ref_ca, **args)
     # Query blocks of two tiles against key blocks of one: a block reaches above the diagonal.
-    plan = pk.plan_pack(docs, head_dim=d, dtype=dtype, device="cpu", configs=(KC(16, 16), KC(32, 16)))
-    la, ca = torch.zeros_like(ref_la), torch.zeros_like(ref_ca)
-    pk.profile_packed(q, k, plan, la_out=la, ca_out=ca, **args)
+    plan = pk.plan_pack(docs, head_dim=d, dtype=dtype, device=DEVICE, configs=(KC(16, 16), KC(32, 16)))
+    la, ca = on_device(torch.zeros_like(ref_la), torch.zeros_like(ref_ca))
+    pk.profile_packed(*on_device(q, k), plan, la_out=la, ca_out=ca, **args)
+    la, ca = la.cpu(), ca.cpu()
     assert torch.equal(la, ref_la) and torch.equal(ca, ref_ca)
 
     defined = _definition_masses(q, k, docs, scale, c["softcap"])
     rel = _mass_rel(q, k, docs, scale)
-    kernel_masses = pk.reader_masses(q, k, plan, scale=scale, softcap=c["softcap"])
+    kernel_masses = [m.cpu() for m in pk.reader_masses(*on_device(q, k), plan, scale=scale, softcap=c["softcap"])]
     ref_masses = reader_masses_ref(q.float(), k.float(), docs, scale=scale, softcap=c["softcap"])
     bits = _bits_of(la, ca, docs)
     near = _check_against_definition(kernel_masses, bits, defined, docs, coverage=coverage, sink=c["sink"], rel=rel,
@@ -211,8 +212,12 @@ def test_dense_heads_and_coverage_one():
         if backend == "ref":
             profile_packed_ref(q, k, docs, dense_heads=(1,), **args)
         else:
-            plan = pk.plan_pack(docs, head_dim=16, dtype=q.dtype, device="cpu", configs=(KC(16, 16), KC(16, 16)))
-            pk.profile_packed(q, k, plan, dense=pk.dense_flags((1,), 2, "cpu"), **args)
+            plan = pk.plan_pack(docs, head_dim=16, dtype=q.dtype, device=DEVICE, configs=(KC(16, 16), KC(16, 16)))
+            la_d, ca_d = on_device(la, ca)
+            pk.profile_packed(*on_device(q, k), plan, dense=pk.dense_flags((1,), 2, DEVICE),
+                              **dict(args, la_out=la_d, ca_out=ca_d))
+            la.copy_(la_d)
+            ca.copy_(ca_d)
         outs.append((la, ca))
         for la_d, ca_d in _bits_of(la, ca, docs):
             p = ca_d.shape[-1]

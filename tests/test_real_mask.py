@@ -5,7 +5,8 @@ A prompt of `context` tokens is a prefix, the stored documents in order (cycling
 query. The expected block mask is built here with numpy from the Parquet bytes and the SPEC's definitions (LA bit
 n = i(i+1)/2 + j MSB-first, CA bit j, a kernel block kept iff any of its tiles is, the section 4 pattern); the
 decoded one comes from the product path (`build_layout`, `pack_doc_bits`, `block_indices_ref` / `block_indices`).
-The Triton decode (interpreter) is compared with its ref twin on the same bits.
+The Triton decode (on tests/helpers.py DEVICE: the GPU, or the interpreter) is compared with its ref twin on the
+same bits.
 """
 import hashlib
 import json
@@ -18,6 +19,8 @@ import torch
 
 from sift.kernels.block_indices import block_indices, block_indices_ref, pack_doc_bits
 from sift.kernels.layout import build_layout
+
+from .helpers import DEVICE
 
 DATA = Path(__file__).resolve().parents[1] / "bench" / "data" / "smollm2-wiki2048-bits.parquet"
 PREFIX, QUERY, BLOCK = 128, 512, 128
@@ -143,15 +146,16 @@ def _decoded(rows, meta, context, n_heads, layer, backend="torch"):
             ca = _cut(ca, layers * heads, p, p2)
         la_blobs.append(la)
         ca_blobs.append(ca)
+    device = DEVICE if backend == "triton" else "cpu"   # the Triton decode on the GPU, or interpreted
     layout = build_layout([[("prefix", PREFIX)] + [("doc", n) for _, n in docs] + [("query", QUERY)]], BLOCK,
-                          device="cpu")
+                          device=device)
     packed = pack_doc_bits(la_blobs, ca_blobs, [n for _, n in docs], tile=tile, n_layers=layers, n_heads=heads,
-                           device="cpu")
-    vec = torch.tensor(_vectors(meta, n_heads, layer), dtype=torch.int64)
+                           device=device)
+    vec = torch.tensor(_vectors(meta, n_heads, layer), dtype=torch.int64, device=device)
     la_ptr = packed.la_base[:, None] + vec[None, :] * packed.la_head_nbytes[:, None]  # [n_docs, n_heads]
     ca_ptr = packed.ca_base[:, None] + vec[None, :] * packed.ca_head_nbytes[:, None]
     decode = block_indices if backend == "triton" else block_indices_ref
-    indptr, indices = decode(layout, packed.la_bytes, la_ptr, packed.ca_bytes, ca_ptr, tile)
+    indptr, indices = (x.cpu() for x in decode(layout, packed.la_bytes, la_ptr, packed.ca_bytes, ca_ptr, tile))
     return layout, indptr, indices[: int(indptr[-1])]  # the Triton decode allocates the dense upper bound
 
 
@@ -179,5 +183,5 @@ def test_real_mask_cycles_and_cuts(stored):
 def test_triton_decode_matches_twin(stored):
     rows, meta = stored
     _, ptr_a, idx_a = _decoded(rows, meta, 5376, 4, None, backend="triton")  # 2 documents + a cut one;
-    _, ptr_b, idx_b = _decoded(rows, meta, 5376, 4, None, backend="torch")   # TRITON_INTERPRET=1 (conftest)
+    _, ptr_b, idx_b = _decoded(rows, meta, 5376, 4, None, backend="torch")
     assert torch.equal(ptr_a, ptr_b) and torch.equal(idx_a, idx_b)

@@ -1,6 +1,7 @@
 """The one-kernel RMSNorm of the decode step (kernels/rmsnorm.py) and where the runner uses it (runtime/runner.py
-`fusable_norms`): the kernel (the Triton interpreter on CPU) against RMSNorm computed in float64 from its
-definition, the modules it stands in for and those it refuses, and decode with it equal to decode without it."""
+`fusable_norms`): the kernel (on tests/helpers.py DEVICE: the GPU, or the Triton interpreter on CPU) against
+RMSNorm computed in float64 from its definition, the modules it stands in for and those it refuses, and decode with
+it equal to decode without it."""
 from __future__ import annotations
 
 import pytest
@@ -10,9 +11,8 @@ from torch import nn
 from sift.kernels.rmsnorm import rms_norm, rms_norm_ref
 from sift.runtime.runner import fusable_norms
 
+from .helpers import DEVICE, model_on_device
 from .test_engine import _tiny
-
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def definition(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -65,17 +65,17 @@ class OnePlusRMSNorm(nn.Module):
 
 
 def test_fusable_norms_takes_transformers_rmsnorms_and_refuses_a_variant(tmp_path):
-    model = _tiny("llama", tmp_path)
-    found = fusable_norms(model, torch.device("cpu"))
+    model = model_on_device(_tiny("llama", tmp_path))    # the check runs each class's module and the kernel
+    found = fusable_norms(model, torch.device(DEVICE))
     layers = model.config.num_hidden_layers
     assert len(found) == 2 * layers + 1          # input and post-attention norms of every layer, the final norm
     assert all(type(m).__name__ == "LlamaRMSNorm" for m in found)
-    model.model.norm = OnePlusRMSNorm(model.config.hidden_size)
-    assert len(fusable_norms(model, torch.device("cpu"))) == 2 * layers
+    model.model.norm = OnePlusRMSNorm(model.config.hidden_size).to(DEVICE)
+    assert len(fusable_norms(model, torch.device(DEVICE))) == 2 * layers
 
 
 def test_decode_with_the_fused_norms_equals_decode_without(tmp_path):
-    """The engine's decode steps (backend triton, interpreted) with the model's norms as one kernel each: the same
+    """The engine's decode steps (backend triton, on DEVICE) with the model's norms as one kernel each: the same
     greedy tokens as with transformers' own norms, and the model's modules as they were afterwards."""
     from transformers import AutoTokenizer
 
@@ -83,7 +83,7 @@ def test_decode_with_the_fused_norms_equals_decode_without(tmp_path):
     from sift.runtime import Request, SiftEngine
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(DEFAULT_MODEL))
-    model = _tiny("qwen3", tmp_path)          # qwen3: the per-head q / k norms too
+    model = model_on_device(_tiny("qwen3", tmp_path))          # qwen3: the per-head q / k norms too
     r = Request("Hi.", [("a", "Lilu is a spirit of the night wind.")], "Lilu?")
     fused = SiftEngine(model, tokenizer, None, backend="triton")
     assert len(fused.runner.norms) == 4 * model.config.num_hidden_layers + 1

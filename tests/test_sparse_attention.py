@@ -18,9 +18,8 @@ from sift.kernels.rope import RopeSpec, apply_rope_ref, rope_inv_freq, rotate_ke
 from sift.kernels.sparse_attention import sparse_attention, sparse_attention_ref, sparse_attention_sdpa
 from sift.kernels.sparse_attention_tl import ROPE_MODES, AttentionConfig
 
-from .helpers import kernel_tol
+from .helpers import DEVICE, kernel_tol, on_device
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Max abs error allowed on outputs of magnitude ~1 (V ~ N(0, 1)): a 16-bit kernel rounds the rotated q, the
 # rotated K tile, P and the output (4 roundings); every dtype accumulates in fp32 over at most 512 terms (the
 # longest row of keys here, or head_dim 128).
@@ -334,12 +333,13 @@ def test_queries_and_output_in_token_order(rope_on):
     q_tok = q[:, real].transpose(0, 1).contiguous().transpose(0, 1)  # [Hq, n, D] view of an [n, Hq, D] buffer
     nb = layout.n // block
     starts = torch.searchsorted(real, torch.arange(nb) * block).to(torch.int32)
-    buf = torch.full((real.numel(), hq, d), 7.0)
+    buf = torch.full((real.numel(), hq, d), 7.0, device=DEVICE)
     cfg = AttentionConfig(num_warps=4, num_stages=2, rope_on=rope_on)
-    run_tl(q_tok, k, v, indptr, indices, layout.block_valid, layout.block_offset, inv_freq, scale=d ** -0.5,
-           block=block, out=buf.transpose(0, 1), config=cfg, q_block_start=starts)
+    # .to keeps a dense view's strides: the kernel gets the same [n, Hq, D] layout on either device.
+    run_tl(*on_device(q_tok, k, v, indptr, indices, layout.block_valid, layout.block_offset, inv_freq),
+           scale=d ** -0.5, block=block, out=buf.transpose(0, 1), config=cfg, q_block_start=starts.to(DEVICE))
     ref = dense_reference(q_log, k_log, v.double(), layout, mask, d ** -0.5)[:, real]
-    check_close(buf.transpose(0, 1), ref, dtype, f"token-order q/out rope_on={rope_on}")
+    check_close(buf.transpose(0, 1).cpu(), ref, dtype, f"token-order q/out rope_on={rope_on}")
     twin = sparse_attention_ref(q_tok, k, v, indptr, indices, layout.block_valid, layout.block_offset, inv_freq,
                                 scale=d ** -0.5, block=block, q_block_start=starts)
     check_close(twin, ref, dtype, "token-order twin")
@@ -422,15 +422,15 @@ def test_pre_rotation_through_output_rows(token_order):
     if token_order:
         real = (layout.pos >= 0).nonzero()[:, 0]
         starts = torch.searchsorted(real, torch.arange(layout.n // block) * block).to(torch.int32)
-        out = torch.full((hq, real.numel(), d), float("nan"))
-        run_tl(q[:, real], k, v, indptr, indices, layout.block_valid, layout.block_offset, inv_freq,
-               scale=d ** -0.5, block=block, out=out, config=cfg, q_block_start=starts)
+        out = torch.full((hq, real.numel(), d), float("nan"), device=DEVICE)
+        run_tl(*on_device(q[:, real], k, v, indptr, indices, layout.block_valid, layout.block_offset, inv_freq),
+               scale=d ** -0.5, block=block, out=out, config=cfg, q_block_start=starts.to(DEVICE))
         ref = ref[:, real]
     else:
-        out = torch.full_like(q, float("nan"))
-        run_tl(q, k, v, indptr, indices, layout.block_valid, layout.block_offset, inv_freq, scale=d ** -0.5,
-               block=block, out=out, config=cfg)
-    check_close(out, ref, dtype, f"pre via out (token order {token_order})")
+        out = torch.full_like(q, float("nan"), device=DEVICE)
+        run_tl(*on_device(q, k, v, indptr, indices, layout.block_valid, layout.block_offset, inv_freq),
+               scale=d ** -0.5, block=block, out=out, config=cfg)
+    check_close(out.cpu(), ref, dtype, f"pre via out (token order {token_order})")
 
 
 def test_rows_with_spare_capacity_row_end():
@@ -441,9 +441,9 @@ def test_rows_with_spare_capacity_row_end():
         41, block, [[20, 45, 70]], [[0, 20, 100_000]])
     starts, padded, row_end = spare_capacity(indptr, indices, gen)
     ref = dense_reference(q_log, k_log, v.double(), layout, mask, d ** -0.5)
-    out = sparse_attention(q, k, v, starts, padded, layout.block_valid, layout.block_offset, inv_freq,
-                           scale=d ** -0.5, block=block, row_end=row_end)
-    check_close(out, ref, dtype, "row_end kernel")
+    out = sparse_attention(*on_device(q, k, v, starts, padded, layout.block_valid, layout.block_offset, inv_freq),
+                           scale=d ** -0.5, block=block, row_end=row_end.to(DEVICE))
+    check_close(out.cpu(), ref, dtype, "row_end kernel")
     twin = sparse_attention_ref(q, k, v, starts, padded, layout.block_valid, layout.block_offset, inv_freq,
                                 scale=d ** -0.5, block=block, row_end=row_end)
     check_close(twin, ref, dtype, "row_end twin")
@@ -550,10 +550,6 @@ def q_block_case(seed: int, block: int, dtype):
     indptr = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]).to(torch.int32)
     indices = sub.flatten(0, 1).nonzero()[:, 1].to(torch.int32)
     return layout, lay, inv_freq, q, k, v, want, q_blocks, spare_capacity(indptr, indices, gen)
-
-
-def on_device(*xs):
-    return [x.to(DEVICE) for x in xs]
 
 
 def computed_slots(layout: Layout, q_blocks):
@@ -675,10 +671,11 @@ def test_kv_pages_rejected_when_malformed():
     k_pool, v_pool, pages = paged_pool(k, v, 16, torch.Generator().manual_seed(65))
     args = (q, k_pool, v_pool, starts, indices, layout.block_valid, layout.block_offset, inv_freq)
     rows = dict(row_end=row_end, q_blocks=q_blocks)
+    dev_rows = dict(row_end=row_end.to(DEVICE), q_blocks=q_blocks.to(DEVICE))
     with pytest.raises(ValueError, match="kv_pages must be None or int32"):
-        sparse_attention(*args, scale=0.125, block=16, kv_pages=pages.long(), **rows)
+        sparse_attention(*on_device(*args), scale=0.125, block=16, kv_pages=pages.long().to(DEVICE), **dev_rows)
     with pytest.raises(ValueError, match="give one page per block of the layout"):
-        sparse_attention(*args, scale=0.125, block=16, kv_pages=pages[:-1], **rows)
+        sparse_attention(*on_device(*args), scale=0.125, block=16, kv_pages=pages[:-1].to(DEVICE), **dev_rows)
     beyond = pages.clone()
     beyond[0] = k_pool.shape[1] // 16
     with pytest.raises(ValueError, match="kv_pages must be pages of k / v"):
@@ -688,15 +685,18 @@ def test_kv_pages_rejected_when_malformed():
 def test_q_blocks_rejected_when_malformed():
     layout, lay, inv_freq, q, k, v, want, q_blocks, (starts, indices, row_end) = q_block_case(59, 16, torch.float32)
     args = (q, k, v, starts, indices, layout.block_valid, layout.block_offset, inv_freq)
+    dev = on_device(*args)
+    row_end_d, q_blocks_d = on_device(row_end, q_blocks)
     nb = len(layout.block_request)
     with pytest.raises(ValueError, match="q_blocks must be None or int32"):
-        sparse_attention(*args, scale=0.125, block=16, row_end=row_end, q_blocks=q_blocks.long())
+        sparse_attention(*dev, scale=0.125, block=16, row_end=row_end_d, q_blocks=q_blocks_d.long())
     with pytest.raises(ValueError, match="q_blocks must be None or int32"):
-        sparse_attention(*args, scale=0.125, block=16, q_blocks=torch.arange(nb + 1, dtype=torch.int32))
+        sparse_attention(*dev, scale=0.125, block=16, q_blocks=torch.arange(nb + 1, dtype=torch.int32,
+                                                                             device=DEVICE))
     with pytest.raises(ValueError, match="indptr must be int32"):   # rows counted against NB, not NQ
-        sparse_attention(*args, scale=0.125, block=16, row_end=row_end)
+        sparse_attention(*dev, scale=0.125, block=16, row_end=row_end_d)
     with pytest.raises(ValueError, match="row_end must be"):
-        sparse_attention(*args, scale=0.125, block=16, row_end=row_end[:-1], q_blocks=q_blocks)
+        sparse_attention(*dev, scale=0.125, block=16, row_end=row_end_d[:-1], q_blocks=q_blocks_d)
     repeated = q_blocks.clone()
     repeated[1] = repeated[0]
     with pytest.raises(ValueError, match="distinct block ids"):
