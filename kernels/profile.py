@@ -670,16 +670,18 @@ def plan_pack(docs: PackedDocs, *, head_dim: int, dtype: torch.dtype, device,
     per_doc = [np.asarray(docs.starts), np.asarray(docs.cu_seqlens), lengths, np.cumsum(squares) - squares,
                np.asarray(docs.la_offsets), np.asarray(docs.ca_offsets), np.cumsum(pages) - pages]
     tables = [lse_blocks, fwd_blocks, stats_blocks, np.concatenate([la_progs, ca_progs])]
-    flat = np.concatenate([a.reshape(-1) for a in per_doc + tables]).astype(np.int32)
+    # Every table starts 16-byte aligned (4 int32): Triton specialises a kernel on its pointers' alignment, so
+    # tables packed back to back would compile a variant per pack whose document count moves an offset.
+    starts = np.cumsum([0] + [-(-a.size // 4) * 4 for a in per_doc + tables])
+    flat = np.zeros(int(starts[-1]), dtype=np.int32)
+    for at, a in zip(starts, per_doc + tables):
+        flat[at:at + a.size] = a.reshape(-1)
     host = torch.from_numpy(flat)
     device = torch.device(device)
     if device.type == "cuda":
         host = host.pin_memory()
     buf = host.to(device, non_blocking=True)
-    views, at = [], 0
-    for a in per_doc + tables:
-        views.append(buf[at:at + a.size].view(a.shape))
-        at += a.size
+    views = [buf[at:at + a.size].view(a.shape) for at, a in zip(starts, per_doc + tables)]
     return PackPlan(docs, lse_cfg, stats_cfg, fwd_cfg, *views, n_la_progs=len(la_progs),
                     tmax_per_head=tmax_per_head, ca_per_program=ca_per_program)
 

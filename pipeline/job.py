@@ -57,6 +57,7 @@ STARTUP_KEYS = {
     "model_load": "duration: the actor's set-up (weights on its device, profiler ready)",
     "imports": "duration: of which the imports (torch, transformers' model classes, the profiler; CUDA's start)",
     "weights": "duration: of which `load_model` (the weights onto the device, the tokenizer)",
+    "warmup": "duration: beside `weights`, the profiling path run once on dummy inputs (GPU actors; 0 on CPU)",
     "actor_ready": "moment: the actor can profile",
     "first_records": "moment: the first tokenised records reached the driver",
     "first_submit": "moment: the first shard was handed to an actor",
@@ -126,16 +127,21 @@ class ProfileShardWriter:
             torch.cuda.init()
         imports = time.perf_counter() - t0
         backend = resolve_backend(cfg.build.backend, device, choices=BACKENDS, setting="build.backend")
+        # The device's kernels warm up on dummy inputs while the weights load (on a GPU: Triton's kernels,
+        # cuBLAS, the SDPA backends); the first shard then pays for none of it.
+        warm = _WarmUp(model, cfg, backend, device) if device == "cuda" else None
         t_weights = time.perf_counter()
         model_obj, tokenizer, _ = load_model(model, dtype=cfg.profile.dtype, device=device, identity=False)
         weights = time.perf_counter() - t_weights
+        warmup = warm.join() if warm is not None else 0.0
         self.profiler = Profiler(model_obj, tokenizer, cfg.profile, backend, batch_tokens=cfg.build.batch_tokens)
         self.index = Location.of(index)  # `index` is the location's spec: a local path or a URI
         self.node = ray.get_runtime_context().get_node_id()
         self.device_lock = threading.Lock()
         # The actor's start-up: wall-clock moments (the driver counts them from the build's start) and durations.
         self.timeline = {"actor_code": IMPORT_STARTED, "actor_init": init, "actor_ready": time.time(),
-                         "model_load": time.perf_counter() - t0, "imports": imports, "weights": weights}
+                         "model_load": time.perf_counter() - t0, "imports": imports, "weights": weights,
+                         "warmup": warmup}
 
     def ready(self) -> None:
         """Answers once the actor is set up (the driver's sign that it can profile)."""
@@ -178,6 +184,37 @@ class ProfileShardWriter:
         import torch
 
         return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+
+
+class _WarmUp:
+    """`profiler.warm_up` on a thread of its own, from the moment it is made; `join` -> its seconds. A warm-up
+    that fails is logged and otherwise ignored: it changes no result, and a real shard meets the same error."""
+
+    def __init__(self, model: str, cfg, backend: str, device: str):
+        self.seconds = 0.0
+        self.thread = threading.Thread(target=self._run, args=(model, cfg, backend, device), daemon=True,
+                                       name="sift-warm-up")
+        self.thread.start()
+
+    def _run(self, model: str, cfg, backend: str, device: str) -> None:
+        t0 = time.perf_counter()
+        try:
+            import torch
+            from transformers import AutoConfig, AutoTokenizer
+
+            from .profiler import warm_up
+
+            model_dir = resolve_model_dir(model)
+            warm_up(AutoConfig.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir), cfg.profile,
+                    backend, device=device, dtype=getattr(torch, cfg.profile.dtype))
+        except Exception as e:  # noqa: BLE001 - see the class docstring
+            logging.getLogger("sift.build").warning("the profiling warm-up failed (the first shard warms up "
+                                                    "instead): %s", one_line(e))
+        self.seconds = time.perf_counter() - t0
+
+    def join(self) -> float:
+        self.thread.join()
+        return self.seconds
 
 
 @dataclass(frozen=True)

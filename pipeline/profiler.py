@@ -25,6 +25,7 @@ bits are set whole.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Sequence
 
 import numpy as np
@@ -168,6 +169,103 @@ def _profile_attention(module, query, key, value, attention_mask, scaling=None, 
     return out, None
 
 
+def _dense_heads(profile: ProfileConfig, n_layers: int, n_heads: int) -> dict[int, tuple[int, ...]]:
+    """profile.dense_heads as layer -> heads, checked against the model's geometry."""
+    dense: dict[int, tuple[int, ...]] = {}
+    for layer, head in profile.dense_heads:
+        if not (0 <= layer < n_layers and 0 <= head < n_heads):
+            raise SiftError(f"profile.dense_heads entry [{layer}, {head}] is out of range for a model with "
+                            f"{n_layers} layers and {n_heads} heads")
+        dense[layer] = dense.get(layer, ()) + (head,)
+    return dense
+
+
+@dataclass
+class _WarmUp:
+    """What `_profile_attention` reads of a `Profiler`, for a warm-up without the model's weights."""
+
+    profile_cfg: ProfileConfig
+    backend: str
+    forward: AttentionWithLse
+    dense: dict
+    dense_flags: dict
+
+
+def _warm_lengths(n_fixed: int, tile: int) -> tuple[int, ...]:
+    """Document lengths of a small warm-up pack of two documents whose integer kernel arguments that vary with
+    the pack (its rows, its tiles per head, its LA / CA bytes per head) are not multiples of 16, as in most real
+    packs: Triton compiles one variant of a kernel per divisibility by 16 of each integer argument."""
+    from sift.format import ca_nbytes, la_nbytes, n_pages
+
+    for extra in range(64):
+        lengths = (2 * tile + 3 + extra, 5)
+        pages = [n_pages(n, tile) for n in lengths]
+        varying = (sum(lengths) + 2 * n_fixed, sum(p * p for p in pages), sum(la_nbytes(n, tile) for n in lengths),
+                   sum(ca_nbytes(n, tile) for n in lengths))
+        if all(v % 16 and v != 1 for v in varying):
+            return lengths
+    return (2 * tile + 3, 5)
+
+
+@torch.inference_mode()
+def warm_up(config, tokenizer, profile: ProfileConfig, backend: str, *, device, dtype: torch.dtype) -> None:
+    """Run the profiling path of one layer on random q / k / v of the model's geometry (`config`: heads, KV
+    heads, head dim, soft-capping, hidden and MLP sizes), before the model's weights exist: the Triton kernels
+    compile (or load from Triton's cache) the variants a real pack launches, the SDPA backends that give the lse
+    (flash's varlen forward, cuDNN) and cuBLAS (a GEMM of each linear layer's shape, in `dtype`) initialise, and
+    the pinned copy of a pack's bits allocates its first host memory. Touches no state a `Profiler` reads: the
+    bits a build writes do not depend on whether it ran. The "torch" backend has nothing to warm up."""
+    if backend != "triton":
+        return
+    from ..kernels.profile import dense_flags, plan_pack
+
+    device = torch.device(device)
+    n_layers, n_heads = config.num_hidden_layers, config.num_attention_heads
+    n_kv = getattr(config, "num_key_value_heads", None) or n_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // n_heads
+    prefix, reader = profiling_prefix_ids(tokenizer, profile), profiling_reader_ids(tokenizer, profile)
+    dense = _dense_heads(profile, n_layers, n_heads)
+    flags = {layer: dense_flags(heads, n_heads, device) for layer, heads in dense.items()}
+    warm = _WarmUp(profile, backend, AttentionWithLse(), dense, flags)
+    # One layer without dense heads and one with, where some are (a kernel variant each).
+    layers = sorted({next((i for i in range(n_layers) if i not in dense), 0), *list(dense)[:1]})
+    module = SimpleNamespace(config=config, layer_idx=0)
+    scaling = head_dim ** -0.5  # a float argument: no kernel variant depends on it
+    n_fixed = len(prefix) + len(reader)
+    for lengths in (_warm_lengths(n_fixed, profile.tile), (profile.tile + 3,)):  # a pack; a pack of one
+        docs = PackedDocs(len(prefix), lengths, profile.tile, len(reader))
+        plan = plan_pack(docs, head_dim=head_dim, dtype=dtype, device=device)
+        seqs = Sequences.of(docs, plan.cu_seqlens) if len(docs) > 1 else None
+        shape = (n_layers, n_heads)
+        la = torch.empty(*shape, docs.la_total, dtype=torch.uint8, device=device)
+        ca = torch.empty(*shape, docs.ca_total, dtype=torch.uint8, device=device)
+        capture = _Capture(warm, docs, plan, seqs, la, ca)
+        gen = torch.Generator(device=device).manual_seed(0)
+
+        def weight(rows: int, cols: int) -> torch.Tensor:
+            return torch.randn(rows, cols, generator=gen, device=device, dtype=dtype) * cols ** -0.5
+
+        # q / k / v as a transformers attention layer hands them over: projections [1, T, H * D] viewed as
+        # [1, H, T, D]; q / k through the elementwise ops of a rotary embedding (whose result keeps that layout).
+        x = torch.randn(docs.total, config.hidden_size, generator=gen, device=device, dtype=dtype)
+        q, k, v = (torch.nn.functional.linear(x, weight(heads * head_dim, config.hidden_size))
+                   .view(1, docs.total, heads, head_dim).transpose(1, 2) for heads in (n_heads, n_kv, n_kv))
+        cos = torch.ones(1, 1, docs.total, head_dim, device=device, dtype=dtype)
+        q, k = (t * cos + t.flip(-1) * cos for t in (q, k))
+        for layer in layers:
+            module.layer_idx = layer
+            out, _ = _profile_attention(module, q, k, v, None, scaling=scaling, sift_capture=capture)
+        # The linear layers' GEMMs at their weights' shapes (o_proj; the MLP's up and down projections).
+        h = torch.nn.functional.linear(out.flatten(2)[0], weight(config.hidden_size, n_heads * head_dim))
+        mlp = getattr(config, "intermediate_size", None)
+        if mlp:
+            up = torch.nn.functional.linear(h, weight(mlp, config.hidden_size))
+            torch.nn.functional.linear(up, weight(config.hidden_size, mlp))
+        if device.type == "cuda":  # the first pinned host memory, as a pack's bits copy takes it
+            torch.empty(la.shape, dtype=torch.uint8, pin_memory=True).copy_(la, non_blocking=True)
+            torch.cuda.current_stream(device).synchronize()
+
+
 @dataclass
 class _Launched:
     """A pack whose forward is queued on the device: its bits arrive in `la` / `ca` (host, pinned on a GPU)
@@ -206,12 +304,7 @@ class Profiler:
         cfg = model.config
         self.n_layers = cfg.num_hidden_layers
         self.n_heads = cfg.num_attention_heads
-        self.dense: dict[int, tuple[int, ...]] = {}
-        for layer, head in profile.dense_heads:
-            if not (0 <= layer < self.n_layers and 0 <= head < self.n_heads):
-                raise SiftError(f"profile.dense_heads entry [{layer}, {head}] is out of range for a model with "
-                                f"{self.n_layers} layers and {self.n_heads} heads")
-            self.dense[layer] = self.dense.get(layer, ()) + (head,)
+        self.dense = _dense_heads(profile, self.n_layers, self.n_heads)
         outside = [layer for layer in profile.ca_full_layers if layer >= self.n_layers]
         if outside:
             raise SiftError(f"profile.ca_full_layers {outside} out of range for a model with {self.n_layers} layers "

@@ -211,6 +211,7 @@ def check_startup(last_build: dict) -> None:
     assert set(s) == set(STARTUP_KEYS), set(s) ^ set(STARTUP_KEYS)
     assert 0 <= s["process"] < 60 and s["ray"] > 0 and s["plan"] > 0
     assert 0 < s["imports"] and 0 < s["weights"] and s["imports"] + s["weights"] <= s["model_load"]
+    assert 0 <= s["warmup"] <= s["model_load"]  # beside the weights' load (a GPU actor's), else 0
     # The actor's moments come from its own clock (the same machine here): started, set up, ready, in order, and
     # its set-up lasting what it measured itself.
     assert s["actor_code"] <= s["actor_init"] <= s["actor_ready"] <= s["first_shard"]

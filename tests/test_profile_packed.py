@@ -236,3 +236,84 @@ def test_finish_packed_equals_finish_bits_per_document(normalize, sink, dense):
         ref = finish_bits(tm, c, n, tile=16, alpha=alpha, gamma=gamma, ca_normalize=normalize,
                           force_sink_page=sink, dense_heads=dense)
         assert torch.equal(la[:, docs.la_bytes(s)], ref.la) and torch.equal(ca[:, docs.ca_bytes(s)], ref.ca), s
+
+
+def test_warm_up_runs_the_profiling_kernels_on_the_models_layout(monkeypatch):
+    """`warm_up` (what a GPU actor runs while its weights load) launches the first pass, the statistics pass and
+    the bits kernel of the "triton" backend (here in the interpreter) on q / k / v laid out as the real model's
+    forward hands them to the attention function, changes no random state, and does nothing for "torch"."""
+    from sift.pipeline import profiler as prof
+    from sift.pipeline.config import ProfileConfig
+
+    from .helpers import smollm2
+
+    model, tok = smollm2()
+    real = []
+    reference = prof.profile_packed_ref
+
+    def record_real(q, k, docs, **kw):
+        real.append((q.stride(), k.stride(), kw["v"].stride()))
+        return reference(q, k, docs, **kw)
+
+    monkeypatch.setattr(prof, "profile_packed_ref", record_real)
+    previous = model.config._attn_implementation
+    try:
+        prof.Profiler(model, tok, ProfileConfig(tile=16), "torch").profile_batch([list(range(100, 140)), [7] * 9])
+    finally:
+        model.set_attn_implementation(previous)
+    launched = {"attention": [], "stats": 0, "bits": 0}
+    for name, key in (("_launch_stats", "stats"), ("_launch_bits", "bits")):
+        def counted(*args, _fn=getattr(pk, name), _key=key, **kw):
+            launched[_key] += 1
+            return _fn(*args, **kw)
+        monkeypatch.setattr(pk, name, counted)
+    attention = pk.attention_packed
+
+    def record_warm(q, k, v, plan, **kw):
+        launched["attention"].append((q.stride(), k.stride(), v.stride(), plan.docs))
+        return attention(q, k, v, plan, **kw)
+
+    monkeypatch.setattr(pk, "attention_packed", record_warm)
+    rng = torch.get_rng_state()
+    prof.warm_up(model.config, tok, ProfileConfig(tile=16), "torch", device="cpu", dtype=torch.float32)
+    assert launched == {"attention": [], "stats": 0, "bits": 0}
+    prof.warm_up(model.config, tok, ProfileConfig(tile=16), "triton", device="cpu", dtype=torch.float32)
+    assert torch.equal(torch.get_rng_state(), rng)
+    # A pack of several documents and a pack of one, each through every kernel of the layer.
+    assert [len(docs) for *_, docs in launched["attention"]] == [2, 1]
+    assert launched["stats"] == launched["bits"] == 2
+    n_heads, n_kv = model.config.num_attention_heads, model.config.num_key_value_heads
+    d = model.config.hidden_size // n_heads
+    # [H, T, D] views of [T, H, D]: the strides do not depend on T, so they equal a real forward's.
+    assert real[0] == ((d, n_heads * d, 1), (d, n_kv * d, 1), (d, n_kv * d, 1))
+    assert all(tuple(strides) == real[0] for *strides, _ in launched["attention"])
+
+
+@pytest.mark.parametrize("n_fixed", [0, 1, 5, 16])
+@pytest.mark.parametrize("tile", [16, 32, 64, 128])
+def test_warm_up_pack_has_the_common_kernel_variants(n_fixed, tile):
+    """The warm-up pack's row count, tiles per head and LA / CA bytes per head are not multiples of 16 (nor 1):
+    the divisibility a real pack's integer kernel arguments have in 15 cases out of 16, and Triton compiles a
+    kernel variant per divisibility."""
+    from sift.format import n_pages
+    from sift.pipeline.profiler import _warm_lengths
+
+    lengths = _warm_lengths(n_fixed, tile)
+    docs = PackedDocs(n_fixed, lengths, tile)
+    pages = [n_pages(n, tile) for n in lengths]
+    assert len(lengths) == 2 and docs.total == sum(lengths) + 2 * n_fixed
+    for value in (docs.total, sum(p * p for p in pages), docs.la_total, docs.ca_total):
+        assert value % 16 and value != 1, (lengths, value)
+
+
+def test_actor_warm_up_failure_is_logged_not_raised(tmp_path, caplog):
+    """The actor's warm-up thread: a warm-up that fails (here, no model at the path) logs one line and lets the
+    actor continue (a real shard meets the same error and reports it per document)."""
+    from sift.pipeline.config import load_config_dict
+    from sift.pipeline.job import _WarmUp
+
+    cfg = load_config_dict({"build": {"backend": "triton"}})
+    with caplog.at_level("WARNING", logger="sift.build"):
+        seconds = _WarmUp(str(tmp_path / "no-model"), cfg, "triton", "cpu").join()
+    assert seconds >= 0
+    assert any("warm-up failed" in r.getMessage() for r in caplog.records)
