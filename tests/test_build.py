@@ -250,7 +250,7 @@ def test_sigkill_mid_build_then_resume_with_concurrent_reader(tmp_path):
     from ray._common.utils import get_default_system_temp_dir
 
     sessions = [d for d in (Path(get_default_system_temp_dir()) / "ray").glob("session_*")
-                if (d / "logs" / f"sift-build-{proc.pid}.err").exists()]
+                if not d.is_symlink() and (d / "logs" / f"sift-build-{proc.pid}.err").exists()]
     assert len(sessions) == 1, sessions
     deadline = time.monotonic() + 10
     while _session_processes(sessions[0]) and time.monotonic() < deadline:
