@@ -123,8 +123,10 @@ def refusal(model, norms: list) -> str | None:
     if id(base.norm) not in fusable:
         return f"the final norm ({type(base.norm).__name__}) is not an RMSNorm the kernel computes"
     for m in base.modules():
-        if m._forward_hooks or m._forward_pre_hooks:
+        if not all(map(inert, [*m._forward_hooks.values(), *m._forward_pre_hooks.values()])):
             return f"{type(m).__name__} has forward hooks, which the fast forward would not call"
+        if "forward" in vars(m):
+            return f"{type(m).__name__}'s forward is replaced on the instance (an offloading or patching wrapper)"
     for i, layer in enumerate(base.layers):
         where = f"layer {i} ({type(layer).__name__})"
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
@@ -155,6 +157,12 @@ def refusal(model, norms: list) -> str | None:
         if len({p.dtype for p in layer.parameters()}) != 1:
             return f"{where}: its parameters have several dtypes"
     return None
+
+
+def inert(hook) -> bool:
+    """transformers' output-capturing hooks, which it installs on a model's layers the first time a forward asks
+    for hidden states or attentions, record only inside such a forward; no decode step is one."""
+    return getattr(hook, "__module__", "") == "transformers.utils.output_capturing"
 
 
 class Probe:

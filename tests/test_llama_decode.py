@@ -112,8 +112,8 @@ def test_smollm2_through_every_layer_equals_its_own_forward():
 
 def test_models_it_does_not_serve_keep_the_module_forward(tokenizer, tmp_path):
     """Qwen3's q / k norms fail the structure; Granite has Llama's modules but scales the embedding and the
-    branches (which moves the MLP's input), which only the check against the model's own forward sees; the torch
-    backend and the runner's flag."""
+    branches (which moves the MLP's input), which only the check against the model's own forward sees; a user's
+    forward hook (but not transformers' own output-capturing hooks); the torch backend and the runner's flag."""
     from transformers import AutoModelForCausalLM, GraniteConfig
 
     qwen3 = SiftEngine(_tiny("qwen3", tmp_path / "q"), tokenizer, None, backend="triton").runner
@@ -128,6 +128,15 @@ def test_models_it_does_not_serve_keep_the_module_forward(tokenizer, tmp_path):
         assert runner.fast is None and why in runner.fast_refusal, runner.fast_refusal
     model = _tiny("llama", tmp_path / "l")
     assert SiftEngine(model, tokenizer, None, backend="torch").runner.fast is None
+    hook = model.model.layers[1].mlp.register_forward_hook(lambda m, i, o: None)
+    runner = SiftEngine(model, tokenizer, None, backend="triton").runner
+    assert runner.fast is None and "forward hooks" in runner.fast_refusal
+    hook.remove()
+    with torch.no_grad():   # transformers installs its (inactive) output-capturing hooks on the layers, for good
+        model(torch.tensor([[1, 2, 3]]), output_hidden_states=True)
+    assert any(layer._forward_hooks for layer in model.model.layers)
+    runner = SiftEngine(model, tokenizer, None, backend="triton").runner
+    assert runner.fast is not None, runner.fast_refusal
     engine = SiftEngine(model, tokenizer, None, backend="triton")
     off = ModelRunner(model, engine.attention_backend, engine.inv_freq, engine.kv_store, block=engine.block,
                       max_positions=4096, cuda_graphs=False, fast_decode=False)
