@@ -15,11 +15,16 @@ beside each group's floor: the bytes it must read over the bandwidth of a large 
 the same run (GEMMs: every weight but the embedding table; attention: every request's KV). The gap between
 `replay` and the sum of the floors is what a faster step has to win, and the groups say where.
 
-    python bench/profile_decode_step.py              # a CUDA GPU: ~1 minute on an H200
+Each figure is measured for both decode forwards (`--paths`): "fast", runtime/llama_decode.py's (stacked q / k / v
+and gate / up projections, fused element-wise kernels), and "module", the model's own modules with the fused
+RMSNorms (the runner with its fast forward switched off), one engine after the other on the same model.
+
+    python bench/profile_decode_step.py              # a CUDA GPU: ~2 minutes on an H200
     python bench/profile_decode_step.py --smoke      # tiny random Llama on CPU: checks the script runs
 """
 from __future__ import annotations
 
+import gc
 import pathlib
 import tempfile
 import time
@@ -85,7 +90,11 @@ def main() -> None:
     ap = common.parser(__doc__.split("\n\n")[0])
     ap.add_argument("--contexts", default="16384,32768", help="document tokens per request")
     ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--paths", default="fast,module", help="decode forwards measured: fast, module")
     args = ap.parse_args()
+    paths = args.paths.split(",")
+    if not set(paths) <= {"fast", "module"}:
+        raise SystemExit(f"--paths {args.paths!r}: a comma-separated list of fast, module")
     smoke = args.smoke
     if not smoke and not torch.cuda.is_available():
         raise SystemExit("profile_decode_step needs a CUDA GPU (or --smoke)")
@@ -114,8 +123,44 @@ def main() -> None:
                 config=config)
     index = SyntheticIndex.open(tmp / "index", device=model.device)
     tok = IdTokenizer(config.bos_token_id, None)
-    engine = SiftEngine(model, tok, index, kv_cache_bytes=(64 << 20) if smoke else 40 << 30)
-    engine.warmup()
+    rows = []
+    for path in paths:
+        # --smoke: backend triton in the interpreter, so that the fast forward (Triton kernels only) runs on CPU
+        engine = SiftEngine(model, tok, index, kv_cache_bytes=(64 << 20) if smoke else 40 << 30,
+                            backend="triton" if smoke else "auto")
+        if path == "module":
+            engine.runner.fast = None
+        elif engine.runner.fast is None:
+            raise SystemExit(f"the fast decode forward does not serve this model: {engine.runner.fast_refusal}")
+        engine.warmup()
+        rows += measure(engine, path, docs, queries, contexts, batches, doc_tokens, query_tokens, weights_bytes,
+                        kv_per_token, bandwidth, smoke)
+        del engine
+        gc.collect()
+        if not smoke:
+            torch.cuda.empty_cache()
+    setup = dict(contexts=contexts, batches=batches, paths=paths, doc_tokens=doc_tokens, query_tokens=query_tokens,
+                 mode="reuse", tile=TILE, bandwidth_bytes_per_s=bandwidth, weights_bytes_read=weights_bytes,
+                 kv_bytes_per_token=kv_per_token, smoke=smoke)
+    common.write_result("decode-step", dict(setup=setup, seconds=time.perf_counter() - t_start, rows=rows),
+                        common.out_dir(args))
+    print(f"\n{'path':>6} {'ctx':>6} {'batch':>5} {'wall':>7} {'replay':>7} {'floor':>7} | {'GEMMs (floor, n)':>22} | "
+          f"{'attention (floor, n)':>22} | {'other (n)':>14}")
+    for r in rows:
+        g = r.get("groups")
+        head = f"{r['path']:>6} {r['context'] / 1024:>5g}K {r['batch']:>5} {r['wall_ms']:>5.2f}ms"
+        if g is None:
+            print(head)
+            continue
+        print(f"{head} {r['replay_ms']:>5.2f}ms "
+              f"{r['floor_ms']:>5.2f}ms | {g['gemm']['ms']:>5.2f} ({g['gemm']['floor_ms']:.2f}, "
+              f"{g['gemm']['kernels']:.0f}) ms | {g['attention']['ms']:>5.2f} ({g['attention']['floor_ms']:.2f}, "
+              f"{g['attention']['kernels']:.0f}) ms | {g['other']['ms']:>5.2f} ({g['other']['kernels']:.0f}) ms")
+
+
+def measure(engine, path: str, docs, queries, contexts, batches, doc_tokens: int, query_tokens: int,
+            weights_bytes: int, kv_per_token: int, bandwidth: float, smoke: bool) -> list[dict]:
+    """The rows of one engine (one decode forward): every context and batch, requests aborted after each."""
     runner = engine.runner
     rows = []
     for ctx in contexts:
@@ -126,10 +171,10 @@ def main() -> None:
             params = SamplingParams(max_tokens=400, temperature=0.0)
             rids = [engine.add_request(r, params, "reuse") for r in reqs]
             last = {}
-            for _ in range(20):                          # prefill, then a few decode steps
+            warm, n = (3, 4) if smoke else (20, 60)      # --smoke: the interpreted kernels take ~1 s a step
+            for _ in range(warm):                        # prefill, then a few decode steps
                 last.update((o.request_id, o) for o in engine.step())
             common_sync(smoke)
-            n = 60
             t = time.perf_counter()
             for _ in range(n):
                 last.update((o.request_id, o) for o in engine.step())
@@ -140,7 +185,7 @@ def main() -> None:
             context = 1 + len(names) * doc_tokens + query_tokens + tokens
             floors = {"gemm": 1e3 * weights_bytes / bandwidth,
                       "attention": 1e3 * batch * context * kv_per_token / bandwidth}
-            row = dict(context=ctx, batch=batch, bucket=bucket, wall_ms=wall,
+            row = dict(path=path, context=ctx, batch=batch, bucket=bucket, wall_ms=wall,
                        floor_ms=floors["gemm"] + floors["attention"])
             if not smoke:
                 row["replay_ms"] = replay_ms(runner, bucket)
@@ -155,22 +200,7 @@ def main() -> None:
                 engine.abort(i)
             while engine.has_unfinished():
                 engine.step()
-    setup = dict(contexts=contexts, batches=batches, doc_tokens=doc_tokens, query_tokens=query_tokens, mode="reuse",
-                 tile=TILE, bandwidth_bytes_per_s=bandwidth, weights_bytes_read=weights_bytes,
-                 kv_bytes_per_token=kv_per_token, smoke=smoke)
-    common.write_result("decode-step", dict(setup=setup, seconds=time.perf_counter() - t_start, rows=rows),
-                        common.out_dir(args))
-    print(f"\n{'ctx':>6} {'batch':>5} {'wall':>7} {'replay':>7} {'floor':>7} | {'GEMMs (floor, n)':>22} | "
-          f"{'attention (floor, n)':>22} | {'other (n)':>14}")
-    for r in rows:
-        g = r.get("groups")
-        if g is None:
-            print(f"{r['context'] / 1024:>5g}K {r['batch']:>5} {r['wall_ms']:>5.2f}ms")
-            continue
-        print(f"{r['context'] / 1024:>5g}K {r['batch']:>5} {r['wall_ms']:>5.2f}ms {r['replay_ms']:>5.2f}ms "
-              f"{r['floor_ms']:>5.2f}ms | {g['gemm']['ms']:>5.2f} ({g['gemm']['floor_ms']:.2f}, "
-              f"{g['gemm']['kernels']:.0f}) ms | {g['attention']['ms']:>5.2f} ({g['attention']['floor_ms']:.2f}, "
-              f"{g['attention']['kernels']:.0f}) ms | {g['other']['ms']:>5.2f} ({g['other']['kernels']:.0f}) ms")
+    return rows
 
 
 def common_sync(smoke: bool) -> None:

@@ -1,5 +1,6 @@
 """RoPE for every kernel (SPEC section 5): the parameters from a transformers config, the angle arithmetic the
-Triton kernels share, the key pass and the cos / sin table, and their ref twins.
+Triton kernels share, the key pass and the cos / sin table, the decode step's q / k rotation with the model's own
+table (`rotary_qk`), and their ref twins.
 
 The attention kernel applies a *relative* rotation by `delta = block_offset[kb] - block_offset[qb]` to each key
 tile; that is exact only when the rotation angle is linear in position, `angle = position * inv_freq`. The RoPE
@@ -20,6 +21,7 @@ from triton.language.extra import libdevice
 
 from sift.format import ModelGeometry
 
+from .device import triton_runs_on
 from .layout import gather_blocks
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -260,3 +262,74 @@ def cos_sin_table_ref(block_offset: torch.Tensor, inv_freq: torch.Tensor, out: t
         return table
     out.copy_(table)
     return out
+
+
+# ---- the model's rotation of a decode step's q and k ------------------------------------------------------
+# The decode step (runtime/llama_decode.py) rotates q and k with the model's own cos / sin table (its rotary
+# embedding at each row's segment-local position: any scaling the model applies is already in it), in place in
+# the fused QKV projection's output, in one kernel for every head of both. transformers' apply_rotary_pos_emb
+# rounds three times in the activations' dtype (x * cos, rotate_half(x) * sin, their sum); so does the kernel.
+
+
+@triton.jit
+def _rotary_qk_kernel(QKV, Cos, Sin, stride_qkv, stride_cs, HALF: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < HALF
+    x_ptr = QKV + row * stride_qkv + head * 2 * HALF
+    x1 = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+    c1 = tl.load(Cos + row * stride_cs + offs, mask=mask, other=0.0).to(tl.float32)
+    c2 = tl.load(Cos + row * stride_cs + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+    s1 = tl.load(Sin + row * stride_cs + offs, mask=mask, other=0.0).to(tl.float32)
+    s2 = tl.load(Sin + row * stride_cs + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+    dt = QKV.dtype.element_ty
+    o1 = (x1 * c1).to(dt).to(tl.float32) - (x2 * s1).to(dt).to(tl.float32)
+    o2 = (x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)
+    tl.store(x_ptr + offs, o1.to(dt), mask=mask)
+    tl.store(x_ptr + HALF + offs, o2.to(dt), mask=mask)
+
+
+def _qkv_views(qkv: torch.Tensor, n_q_heads: int, n_kv_heads: int, head_dim: int):
+    b = qkv.shape[0]
+    q_end, k_end = n_q_heads * head_dim, (n_q_heads + n_kv_heads) * head_dim
+    return (qkv[:, :q_end].view(b, n_q_heads, head_dim), qkv[:, q_end:k_end].view(b, n_kv_heads, head_dim),
+            qkv[:, k_end:].view(b, n_kv_heads, head_dim))
+
+
+def _check_qkv(qkv, cos, sin, n_q_heads: int, n_kv_heads: int) -> int:
+    if cos.dim() != 2 or cos.shape != sin.shape or cos.shape[0] != qkv.shape[0] or cos.shape[1] % 2:
+        raise ValueError(f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must both be [B, D] with even D, "
+                         f"B = qkv's rows ({qkv.shape[0]})")
+    head_dim = cos.shape[1]
+    if qkv.dim() != 2 or qkv.shape[1] != (n_q_heads + 2 * n_kv_heads) * head_dim or qkv.stride(-1) != 1:
+        raise ValueError(f"qkv {tuple(qkv.shape)} must be [B, (Hq + 2 Hkv) * D] = [B, {(n_q_heads + 2 * n_kv_heads)}"
+                         f" * {head_dim}] with unit column stride: q, k and v heads side by side, rotated in place")
+    return head_dim
+
+
+def rotary_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_q_heads: int, n_kv_heads: int):
+    """qkv [B, (Hq + 2 Hkv) * D]: a row's q heads, k heads and v heads side by side; cos, sin [B, D]: the model's
+    rotary table at each row's position -> (q [B, Hq, D], k [B, Hkv, D], v [B, Hkv, D]), views of qkv whose q and
+    k heads are rotated in place: x * cos + rotate_half(x) * sin."""
+    head_dim = _check_qkv(qkv, cos, sin, n_q_heads, n_kv_heads)
+    if not triton_runs_on(qkv.device):
+        raise ValueError(f"rotary_qk runs on CUDA tensors (got {qkv.device}); use rotary_qk_ref on CPU")
+    cos, sin = cos.contiguous(), sin.contiguous()
+    half = head_dim // 2
+    _rotary_qk_kernel[(qkv.shape[0], n_q_heads + n_kv_heads)](qkv, cos, sin, qkv.stride(0), cos.stride(0),
+                                                              HALF=half, BLOCK=triton.next_power_of_2(half),
+                                                              num_warps=1)
+    return _qkv_views(qkv, n_q_heads, n_kv_heads, head_dim)
+
+
+def rotary_qk_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_q_heads: int, n_kv_heads: int):
+    """The twin of `rotary_qk`, in torch: transformers' `x * cos + rotate_half(x) * sin` on the q and k heads."""
+    head_dim = _check_qkv(qkv, cos, sin, n_q_heads, n_kv_heads)
+    q, k, v = _qkv_views(qkv, n_q_heads, n_kv_heads, head_dim)
+    half = head_dim // 2
+    for x in (q, k):
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        x.copy_(x * cos[:, None] + rotated * sin[:, None])
+    return q, k, v

@@ -199,7 +199,8 @@ class SiftEngine:
         context = self.max_positions or self.kv_store.n_pages * block
         self.runner = ModelRunner(model, self.attention_backend, self.inv_freq, self.kv_store, block=block,
                                   max_positions=context, cuda_graphs=cuda_graphs,
-                                  fused_norms=self.attention_backend.name == "triton")
+                                  fused_norms=self.attention_backend.name == "triton",
+                                  fast_decode=self.attention_backend.name == "triton")
         self.scheduler = Scheduler(self.kv_store, max_running=max_running, max_prefill_tokens=max_prefill_tokens)
         # One step at a time: a step swaps the model's attention implementation for its forwards, and the GPU
         # runs one step's work in order anyway.

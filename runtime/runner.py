@@ -10,11 +10,13 @@
                                replaying the CUDA graph captured for the smallest batch-size bucket that holds
                                the rows (`capture`, once per engine)
 
-A decode step is the unchanged transformers forward of one token per row with the engine's attention over the
-position-free paged cache, the lm_head, the sampler and the stop rules (eos / stop ids / max_tokens -> the row
-stops), all on the device: it reads nothing back to the host, so it is the same code eager on CPU (what the tests
-run) and captured on CUDA. Rows past the live ones (padding up to the bucket, and rows whose request stopped) run
-too, harmlessly: their token goes to the engine's one reserved page, and nothing reads it.
+A decode step is the model's forward of one token per row with the engine's attention over the position-free
+paged cache (for a Llama-structured model runtime/llama_decode.py's forward, with fused projections and fused
+element-wise kernels, checked once against the model's own; else the unchanged transformers forward), the
+lm_head, the sampler and the stop rules (eos / stop ids / max_tokens -> the row stops), all on the device: it
+reads nothing back to the host, so it is the same code eager on CPU (what the tests run) and captured on CUDA.
+Rows past the live ones (padding up to the bucket, and rows whose request stopped) run too, harmlessly: their
+token goes to the engine's one reserved page, and nothing reads it.
 
 The transformers forward needs nothing changed to be captured: with the engine's attention implementation (which
 registers no mask function) it builds no attention mask, with `use_cache=False` no cache object, and with
@@ -36,6 +38,7 @@ from ..kernels.device import triton_runs_on
 from ..kernels.rmsnorm import rms_norm
 from .forward import ATTN_NAME, DecodeAttention, PrefillAttention, StopAfter, Stopped, Timer
 from .kv_cache import PoolKV
+from .llama_decode import LlamaDecode, llama_decode
 from .metadata import DecodeMetadata
 from .plan import n_blocks
 from .sampling import MAX_STOP_TOKEN_IDS, sample, vocab_hash
@@ -154,10 +157,12 @@ class ModelRunner:
 
     cuda_graphs: capture one decode step per bucket and greedy / sampling variant (CUDA only); max_positions:
     the model's context, which sizes the rows' block tables; fused_norms: decode steps run the model's RMSNorms
-    as one Triton kernel each (`fusable_norms`; where the kernels run)."""
+    as one Triton kernel each (`fusable_norms`; where the kernels run); fast_decode: decode steps run
+    runtime/llama_decode.py's forward where it accepts the model (`fast`; else `fast_refusal` says why not), which
+    makes the model's q / k / v and gate / up weights views of stacked matrices (same values, same memory)."""
 
     def __init__(self, model, backend, inv_freq: torch.Tensor, store, *, block: int, max_positions: int,
-                 cuda_graphs: bool, fused_norms: bool = True):
+                 cuda_graphs: bool, fused_norms: bool = True, fast_decode: bool = True):
         self.model, self.backend, self.inv_freq, self.store, self.block = model, backend, inv_freq, store, block
         self.device = inv_freq.device
         self.lm_head = model.get_output_embeddings()
@@ -188,6 +193,13 @@ class ModelRunner:
         # The decode step runs the model's RMSNorms as one kernel each (kernels/rmsnorm.py): at batch 1 the eight
         # element-wise kernels of each norm cost more than the bytes they move.
         self.norms = fusable_norms(model, self.device) if fused_norms else []
+        # A Llama-structured model decodes in about a third of the module forward's kernels, with its q / k / v and
+        # gate / up projections one GEMM each (runtime/llama_decode.py); decided once, here.
+        self.fast: LlamaDecode | None = None
+        self.fast_refusal = "fast_decode=False"
+        if fast_decode:
+            norms = self.norms if fused_norms else fusable_norms(model, self.device)
+            self.fast, self.fast_refusal = llama_decode(model, self.device, norms, self.routed_attention)
         self.graphs: dict[tuple[int, bool], tuple] = {}
         self.n_rows = 0
         self.launches = 0
@@ -321,7 +333,7 @@ class ModelRunner:
     def _step(self, b: int, greedy_only: bool) -> torch.Tensor:
         """The decode step of rows [0, b): reads and writes the static buffers only (capture-safe). -> its
         fp32 logits [b, V]."""
-        with self.fused():
+        with self.fused() if self.fast is None else contextlib.nullcontext():
             return self._decode(b, greedy_only)
 
     def _decode(self, b: int, greedy_only: bool) -> torch.Tensor:
@@ -332,11 +344,14 @@ class ModelRunner:
         page = buf.gen_pages[:b].gather(1, (pos // blk).clamp(max=buf.max_gen_pages - 1)[:, None])[:, 0]
         buf.slots[:b] = torch.where(live, page * blk + pos % blk, buf.trash_slot)
         self.pool.advance(buf.slots[:b])
-        with self.routed_attention():
-            steps = self._ape_steps if buf.rescaled else self._steps
-            hidden = self.model.base_model(input_ids=buf.tokens[:b][None], position_ids=pos[None], use_cache=False,
-                                           sift_state=steps[b]).last_hidden_state
-        logits = self.lm_head(hidden[0]).float()
+        attention = (self._ape_steps if buf.rescaled else self._steps)[b]
+        if self.fast is not None:
+            hidden = self.fast.forward(buf.tokens[:b], pos, attention)
+        else:
+            with self.routed_attention():
+                hidden = self.model.base_model(input_ids=buf.tokens[:b][None], position_ids=pos[None],
+                                               use_cache=False, sift_state=attention).last_hidden_state[0]
+        logits = self.lm_head(hidden).float()
         token = sample(logits, buf.temperature[:b], buf.top_k[:b], buf.top_p[:b], buf.key[:b], n_out,
                        self.token_hash, greedy_only=greedy_only)
         drawn = n_out + live.long()
