@@ -17,9 +17,9 @@ from sift.kernels.rmsnorm import add_rms_norm, add_rms_norm_ref
 from sift.kernels.rope import rotary_qk, rotary_qk_ref
 from sift.kernels.swiglu import silu_mul, silu_mul_ref
 
+from .helpers import DEVICE
 from .test_rmsnorm import definition as rms_definition
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16]
 EPS32 = torch.finfo(torch.float32).eps
 

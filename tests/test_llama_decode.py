@@ -15,7 +15,7 @@ from sift.runtime import Request, SamplingParams, SiftEngine
 from sift.runtime.llama_decode import Probe
 from sift.runtime.runner import ModelRunner
 
-from .helpers import assert_within, model_logit_tol, smollm2
+from .helpers import DEVICE, assert_within, model_logit_tol, model_on_device, smollm2
 from .test_engine import _tiny
 
 REQUEST = Request("Hi.", [("a", "Lilu is a spirit of the night wind, feared in the marshes of Sumer.")], "Lilu?")
@@ -44,7 +44,7 @@ def decode(engine: SiftEngine, steps: int) -> tuple[list[int], list[torch.Tensor
 def test_fast_decode_equals_the_module_forward(family, tokenizer, tmp_path):
     """Larger random weights than the default init (std 0.02 makes a tiny model repeat one token), so that the
     greedy tokens change from step to step; qwen2 has q / k / v biases."""
-    model = _tiny(family, tmp_path, initializer_range=0.2)
+    model = model_on_device(_tiny(family, tmp_path, initializer_range=0.2))
     fast = SiftEngine(model, tokenizer, None, backend="triton")
     assert fast.runner.fast is not None, fast.runner.fast_refusal
     plain = SiftEngine(model, tokenizer, None, backend="triton")
@@ -58,8 +58,8 @@ def test_fast_decode_equals_the_module_forward(family, tokenizer, tmp_path):
 
 
 def test_stacked_weights_are_views_and_leave_the_model_unchanged(tokenizer, tmp_path):
-    model = _tiny("llama", tmp_path, attention_bias=True, mlp_bias=True)
-    ids = torch.tensor([[1, 50, 700, 9000, 42]])
+    model = model_on_device(_tiny("llama", tmp_path, attention_bias=True, mlp_bias=True))
+    ids = torch.tensor([[1, 50, 700, 9000, 42]], device=DEVICE)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     with torch.no_grad():
         logits = model(ids).logits
@@ -95,11 +95,12 @@ def test_smollm2_through_every_layer_equals_its_own_forward():
     """The real weights: the fast forward of three tokens (the attention a `Probe`, per row, as in the check)
     against the model's own forward with the same probe, after all 30 layers and the lm_head."""
     model, tokenizer = smollm2()
+    model = model_on_device(model)
     engine = SiftEngine(model, tokenizer, None, backend="triton")
     fast = engine.runner.fast
     assert fast is not None, engine.runner.fast_refusal
-    ids = torch.tensor(tokenizer("The night wind of Sumer")["input_ids"][:3])
-    pos = torch.tensor([0, 40, 900])
+    ids = torch.tensor(tokenizer("The night wind of Sumer")["input_ids"][:3], device=DEVICE)
+    pos = torch.tensor([0, 40, 900], device=DEVICE)
     with torch.no_grad():
         with engine.runner.routed_attention():
             own = model.model(input_ids=ids[None], position_ids=pos[None], use_cache=False,
@@ -116,24 +117,24 @@ def test_models_it_does_not_serve_keep_the_module_forward(tokenizer, tmp_path):
     forward hook (but not transformers' own output-capturing hooks); the torch backend and the runner's flag."""
     from transformers import AutoModelForCausalLM, GraniteConfig
 
-    qwen3 = SiftEngine(_tiny("qwen3", tmp_path / "q"), tokenizer, None, backend="triton").runner
+    qwen3 = SiftEngine(model_on_device(_tiny("qwen3", tmp_path / "q")), tokenizer, None, backend="triton").runner
     assert qwen3.fast is None and "q_norm" in qwen3.fast_refusal
     kwargs = dict(vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
     for overrides, why in (({"embedding_multiplier": 2.0}, "not the embedding"),
                            ({"residual_multiplier": 0.5}, "MLP branch differs")):
         torch.manual_seed(0)
-        granite = AutoModelForCausalLM.from_config(GraniteConfig(**kwargs, **overrides)).eval()
+        granite = AutoModelForCausalLM.from_config(GraniteConfig(**kwargs, **overrides)).eval().to(DEVICE)
         runner = SiftEngine(granite, tokenizer, None, backend="triton").runner
         assert runner.fast is None and why in runner.fast_refusal, runner.fast_refusal
-    model = _tiny("llama", tmp_path / "l")
+    model = model_on_device(_tiny("llama", tmp_path / "l"))
     assert SiftEngine(model, tokenizer, None, backend="torch").runner.fast is None
     hook = model.model.layers[1].mlp.register_forward_hook(lambda m, i, o: None)
     runner = SiftEngine(model, tokenizer, None, backend="triton").runner
     assert runner.fast is None and "forward hooks" in runner.fast_refusal
     hook.remove()
     with torch.no_grad():   # transformers installs its (inactive) output-capturing hooks on the layers, for good
-        model(torch.tensor([[1, 2, 3]]), output_hidden_states=True)
+        model(torch.tensor([[1, 2, 3]], device=DEVICE), output_hidden_states=True)
     assert any(layer._forward_hooks for layer in model.model.layers)
     runner = SiftEngine(model, tokenizer, None, backend="triton").runner
     assert runner.fast is not None, runner.fast_refusal
