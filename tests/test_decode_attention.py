@@ -186,8 +186,9 @@ def test_strided_cache_and_no_rope():
         p = torch.softmax((kk @ q[b][:, :, None])[..., 0] / math.sqrt(d), -1)
         want.append((p[:, None, :] @ vv)[:, 0])
     want = torch.stack(want).double()
-    for fn in (decode_attention, decode_attention_ref):
-        got = fn(*args, scale=1 / math.sqrt(d), block=block, num_splits=2)
+    for fn, where in ((decode_attention, DEVICE), (decode_attention_ref, "cpu")):
+        moved = [None if a is None else a.to(where) for a in args]
+        got = fn(*moved, scale=1 / math.sqrt(d), block=block, num_splits=2).cpu()
         err = (got.double() - want).abs().max().item()
         print(f"{fn.__name__}: max abs error {err:.3e}")
         assert err <= TOL[torch.float32]
