@@ -208,7 +208,12 @@ def tokenised(sources: list[Source], model_dir: Path, cfg: BuildConfig, max_toke
     The driver reads the first source itself (its tokenizer is loaded already) and hands its records on a
     forward's worth (`build.batch_tokens`) at a time, so the first ones are profiled while it tokenises the rest;
     Ray tasks (Ray Data, one source per call) read the others, started at the same moment in the background, so
-    they stream in meanwhile."""
+    they stream in meanwhile. Whenever no batch has come from them for a tick (their workers still import
+    transformers and load the tokenizer, or a small corpus has fewer sources than the cluster has idle CPUs), the
+    driver takes the next source in corpus order that has not come and tokenises it itself, a forward's worth at a
+    time; the Ray tasks' copy of a source the driver took is dropped when it arrives, so every source's records
+    come exactly once, in corpus order. Once every source has come, the stream ends without waiting for the tasks
+    still running."""
     import ray.data
 
     kwargs = dict(model_dir=str(model_dir), id_field=cfg.corpus.id_field, text_field=cfg.corpus.text_field,
@@ -219,14 +224,70 @@ def tokenised(sources: list[Source], model_dir: Path, cfg: BuildConfig, max_toke
         rest = _Ahead(ray.data.from_items(rows[1:], override_num_blocks=max(1, min(len(rows) - 1, 256))).map_batches(
             read_and_tokenize, batch_size=1, fn_kwargs=kwargs).iter_batches(batch_size=None, batch_format="numpy",
                                                                              prefetch_batches=4))
+    done = False
     try:
         yield from tokenize_records({"index": [0], "source": [rows[0]["source"]]}, **kwargs,
                                     every_tokens=cfg.build.batch_tokens)
         if rest is not None:
-            yield from rest.ticking(tick)
+            yield from _shared(rest, rows[1:], kwargs, cfg.build.batch_tokens, tick)
+        done = True
     finally:  # a build that stops early (an error, an interrupt) stops the reading thread with it
         if rest is not None:
-            rest.close()
+            # At the end, the tasks of sources the driver took may still run: not waited for.
+            rest.close(timeout_s=0.0 if done else 2.0)
+
+
+STEAL_TICK_S = 0.1   # how long the driver waits for a batch from the Ray tasks before it tokenises a source itself
+
+
+def _by_source(batch: dict) -> list[tuple[int, dict]]:
+    """A batch of records split by source, in order -> [(source index, its rows)] (none for an empty batch)."""
+    sources = [int(str(k).split(":", 1)[0]) for k in batch["key"]]
+    out = []
+    for s in dict.fromkeys(sources):
+        keep = [x == s for x in sources]
+        out.append((s, batch if all(keep) else {c: [v for v, k in zip(batch[c], keep) if k] for c in batch}))
+    return out
+
+
+def _shared(rest: "_Ahead", rows: list[dict], kwargs: dict, every_tokens: int, tick: float | None):
+    """The records of the sources `rows` (in corpus order) from the Ray tasks behind `rest`, which deliver them in
+    corpus order, the driver tokenising the next source itself whenever nothing of it came for a tick
+    (`tokenised`); with `tick`, also None per idle tick. Yields in corpus order."""
+    order = [int(r["index"]) for r in rows]
+    source_of = {int(r["index"]): r["source"] for r in rows}
+    held: dict[int, list] = {}      # the tasks' rows of sources not handed on yet
+    taken: set[int] = set()         # sources the driver tokenised or tokenises: the tasks' copies are dropped
+    seen, ended = -1, False         # the highest source the tasks delivered rows of; whether they all finished
+    own = None                      # the driver's source in progress (a generator)
+    pos = 0
+    while pos < len(order):
+        f = order[pos]
+        busy = own is not None or f in held
+        item = rest.get(0.0 if busy else (tick or STEAL_TICK_S))
+        if item is _Ahead.END:
+            ended = True
+        elif item is not None:
+            for s, part in _by_source(item):
+                seen = max(seen, s)
+                if s not in taken:
+                    held.setdefault(s, []).append(part)
+        if own is not None:
+            piece = next(own, None)
+            if piece is None:
+                own, pos = None, pos + 1
+            else:
+                yield piece
+            continue
+        yield from held.pop(f, [])
+        # the tasks keep corpus order: rows of a later source, or their end, mean f is complete
+        if f < seen or ended:
+            pos += 1
+        elif item is None and f != seen:
+            taken.add(f)            # nothing of f has come: the driver reads it itself
+            own = tokenize_records({"index": [f], "source": [source_of[f]]}, **kwargs, every_tokens=every_tokens)
+        elif item is None and tick is not None:
+            yield None
 
 
 class _Ahead:
@@ -234,7 +295,7 @@ class _Ahead:
     work behind them starts before the first one is asked for; an error is raised where the batch would be.
     `close` stops the thread: one left blocked inside Ray's client when the process exits can crash it."""
 
-    _END = object()
+    END = object()
 
     def __init__(self, batches, depth: int = 8):
         import queue
@@ -250,7 +311,7 @@ class _Ahead:
             for batch in batches:
                 if not self._put(batch):
                     return
-            self._put(self._END)
+            self._put(self.END)
         except BaseException as e:  # noqa: BLE001 - handed to the consumer
             self._put(e)
 
@@ -272,6 +333,19 @@ class _Ahead:
         self.stopped.set()
         self.thread.join(timeout_s)
 
+    def get(self, timeout: float | None):
+        """The next batch, `_Ahead.END` after the last, or None if none arrived within `timeout` seconds (0: only
+        what is queued already); an error is raised where its batch would be."""
+        import queue
+
+        try:
+            item = self.queue.get(timeout=timeout) if timeout else self.queue.get_nowait()
+        except queue.Empty:
+            return None
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
     def __iter__(self):
         return self.ticking(None)
 
@@ -286,7 +360,7 @@ class _Ahead:
             except queue.Empty:
                 yield None
                 continue
-            if item is self._END:
+            if item is self.END:
                 return
             if isinstance(item, BaseException):
                 raise item

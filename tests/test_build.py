@@ -323,3 +323,67 @@ def test_first_source_streams_a_forwards_worth_at_a_time(tmp_path):
     assert all(sum(b["n_tokens"]) >= every and sum(b["n_tokens"][:-1]) < every for b in batches[:-1])
     assert {k: [x for b in batches for x in b[k]] for k in whole} == whole
     assert whole["error"][-1] and len(whole["key"]) == 13
+
+
+class ScriptedTasks:
+    """Stands in for the Ray tasks' stream (`_Ahead`): `get` answers from a script of batches, None (nothing
+    arrived) and `_Ahead.END`, then END for ever."""
+
+    def __init__(self, script):
+        self.script = list(script)
+
+    def get(self, timeout):
+        from sift.pipeline.plan import _Ahead
+
+        return self.script.pop(0) if self.script else _Ahead.END
+
+
+def test_driver_takes_sources_the_tasks_have_not_delivered(tmp_path):
+    """Whenever the Ray tasks deliver nothing for a tick, the driver tokenises the next source in corpus order
+    itself and drops the tasks' copy of it later (also out of a block that holds another source too): every
+    record comes exactly once and in corpus order, whatever the timing, and the stream ends once every source
+    came, without waiting for the tasks' end."""
+    from sift.model import default_model_dir
+    from sift.pipeline.corpus import list_sources
+    from sift.pipeline.plan import _Ahead, _shared, read_and_tokenize
+
+    texts = wiki_texts(12, step=5)
+    for f in range(4):
+        (tmp_path / f"p{f}.jsonl").write_text("".join(json.dumps({"id": f"d{f}-{i}", "text": t}) + "\n"
+                                                      for i, t in enumerate(texts[3 * f: 3 * f + 3])))
+    (tmp_path / "p4.jsonl").write_text("")            # a source without records: the tasks send an empty batch
+    sources = list_sources(tmp_path)
+    rows = [{"index": i, "source": dict(s.__dict__)} for i, s in enumerate(sources)]
+    kwargs = dict(model_dir=str(default_model_dir()), id_field="id", text_field="text", max_tokens=8192,
+                  too_long="error")
+    alone = {r["index"]: read_and_tokenize({"index": [r["index"]], "source": [r["source"]]}, **kwargs)
+             for r in rows}          # what the tasks deliver: each source tokenised on its own
+    want = [k for i in range(5) for k in alone[i]["key"]]
+    assert want == sorted(want) and len(want) == 12 and not alone[4]["key"]
+
+    def merged(*batches):
+        return {c: [v for b in batches for v in b[c]] for c in batches[0]}
+
+    def run(script, tick=None):
+        tasks = ScriptedTasks(script)
+        out = list(_shared(tasks, rows, kwargs, every_tokens=40, tick=tick))
+        got = [b for b in out if b is not None]
+        keys = [k for b in got for k in b["key"]]
+        assert keys == want, keys                       # exactly once, in corpus order
+        for b in got:                                   # each row whole: its tokens are those of the source alone
+            for k, ids in zip(b["key"], b["token_ids"]):
+                src = alone[int(k.split(":")[0])]
+                assert list(ids) == list(src["token_ids"][list(src["key"]).index(k)])
+        return out, tasks.script
+
+    # The tasks deliver everything at once: the driver tokenises nothing (the empty source's batch hands on
+    # nothing; the tasks' end says that source is complete).
+    out, left = run([alone[i] for i in range(5)] + [_Ahead.END])
+    assert len(out) == 4 and not left
+    # The tasks are silent at first: the driver takes source 0 (a piece at a time); meanwhile the tasks deliver
+    # 0 (dropped), 1, then 2 and 3 in one block, then the empty 4: all handed on after the driver's 0, in order.
+    out, left = run([None, alone[0], alone[1], merged(alone[2], alone[3]), alone[4], _Ahead.END], tick=0.1)
+    assert None not in out
+    # The tasks never deliver: the driver tokenises every source in order and ends without the tasks' end.
+    out, left = run([None] * 40, tick=0.1)
+    assert None not in out and left and _Ahead.END not in left
