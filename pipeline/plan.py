@@ -291,7 +291,7 @@ def _shared(rest: "_Ahead", rows: list[dict], kwargs: dict, every_tokens: int, t
 
 
 class _Ahead:
-    """Iterates `batches` on a thread of its own from the moment it is made (up to `depth` batches ahead), so the
+    """Pulls `batches` on a thread of its own from the moment it is made (up to `depth` batches ahead), so the
     work behind them starts before the first one is asked for; an error is raised where the batch would be.
     `close` stops the thread: one left blocked inside Ray's client when the process exits can crash it."""
 
@@ -333,7 +333,7 @@ class _Ahead:
         self.stopped.set()
         self.thread.join(timeout_s)
 
-    def get(self, timeout: float | None):
+    def get(self, timeout: float):
         """The next batch, `_Ahead.END` after the last, or None if none arrived within `timeout` seconds (0: only
         what is queued already); an error is raised where its batch would be."""
         import queue
@@ -345,26 +345,6 @@ class _Ahead:
         if isinstance(item, BaseException):
             raise item
         return item
-
-    def __iter__(self):
-        return self.ticking(None)
-
-    def ticking(self, tick: float | None):
-        """The batches; with `tick`, also None whenever none arrived for `tick` seconds (the consumer may act
-        on what it holds meanwhile)."""
-        import queue
-
-        while True:
-            try:
-                item = self.queue.get(timeout=tick)
-            except queue.Empty:
-                yield None
-                continue
-            if item is self.END:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 REAPER = Path(__file__).with_name("reaper.py")
-_REAPED: list[str] = []   # the session of the local Ray this process started, once started
+_REAPED: list[str] = []   # the name of the Ray session this process started locally, once started
 
 
 def start_local(**chatter) -> None:
