@@ -291,7 +291,7 @@ def _shared(rest: "_Ahead", rows: list[dict], kwargs: dict, every_tokens: int, t
 
 
 class _Ahead:
-    """Pulls `batches` on a thread of its own from the moment it is made (up to `depth` batches ahead), so the
+    """Iterates `batches` on a thread of its own from the moment it is made (up to `depth` batches ahead), so the
     work behind them starts before the first one is asked for; an error is raised where the batch would be.
     `close` stops the thread: one left blocked inside Ray's client when the process exits can crash it."""
 
@@ -333,18 +333,22 @@ class _Ahead:
         self.stopped.set()
         self.thread.join(timeout_s)
 
-    def get(self, timeout: float):
+    def get(self, timeout: float | None):
         """The next batch, `_Ahead.END` after the last, or None if none arrived within `timeout` seconds (0: only
-        what is queued already); an error is raised where its batch would be."""
+        what is queued already; None: wait for it); an error is raised where its batch would be."""
         import queue
 
         try:
-            item = self.queue.get(timeout=timeout) if timeout else self.queue.get_nowait()
+            item = self.queue.get_nowait() if timeout == 0 else self.queue.get(timeout=timeout)
         except queue.Empty:
             return None
         if isinstance(item, BaseException):
             raise item
         return item
+
+    def __iter__(self):
+        while (item := self.get(None)) is not self.END:
+            yield item
 
 
 # ------------------------------------------------------------------------------------------------------------
