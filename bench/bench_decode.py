@@ -13,7 +13,12 @@ and of SDPA's, per head (relative error; DEPTH_* below). Exit status 1 after wri
 failed. Times are triton.testing.do_bench medians in microseconds; `*_device_us` the same calls queued behind a
 GPU spin (host launch cost hidden), `*_host_us` the host's time per call. Writes bench/results/decode.json.
 
-    python bench/bench_decode.py [--parts index,attention] [--contexts 16384,32768,65536] [--splits 8,16,...]
+3. With `--parts sweep`: the split kernel's schedules (`DecodeConfig`: key slots per step, warps, pipeline
+   stages, loop structure) at batch 1 and 8, each checked against the twin, then timed with the engine's split
+   count; beside them the floor, the KV bytes over the bandwidth of a large device-to-device copy in the same run.
+
+    python bench/bench_decode.py [--parts index,attention,sweep] [--contexts 16384,32768,65536] [--splits 8,16,...]
+    python bench/bench_decode.py --parts sweep --contexts 16384,32768 [--configs n32w4s2,n64w8s3b,...]
     python bench/bench_decode.py --smoke      # CPU, Triton interpreter, tiny shapes: the checks only
 """
 from __future__ import annotations
@@ -35,6 +40,8 @@ from sift.kernels.bits import pack_msb  # noqa: E402
 from sift.kernels.block_indices import (block_indices, block_indices_layers, block_indices_ref,  # noqa: E402
                                         dense_indptr, pack_doc_bits)
 from sift.kernels.decode_attention import (  # noqa: E402
+    DEFAULT_CONFIG,
+    DecodeConfig,
     decode_attention,
     decode_attention_ref,
     default_num_splits,
@@ -43,6 +50,7 @@ from sift.kernels.decode_attention import (  # noqa: E402
 from sift.kernels.layout import build_layout  # noqa: E402
 from sift.kernels.rope import apply_rope_ref  # noqa: E402
 from sift.runtime.backends import DECODE_GROUP_BYTES  # noqa: E402
+from bench_generate import copy_bandwidth  # noqa: E402
 
 DOC_TOKENS, QUERY_TOKENS, PREFIX_TOKENS = (256, 64, 1) if SMOKE else (2048, 512, 1)
 TILE, BLOCK = 64, 128
@@ -286,28 +294,96 @@ def bench_decode_attention(context: int, dev: torch.device, gen: torch.Generator
     return row
 
 
+def parse_config(text: str) -> DecodeConfig:
+    """"n64w8s3b" -> DecodeConfig(block_n=64, num_warps=8, num_stages=3, per_block=True) (no "b": flat loop)."""
+    import re
+    m = re.fullmatch(r"n(\d+)w(\d+)s(\d+)(b?)", text)
+    if not m:
+        raise SystemExit(f"--configs: {text!r} is not of the form n<slots>w<warps>s<stages>[b], e.g. n64w8s3b")
+    return DecodeConfig(int(m[1]), int(m[2]), int(m[3]), m[4] == "b")
+
+
+def config_name(c: DecodeConfig) -> str:
+    return f"n{c.block_n}w{c.num_warps}s{c.num_stages}{'b' if c.per_block else ''}"
+
+
+SWEEP = ",".join(f"n{n}w{w}s{s}{b}" for b in ("", "b") for n, w in ((32, 4), (64, 4), (64, 8), (128, 8))
+                 for s in (2, 3, 4))
+
+
+def sweep_configs(context: int, batch: int, configs: list[DecodeConfig], dev: torch.device, gen: torch.Generator,
+                  bandwidth: float, checks: Checks) -> dict:
+    """Every config on `batch` requests of `context` tokens each (separate KV), the engine's split count."""
+    n_docs = context // DOC_TOKENS
+    request = [("prefix", PREFIX_TOKENS)] + [("doc", DOC_TOKENS)] * n_docs + [("query", QUERY_TOKENS)]
+    layout = build_layout([request] * batch, BLOCK, device=dev)
+    inv_freq = (1.0 / (ROPE_THETA ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM))).to(dev)
+    k_cache = torch.randn(HKV, layout.n_slots, HEAD_DIM, generator=gen).to(dev, DTYPE)
+    v_cache = torch.randn(HKV, layout.n_slots, HEAD_DIM, generator=gen).to(dev, DTYPE)
+    kv_indptr, kv_indices = layout_kv_table(layout)
+    q = torch.randn(batch, HQ, HEAD_DIM, generator=gen).to(dev, DTYPE)
+    q_offset = layout.req_n_tokens.to(torch.int32)  # q un-rotated at the first generated position
+    args = (q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, layout.block_valid,
+            layout.block_offset[kv_indices.long()], inv_freq)
+    scale = 1.0 / math.sqrt(HEAD_DIM)
+    splits = default_num_splits(batch, HKV, kv_indices.numel(), dev)
+    ref = decode_attention_ref(*args, scale=scale, block=BLOCK)
+    kv_bytes = 2 * HKV * int(layout.block_valid.sum()) * HEAD_DIM * k_cache.element_size()
+    times = {}
+    for config in configs:
+        name = config_name(config)
+        try:
+            got = decode_attention(*args, scale=scale, block=BLOCK, config=config)
+        except Exception as exc:  # a schedule the compiler cannot fit (shared memory, registers) is reported
+            times[name] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+            continue
+        if checks.close(f"sweep/{context}/b{batch}/{name}", got, ref, DTYPE, DEPTH_DECODE, group_dims=2):
+            times[name] = queued_us(lambda c=config: decode_attention(*args, scale=scale, block=BLOCK, config=c))
+    timed = {k: v for k, v in times.items() if isinstance(v, float)}
+    best = min(timed, key=timed.get) if timed and not SMOKE else config_name(DEFAULT_CONFIG)
+    floor_us = kv_bytes / bandwidth * 1e6
+    by_splits = {s_: queued_us(lambda s_=s_: decode_attention(*args, scale=scale, block=BLOCK, num_splits=s_,
+                                                               config=parse_config(best)))
+                 for s_ in sorted({max(1, splits // 2), splits, 2 * splits})}
+    return {"context": context, "batch": batch, "num_splits": splits, "kv_bytes": kv_bytes, "floor_us": floor_us,
+            "default": config_name(DEFAULT_CONFIG), "device_us": times, "best": best,
+            "best_over_floor": timed[best] / floor_us if timed and not SMOKE else None,
+            "best_by_splits_device_us": by_splits}
+
+
 def main() -> None:
     ap = parser(__doc__.splitlines()[0])
     ap.add_argument("--parts", default="index,attention", help="benchmarks to run: index, attention")
     ap.add_argument("--contexts", default="16384,32768,65536", help="context lengths (tokens), comma-separated")
     ap.add_argument("--splits", default="8,16,33,66,132,264", help="num_splits values of the decode sweep")
+    ap.add_argument("--configs", default=SWEEP, help="split-kernel schedules of --parts sweep: n<key slots per "
+                    "step>w<warps>s<stages>[b], b: one iteration per block")
+    ap.add_argument("--batches", default="1,8", help="batch sizes of --parts sweep")
     args = ap.parse_args()
     if args.smoke:
-        args.contexts, args.splits = "1024", "2,3"
+        args.contexts, args.splits, args.batches = "1024", "2,3", "1,2"
+        args.configs = "n32w4s2,n64w4s2b"
     elif not torch.cuda.is_available():
         raise SystemExit("bench_decode.py needs a CUDA GPU (or --smoke)")
     parts = args.parts.split(",")
     dev = torch.device("cpu" if SMOKE else "cuda")
     gen = torch.Generator().manual_seed(0)
-    results, checks = [], Checks()
+    results, sweeps, checks = [], [], Checks()
+    bandwidth = copy_bandwidth(SMOKE) if "sweep" in parts else None
     for context in [int(x) for x in args.contexts.split(",")]:
         row = {"context": context}
         if "index" in parts:
             row.update(bench_index_decode(context, dev, gen, checks))
         if "attention" in parts:
             row.update(bench_decode_attention(context, dev, gen, [int(x) for x in args.splits.split(",")], checks))
-        results.append(row)
-        print(json.dumps(row), flush=True)
+        if "sweep" in parts:
+            for batch in [int(x) for x in args.batches.split(",")]:
+                sweeps.append(sweep_configs(context, batch, [parse_config(c) for c in args.configs.split(",")],
+                                            dev, gen, bandwidth, checks))
+                print(json.dumps(sweeps[-1]), flush=True)
+        if len(row) > 1:
+            results.append(row)
+            print(json.dumps(row), flush=True)
     setup = {
         "batch": 1, "q_heads": HQ, "kv_heads": HKV, "head_dim": HEAD_DIM, "dtype": str(DTYPE).removeprefix("torch."),
         "tile": TILE, "block": BLOCK, "doc_tokens": DOC_TOKENS, "query_tokens": QUERY_TOKENS,
@@ -315,8 +391,17 @@ def main() -> None:
         "timer": "triton.testing.do_bench median, microseconds; *_device_us: queued behind a GPU spin "
                  "(host launch cost hidden), median of 5 x 50 calls",
     }
-    write_result("decode", {"setup": setup, "results": results, "checks": checks.to_json(), "ok": checks.ok},
-                 out_dir(args))
+    if sweeps:
+        setup["bandwidth_bytes_per_s"] = bandwidth
+        print(f"{'context':>8} {'batch':>5} {'splits':>6} {'floor us':>9} {'default us':>10} {'best':>10} {'best us':>8}")
+        for r in sweeps:
+            d = r["device_us"].get(r["default"])
+            b = r["device_us"].get(r["best"])
+            print(f"{r['context']:>8} {r['batch']:>5} {r['num_splits']:>6} {r['floor_us']:>9.1f} "
+                  f"{d if isinstance(d, str) else f'{d:10.1f}':>10} {r['best']:>10} "
+                  f"{b if isinstance(b, str) else f'{b:8.1f}':>8}")
+    write_result("decode", {"setup": setup, "results": results, "sweeps": sweeps, "checks": checks.to_json(),
+                            "ok": checks.ok}, out_dir(args))
     raise SystemExit(checks.exit_status())
 
 

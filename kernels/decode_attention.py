@@ -36,6 +36,8 @@ Shapes:
 from __future__ import annotations
 
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -50,9 +52,21 @@ from .rope import _cos_sin, apply_rope_ref
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 BLOCKS = TILES
-# Key slots per step. From ptxas on sm_90 (bf16, D=128, GQA 4, 4 warps): 32 fits in ~200 registers without
+
+
+class DecodeConfig(NamedTuple):
+    """How the split kernel walks a request's blocks. block_n: key slots per step (capped at the block size);
+    per_block: one loop iteration per block-table entry with its block_n steps unrolled, else one flat loop
+    over steps; num_warps / num_stages: Triton's launch options."""
+    block_n: int = 32
+    num_warps: int = 4
+    num_stages: int = 2
+    per_block: bool = False
+
+
+# From ptxas on sm_90 (bf16, D=128, GQA 4, 4 warps): 32 key slots per step fit in ~200 registers without
 # spills; 64 spills.
-BLOCK_N = 32
+DEFAULT_CONFIG = DecodeConfig()
 
 
 @triton.jit
@@ -78,6 +92,7 @@ def _decode_split_kernel(
     DIRECT: tl.constexpr,  # S == 1: normalise and write Out, no partials
     DOT_PRECISION: tl.constexpr,
     APE: tl.constexpr,  # two online softmaxes: the parallel entries' (at temperature T) and the others'
+    PER_BLOCK: tl.constexpr,  # loop over block-table entries, each block's slots unrolled (else one flat loop)
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
     SUB: tl.constexpr = BLOCK // BLOCK_N
@@ -119,42 +134,43 @@ def _decode_split_kernel(
     inv_t = 1.0
     if APE:
         inv_t = 1.0 / tl.load(Ape + b * 2)
-    for j in range(j0 * SUB, j1 * SUB):
-        kb = tl.load(KvIndices + j // SUB)
-        k_first = (j % SUB) * BLOCK_N  # first slot of this step inside block kb
-        k_valid = tl.load(BlockValid + kb) - k_first
-        if ROPE:
-            off = tl.load(KvOffset + j // SUB)
-            if off != cur_off:
-                # q' = R(-delta) q: q1' = q1 c + q2 s, q2' = q2 c - q1 s (angles as every kernel forms them,
-                # `rope._cos_sin`; accurate sin / cos: q is rotated once per segment, not per key block).
-                # Angles are formed on the whole [G_PAD, D/2] tile (each thread only its own elements) rather
-                # than on a [D/2] vector that every thread would hold whole: fewer registers at the peak.
-                cos, sin = _cos_sin(off - q_off, InvFreq, offs_h[None, :] + 0 * offs_g[:, None], False)
-                q1 = tl.load(q1_ptr, mask=g_ok[:, None], other=0.0).to(tl.float32)
-                q2 = tl.load(q2_ptr, mask=g_ok[:, None], other=0.0).to(tl.float32)
-                q1r = (q1 * cos + q2 * sin).to(K.dtype.element_ty)
-                q2r = (q2 * cos - q1 * sin).to(K.dtype.element_ty)
-                cur_off = off
-        slot_ok = offs_n < k_valid
-        k_ptr = k_head + (kb * BLOCK + k_first).to(tl.int64) * stride_kn
-        k1 = tl.load(k_ptr + offs_h[None, :] * stride_kd, mask=slot_ok[:, None], other=0.0)  # [BLOCK_N, D/2]
-        k2 = tl.load(k_ptr + (offs_h + HALF)[None, :] * stride_kd, mask=slot_ok[:, None], other=0.0)
-        s = tl.dot(q1r, tl.trans(k1), input_precision=DOT_PRECISION)
-        s = tl.dot(q2r, tl.trans(k2), s, input_precision=DOT_PRECISION)  # [G_PAD, BLOCK_N]
-        offs_d = tl.arange(0, HEAD_DIM)
-        v = tl.load(v_head + (kb * BLOCK + k_first).to(tl.int64) * stride_vn + offs_d[None, :] * stride_vd,
-                    mask=slot_ok[:, None], other=0.0)
-        if APE:
-            if tl.load(KvParallel + j // SUB) != 0:
-                s = tl.where(slot_ok[None, :], s * (qk_scale * inv_t), float("-inf"))
-                m_p, l_p, acc_p = _online_update(s, v, m_p, l_p, acc_p, DOT_PRECISION)
-            else:
-                s = tl.where(slot_ok[None, :], s * qk_scale, float("-inf"))
-                m_i, l_i, acc = _online_update(s, v, m_i, l_i, acc, DOT_PRECISION)
-        else:
-            s = tl.where(slot_ok[None, :], s * qk_scale, float("-inf"))
-            m_i, l_i, acc = _online_update(s, v, m_i, l_i, acc, DOT_PRECISION)
+    if PER_BLOCK:
+        # One iteration per block-table entry: the offset check and the flag read once per block, the block's
+        # key slots in SUB unrolled steps (their loads can be issued together).
+        for e in range(j0, j1):
+            kb = tl.load(KvIndices + e)
+            n_valid = tl.load(BlockValid + kb)
+            if ROPE:
+                off = tl.load(KvOffset + e)
+                if off != cur_off:
+                    q1r, q2r = _rotated_q(q1_ptr, q2_ptr, g_ok, off - q_off, InvFreq, offs_g, offs_h, K.dtype.element_ty)
+                    cur_off = off
+            par = 0
+            if APE:
+                par = tl.load(KvParallel + e)
+            for sub in tl.static_range(SUB):
+                first_slot = (kb * BLOCK + sub * BLOCK_N).to(tl.int64)
+                m_i, l_i, acc, m_p, l_p, acc_p = _step(
+                    q1r, q2r, k_head + first_slot * stride_kn, v_head + first_slot * stride_vn,
+                    offs_n < n_valid - sub * BLOCK_N, par, inv_t, qk_scale, m_i, l_i, acc, m_p, l_p, acc_p,
+                    stride_kd, stride_vd, HEAD_DIM, DOT_PRECISION, APE)
+    else:
+        for j in range(j0 * SUB, j1 * SUB):
+            kb = tl.load(KvIndices + j // SUB)
+            k_first = (j % SUB) * BLOCK_N  # first slot of this step inside block kb
+            if ROPE:
+                off = tl.load(KvOffset + j // SUB)
+                if off != cur_off:
+                    q1r, q2r = _rotated_q(q1_ptr, q2_ptr, g_ok, off - q_off, InvFreq, offs_g, offs_h, K.dtype.element_ty)
+                    cur_off = off
+            par = 0
+            if APE:
+                par = tl.load(KvParallel + j // SUB)
+            first_slot = (kb * BLOCK + k_first).to(tl.int64)
+            m_i, l_i, acc, m_p, l_p, acc_p = _step(
+                q1r, q2r, k_head + first_slot * stride_kn, v_head + first_slot * stride_vn,
+                offs_n < tl.load(BlockValid + kb) - k_first, par, inv_t, qk_scale, m_i, l_i, acc, m_p, l_p, acc_p,
+                stride_kd, stride_vd, HEAD_DIM, DOT_PRECISION, APE)
 
     offs_d = tl.arange(0, HEAD_DIM)
     safe_l = tl.where(l_i == 0.0, 1.0, l_i)
@@ -184,6 +200,46 @@ def _decode_split_kernel(
             tl.store(PartLse + row + S, tl.where(l_p == 0.0, float("-inf"), m_p + tl.log2(safe_p)), mask=g_ok)
             tl.store(PartO + (row + S).to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :], acc_p / safe_p[:, None],
                      mask=g_ok[:, None])
+
+
+@triton.jit
+def _rotated_q(q1_ptr, q2_ptr, g_ok, delta, InvFreq, offs_g, offs_h, dtype: tl.constexpr):
+    """q' = R(-delta) q: q1' = q1 c + q2 s, q2' = q2 c - q1 s (angles as every kernel forms them,
+    `rope._cos_sin`; accurate sin / cos: q is rotated once per segment, not per key block). Angles are formed on
+    the whole [G_PAD, D/2] tile (each thread only its own elements) rather than on a [D/2] vector that every
+    thread would hold whole: fewer registers at the peak. q is re-read from memory rather than held: it would
+    cost registers in every iteration for a rare use."""
+    cos, sin = _cos_sin(delta, InvFreq, offs_h[None, :] + 0 * offs_g[:, None], False)
+    q1 = tl.load(q1_ptr, mask=g_ok[:, None], other=0.0).to(tl.float32)
+    q2 = tl.load(q2_ptr, mask=g_ok[:, None], other=0.0).to(tl.float32)
+    return (q1 * cos + q2 * sin).to(dtype), (q2 * cos - q1 * sin).to(dtype)
+
+
+@triton.jit
+def _step(q1r, q2r, k_ptr, v_ptr, slot_ok, par, inv_t, qk_scale, m_i, l_i, acc, m_p, l_p, acc_p,
+          stride_kd, stride_vd, HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr, APE: tl.constexpr):
+    """BLOCK_N key slots (k_ptr, v_ptr: [BLOCK_N, 1] pointers to their first elements; slot_ok: the real ones)
+    folded into the online softmax: the parallel entries' state (m_p, l_p, acc_p) when APE and par, else the
+    others' (m_i, l_i, acc)."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    offs_h = tl.arange(0, HALF)
+    offs_d = tl.arange(0, HEAD_DIM)
+    k1 = tl.load(k_ptr + offs_h[None, :] * stride_kd, mask=slot_ok[:, None], other=0.0)  # [BLOCK_N, D/2]
+    k2 = tl.load(k_ptr + (offs_h + HALF)[None, :] * stride_kd, mask=slot_ok[:, None], other=0.0)
+    v = tl.load(v_ptr + offs_d[None, :] * stride_vd, mask=slot_ok[:, None], other=0.0)
+    s = tl.dot(q1r, tl.trans(k1), input_precision=DOT_PRECISION)
+    s = tl.dot(q2r, tl.trans(k2), s, input_precision=DOT_PRECISION)  # [G_PAD, BLOCK_N]
+    if APE:
+        if par != 0:
+            s = tl.where(slot_ok[None, :], s * (qk_scale * inv_t), float("-inf"))
+            m_p, l_p, acc_p = _online_update(s, v, m_p, l_p, acc_p, DOT_PRECISION)
+        else:
+            s = tl.where(slot_ok[None, :], s * qk_scale, float("-inf"))
+            m_i, l_i, acc = _online_update(s, v, m_i, l_i, acc, DOT_PRECISION)
+    else:
+        s = tl.where(slot_ok[None, :], s * qk_scale, float("-inf"))
+        m_i, l_i, acc = _online_update(s, v, m_i, l_i, acc, DOT_PRECISION)
+    return m_i, l_i, acc, m_p, l_p, acc_p
 
 
 @triton.jit
@@ -308,11 +364,12 @@ def default_num_splits(batch: int, kv_heads: int, nnz_blocks: int, device: torch
 
 
 def decode_attention(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block_valid, kv_offset, inv_freq,
-                     *, scale, block, num_splits=None, out=None, parallel=None, ape=None):
+                     *, scale, block, num_splits=None, out=None, parallel=None, ape=None, config=None):
     """Attention of one new token per request over its KV blocks, with q rotated per segment in the kernel.
     Shapes in the module docstring. num_splits: programs per (request, kv head) along the block list (default
     `default_num_splits`). Returns out [B, Hq, D] in q's dtype. Block ids are not range-checked (no sync).
-    parallel / ape: the APE option (module docstring); without it the kernels are the plain ones."""
+    parallel / ape: the APE option (module docstring); without it the kernels are the plain ones.
+    config: a `DecodeConfig` (default `DEFAULT_CONFIG`); every config computes the same attention."""
     _validate(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block_valid, kv_offset, inv_freq, scale,
               block, out, parallel, ape)
     if not triton_runs_on(q.device):
@@ -323,6 +380,10 @@ def decode_attention(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block
     splits = num_splits or default_num_splits(bsz, hkv, kv_indices.numel(), q.device)
     if splits < 1:
         raise ValueError(f"num_splits={num_splits} must be >= 1")
+    config = config or DEFAULT_CONFIG
+    block_n = min(block, config.block_n)
+    if block_n < 16 or block_n & (block_n - 1) or block % block_n:
+        raise ValueError(f"config.block_n={config.block_n} must be a power of two >= 16 dividing block={block}")
     if out is None:
         out = torch.empty((bsz, hq, d), dtype=q.dtype, device=q.device)
     # The kernel forms the fp64 turns (inv_freq / 2 pi) itself: no launches besides the split and merge kernels.
@@ -342,10 +403,10 @@ def decode_attention(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block
         q_offset, kv_indptr, kv_indices, block_valid, kv_offset, freq, flags, rows,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
         hq, splits, float(scale) * LOG2E,
-        GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), BLOCK=block, BLOCK_N=min(block, BLOCK_N),
+        GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), BLOCK=block, BLOCK_N=block_n,
         HEAD_DIM=d, ROPE=rope, DIRECT=direct,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", APE=ape is not None,
-        num_warps=4, num_stages=2,
+        PER_BLOCK=config.per_block, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if not direct:
         _decode_merge_kernel[(bsz, hq)](
@@ -356,8 +417,9 @@ def decode_attention(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block
 
 
 def decode_attention_ref(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block_valid, kv_offset, inv_freq,
-                         *, scale, block, num_splits=None, out=None, parallel=None, ape=None):
-    """The ref twin of `decode_attention` (same signature and result; num_splits is accepted and ignored).
+                         *, scale, block, num_splits=None, out=None, parallel=None, ape=None, config=None):
+    """The ref twin of `decode_attention` (same signature and result; num_splits and config are accepted and
+    ignored).
     fp32 softmax, fp64 RoPE angles; one rotation of q per distinct segment offset of the request."""
     _validate(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block_valid, kv_offset, inv_freq, scale,
               block, out, parallel, ape)

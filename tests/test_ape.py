@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from sift.errors import SiftError
-from sift.kernels.decode_attention import decode_attention, decode_attention_ref
+from sift.kernels.decode_attention import DecodeConfig, decode_attention, decode_attention_ref
 from sift.kernels.layout import build_layout
 from sift.kernels.sparse_attention import sparse_attention, sparse_attention_ref, sparse_attention_sdpa
 from sift.kernels import sparse_attention_tl
@@ -174,10 +174,11 @@ def test_decode_kernel_and_ref_match_definition(dtype):
     check(ref, want, dtype, "decode ref twin")
     if DEVICE == "cuda" or __import__("os").environ.get("TRITON_INTERPRET") == "1":
         dev = [x.to(DEVICE) if x is not None else None for x in args]
-        for splits in (1, 2):
+        # both loop structures of the split kernel: a flat loop of 16-slot steps, and one iteration per block
+        for splits, config in ((1, None), (2, None), (2, DecodeConfig(per_block=True))):
             got = decode_attention(*dev, scale=scale, block=block, num_splits=splits, parallel=flags.to(DEVICE),
-                                   ape=ape.to(DEVICE))
-            check(got.cpu(), want, dtype, f"decode kernel, {splits} splits")
+                                   ape=ape.to(DEVICE), config=config)
+            check(got.cpu(), want, dtype, f"decode kernel, {splits} splits, {config}")
 
 
 def test_option_validation():

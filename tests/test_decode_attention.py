@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from sift.kernels.decode_attention import decode_attention, decode_attention_ref, layout_kv_table
+from sift.kernels.decode_attention import DecodeConfig, decode_attention, decode_attention_ref, layout_kv_table
 from sift.kernels.layout import build_layout
 from sift.kernels.rope import apply_rope_ref
 
@@ -109,11 +109,11 @@ def case(requests, block, hq, hkv, d, dtype, gen, pos_shift=None, n_generated=0)
     return inputs, torch.stack(want), scale
 
 
-def check(inputs, want, scale, block, dtype, num_splits):
+def check(inputs, want, scale, block, dtype, num_splits, config=None):
     tol = TOL[dtype]
     for name, fn, device in (("kernel", decode_attention, DEVICE), ("reference", decode_attention_ref, "cpu")):
         args = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-        got = fn(**args, scale=scale, block=block, num_splits=num_splits).cpu()
+        got = fn(**args, scale=scale, block=block, num_splits=num_splits, config=config).cpu()
         assert got.dtype == dtype and got.shape == want.shape
         err = (got.double() - want).abs().max().item()
         print(f"{name}: max abs error {err:.3e} (tol {tol:.1e})")
@@ -147,6 +147,18 @@ def test_decode_generated_tokens(num_splits):
     gen = torch.Generator().manual_seed(7)
     inputs, want, scale = case(REQUESTS, 16, 8, 2, 64, torch.float32, gen, n_generated=3)
     check(inputs, want, scale, 16, torch.float32, num_splits)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("config", [DecodeConfig(block_n=16, per_block=True), DecodeConfig(block_n=32, per_block=True),
+                                    DecodeConfig(block_n=16, per_block=False)])
+def test_every_config_computes_the_same_attention(dtype, config):
+    """The split kernel's schedules (one flat loop over 16-slot steps; one iteration per 32-slot block, its slots
+    in two unrolled 16-slot steps or one whole step) against the float64 definition, with generated tokens in a
+    segment of their own (a change of rotation inside a split) and splits that start mid-request."""
+    gen = torch.Generator().manual_seed(3)
+    inputs, want, scale = case(REQUESTS, 32, 8, 2, 64, dtype, gen, n_generated=3)
+    check(inputs, want, scale, 32, dtype, 3, config)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -211,6 +223,8 @@ def test_rejects_bad_inputs():
         decode_attention(q, k, k, **ok, scale=0.1, block=64)
     with pytest.raises(ValueError, match="kv_offset must be int32"):   # one offset per block, not per entry
         decode_attention(q, k, k, **{**ok, "kv_offset": torch.zeros(3, dtype=torch.int32)}, scale=0.1, block=16)
+    with pytest.raises(ValueError, match="config.block_n=8 must be a power of two >= 16"):
+        decode_attention(q, k, k, **ok, scale=0.1, block=16, config=DecodeConfig(block_n=8))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
