@@ -63,7 +63,7 @@ def kernel_groups(runner, bucket: int, steps: int) -> dict:
         for _ in range(steps):
             runner._step(bucket, True)
         torch.cuda.synchronize()
-    groups = {g: {"ms": 0.0, "kernels": 0} for g in ("gemm", "attention", "other")}
+    groups = {g: {"ms": 0.0, "kernels": 0, "by_kernel": {}} for g in ("gemm", "attention", "other")}
     for e in prof.key_averages():
         us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
         if us <= 0 or e.key.startswith(("ProfilerStep", "cudaDeviceSynchronize")):
@@ -71,6 +71,10 @@ def kernel_groups(runner, bucket: int, steps: int) -> dict:
         g = groups[group_of(e.key)]
         g["ms"] += us / 1e3 / steps
         g["kernels"] += e.count / steps
+        # per kernel name: device ms per step and calls per step, to see which kernels of a group cost what
+        g["by_kernel"][e.key[:80]] = [us / 1e3 / steps, e.count / steps]
+    for g in groups.values():
+        g["by_kernel"] = dict(sorted(g["by_kernel"].items(), key=lambda kv: -kv[1][0])[:12])
     return groups
 
 

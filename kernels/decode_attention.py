@@ -93,6 +93,7 @@ def _decode_split_kernel(
     DOT_PRECISION: tl.constexpr,
     APE: tl.constexpr,  # two online softmaxes: the parallel entries' (at temperature T) and the others'
     PER_BLOCK: tl.constexpr,  # loop over block-table entries, each block's slots unrolled (else one flat loop)
+    FAST_TRIG: tl.constexpr,  # MUFU sin / cos (CUDA; the interpreter has none)
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
     SUB: tl.constexpr = BLOCK // BLOCK_N
@@ -143,7 +144,8 @@ def _decode_split_kernel(
             if ROPE:
                 off = tl.load(KvOffset + e)
                 if off != cur_off:
-                    q1r, q2r = _rotated_q(q1_ptr, q2_ptr, g_ok, off - q_off, InvFreq, offs_g, offs_h, K.dtype.element_ty)
+                    q1r, q2r = _rotated_q(q1_ptr, q2_ptr, g_ok, off - q_off, InvFreq, offs_g, offs_h, K.dtype.element_ty,
+                                          FAST_TRIG)
                     cur_off = off
             par = 0
             if APE:
@@ -161,7 +163,8 @@ def _decode_split_kernel(
             if ROPE:
                 off = tl.load(KvOffset + j // SUB)
                 if off != cur_off:
-                    q1r, q2r = _rotated_q(q1_ptr, q2_ptr, g_ok, off - q_off, InvFreq, offs_g, offs_h, K.dtype.element_ty)
+                    q1r, q2r = _rotated_q(q1_ptr, q2_ptr, g_ok, off - q_off, InvFreq, offs_g, offs_h, K.dtype.element_ty,
+                                          FAST_TRIG)
                     cur_off = off
             par = 0
             if APE:
@@ -203,13 +206,15 @@ def _decode_split_kernel(
 
 
 @triton.jit
-def _rotated_q(q1_ptr, q2_ptr, g_ok, delta, InvFreq, offs_g, offs_h, dtype: tl.constexpr):
+def _rotated_q(q1_ptr, q2_ptr, g_ok, delta, InvFreq, offs_g, offs_h, dtype: tl.constexpr, FAST_TRIG: tl.constexpr):
     """q' = R(-delta) q: q1' = q1 c + q2 s, q2' = q2 c - q1 s (angles as every kernel forms them,
-    `rope._cos_sin`; accurate sin / cos: q is rotated once per segment, not per key block). Angles are formed on
+    `rope._cos_sin`: fp64 turns reduced to [-pi, pi] before fp32, so the MUFU sin / cos are as good as the
+    accurate ones there; every program rotates q at its first block, so the rotation's latency is paid once
+    per launch, on the critical path). Angles are formed on
     the whole [G_PAD, D/2] tile (each thread only its own elements) rather than on a [D/2] vector that every
     thread would hold whole: fewer registers at the peak. q is re-read from memory rather than held: it would
     cost registers in every iteration for a rare use."""
-    cos, sin = _cos_sin(delta, InvFreq, offs_h[None, :] + 0 * offs_g[:, None], False)
+    cos, sin = _cos_sin(delta, InvFreq, offs_h[None, :] + 0 * offs_g[:, None], FAST_TRIG)
     q1 = tl.load(q1_ptr, mask=g_ok[:, None], other=0.0).to(tl.float32)
     q2 = tl.load(q2_ptr, mask=g_ok[:, None], other=0.0).to(tl.float32)
     return (q1 * cos + q2 * sin).to(dtype), (q2 * cos - q1 * sin).to(dtype)
@@ -406,7 +411,8 @@ def decode_attention(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), BLOCK=block, BLOCK_N=block_n,
         HEAD_DIM=d, ROPE=rope, DIRECT=direct,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", APE=ape is not None,
-        PER_BLOCK=config.per_block, num_warps=config.num_warps, num_stages=config.num_stages,
+        PER_BLOCK=config.per_block, FAST_TRIG=q.device.type == "cuda", num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     if not direct:
         _decode_merge_kernel[(bsz, hq)](
