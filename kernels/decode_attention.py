@@ -144,8 +144,8 @@ def _decode_split_kernel(
             if ROPE:
                 off = tl.load(KvOffset + e)
                 if off != cur_off:
-                    q1r, q2r = _rotated_q(q1_ptr, q2_ptr, g_ok, off - q_off, InvFreq, offs_g, offs_h, K.dtype.element_ty,
-                                          FAST_TRIG)
+                    q1r, q2r = _rotated_q(q1_ptr, q2_ptr, g_ok, off - q_off, InvFreq, offs_g, offs_h,
+                                          K.dtype.element_ty, FAST_TRIG)
                     cur_off = off
             par = 0
             if APE:
@@ -163,8 +163,8 @@ def _decode_split_kernel(
             if ROPE:
                 off = tl.load(KvOffset + j // SUB)
                 if off != cur_off:
-                    q1r, q2r = _rotated_q(q1_ptr, q2_ptr, g_ok, off - q_off, InvFreq, offs_g, offs_h, K.dtype.element_ty,
-                                          FAST_TRIG)
+                    q1r, q2r = _rotated_q(q1_ptr, q2_ptr, g_ok, off - q_off, InvFreq, offs_g, offs_h,
+                                          K.dtype.element_ty, FAST_TRIG)
                     cur_off = off
             par = 0
             if APE:
