@@ -393,7 +393,8 @@ def main() -> None:
     }
     if sweeps:
         setup["bandwidth_bytes_per_s"] = bandwidth
-        print(f"{'context':>8} {'batch':>5} {'splits':>6} {'floor us':>9} {'default us':>10} {'best':>10} {'best us':>8}")
+        print(f"{'context':>8} {'batch':>5} {'splits':>6} {'floor us':>9} {'default us':>10} {'best':>10} "
+              f"{'best us':>8}")
         for r in sweeps:
             d = r["device_us"].get(r["default"])
             b = r["device_us"].get(r["best"])
