@@ -396,8 +396,8 @@ def main() -> None:
         print(f"{'context':>8} {'batch':>5} {'splits':>6} {'floor us':>9} {'default us':>10} {'best':>10} "
               f"{'best us':>8}")
         for r in sweeps:
-            d = r["device_us"].get(r["default"])
-            b = r["device_us"].get(r["best"])
+            d = r["device_us"].get(r["default"], "-")
+            b = r["device_us"].get(r["best"], "-")
             print(f"{r['context']:>8} {r['batch']:>5} {r['num_splits']:>6} {r['floor_us']:>9.1f} "
                   f"{d if isinstance(d, str) else f'{d:10.1f}':>10} {r['best']:>10} "
                   f"{b if isinstance(b, str) else f'{b:8.1f}':>8}")
