@@ -14,17 +14,18 @@ failed. Times are triton.testing.do_bench medians in microseconds; `*_device_us`
 GPU spin (host launch cost hidden), `*_host_us` the host's time per call. Writes bench/results/decode.json.
 
 3. With `--parts sweep`: the split kernel's schedules (`DecodeConfig`: key slots per step, warps, pipeline
-   stages, loop structure) at batch 1 and 8, each checked against the twin, then timed with the engine's split
+   stages) at batch 1 and 8 (`--batches`), each checked against the twin, then timed with the engine's split
    count; beside them the floor, the KV bytes over the bandwidth of a large device-to-device copy in the same run.
 
     python bench/bench_decode.py [--parts index,attention,sweep] [--contexts 16384,32768,65536] [--splits 8,16,...]
-    python bench/bench_decode.py --parts sweep --contexts 16384,32768 [--configs n32w4s2,n64w8s3b,...]
+    python bench/bench_decode.py --parts sweep --contexts 16384,32768 [--configs n32w4s3,n64w4s3,...]
     python bench/bench_decode.py --smoke      # CPU, Triton interpreter, tiny shapes: the checks only
 """
 from __future__ import annotations
 
 import json
 import math
+import re
 import time
 
 from common import Checks, check_close, out_dir, parser, smoke_env, write_result
@@ -40,10 +41,10 @@ from sift.kernels.bits import pack_msb  # noqa: E402
 from sift.kernels.block_indices import (block_indices, block_indices_layers, block_indices_ref,  # noqa: E402
                                         dense_indptr, pack_doc_bits)
 from sift.kernels.decode_attention import (  # noqa: E402
-    DEFAULT_CONFIG,
     DecodeConfig,
     decode_attention,
     decode_attention_ref,
+    default_config,
     default_num_splits,
     layout_kv_table,
 )
@@ -295,20 +296,18 @@ def bench_decode_attention(context: int, dev: torch.device, gen: torch.Generator
 
 
 def parse_config(text: str) -> DecodeConfig:
-    """"n64w8s3b" -> DecodeConfig(block_n=64, num_warps=8, num_stages=3, per_block=True) (no "b": flat loop)."""
-    import re
-    m = re.fullmatch(r"n(\d+)w(\d+)s(\d+)(b?)", text)
+    """"n64w8s3" -> DecodeConfig(block_n=64, num_warps=8, num_stages=3)."""
+    m = re.fullmatch(r"n(\d+)w(\d+)s(\d+)", text)
     if not m:
-        raise SystemExit(f"--configs: {text!r} is not of the form n<slots>w<warps>s<stages>[b], e.g. n64w8s3b")
-    return DecodeConfig(int(m[1]), int(m[2]), int(m[3]), m[4] == "b")
+        raise SystemExit(f"--configs: {text!r} is not of the form n<slots>w<warps>s<stages>, e.g. n64w8s3")
+    return DecodeConfig(int(m[1]), int(m[2]), int(m[3]))
 
 
 def config_name(c: DecodeConfig) -> str:
-    return f"n{c.block_n}w{c.num_warps}s{c.num_stages}{'b' if c.per_block else ''}"
+    return f"n{c.block_n}w{c.num_warps}s{c.num_stages}"
 
 
-SWEEP = ",".join(f"n{n}w{w}s{s}{b}" for b in ("", "b") for n, w in ((32, 4), (64, 4), (64, 8), (128, 8))
-                 for s in (2, 3, 4))
+CONFIG_SWEEP = ",".join(f"n{n}w{w}s{s}" for n, w in ((32, 4), (64, 4), (64, 8), (128, 8)) for s in (2, 3, 4))
 
 
 def sweep_configs(context: int, batch: int, configs: list[DecodeConfig], dev: torch.device, gen: torch.Generator,
@@ -340,13 +339,13 @@ def sweep_configs(context: int, batch: int, configs: list[DecodeConfig], dev: to
         if checks.close(f"sweep/{context}/b{batch}/{name}", got, ref, DTYPE, DEPTH_DECODE, group_dims=2):
             times[name] = queued_us(lambda c=config: decode_attention(*args, scale=scale, block=BLOCK, config=c))
     timed = {k: v for k, v in times.items() if isinstance(v, float)}
-    best = min(timed, key=timed.get) if timed and not SMOKE else config_name(DEFAULT_CONFIG)
+    best = min(timed, key=timed.get) if timed and not SMOKE else config_name(default_config(batch))
     floor_us = kv_bytes / bandwidth * 1e6
     by_splits = {s_: queued_us(lambda s_=s_: decode_attention(*args, scale=scale, block=BLOCK, num_splits=s_,
                                                                config=parse_config(best)))
                  for s_ in sorted({max(1, splits // 2), splits, 2 * splits})}
     return {"context": context, "batch": batch, "num_splits": splits, "kv_bytes": kv_bytes, "floor_us": floor_us,
-            "default": config_name(DEFAULT_CONFIG), "device_us": times, "best": best,
+            "default": config_name(default_config(batch)), "device_us": times, "best": best,
             "best_over_floor": timed[best] / floor_us if timed and not SMOKE else None,
             "best_by_splits_device_us": by_splits}
 
@@ -356,13 +355,13 @@ def main() -> None:
     ap.add_argument("--parts", default="index,attention", help="benchmarks to run: index, attention")
     ap.add_argument("--contexts", default="16384,32768,65536", help="context lengths (tokens), comma-separated")
     ap.add_argument("--splits", default="8,16,33,66,132,264", help="num_splits values of the decode sweep")
-    ap.add_argument("--configs", default=SWEEP, help="split-kernel schedules of --parts sweep: n<key slots per "
-                    "step>w<warps>s<stages>[b], b: one iteration per block")
+    ap.add_argument("--configs", default=CONFIG_SWEEP, help="split-kernel schedules of --parts sweep: "
+                    "n<key slots per step>w<warps>s<stages>")
     ap.add_argument("--batches", default="1,8", help="batch sizes of --parts sweep")
     args = ap.parse_args()
     if args.smoke:
         args.contexts, args.splits, args.batches = "1024", "2,3", "1,2"
-        args.configs = "n32w4s2,n64w4s2b"
+        args.configs = "n32w4s2,n64w4s3"
     elif not torch.cuda.is_available():
         raise SystemExit("bench_decode.py needs a CUDA GPU (or --smoke)")
     parts = args.parts.split(",")

@@ -55,18 +55,18 @@ BLOCKS = TILES
 
 
 class DecodeConfig(NamedTuple):
-    """How the split kernel walks a request's blocks. block_n: key slots per step (capped at the block size);
-    per_block: one loop iteration per block-table entry with its block_n steps unrolled, else one flat loop
-    over steps; num_warps / num_stages: Triton's launch options."""
+    """The split kernel's schedule: block_n key slots per step (capped at the block size), Triton's num_warps
+    and num_stages. Every schedule computes the same attention."""
     block_n: int = 32
     num_warps: int = 4
-    num_stages: int = 2
-    per_block: bool = False
+    num_stages: int = 3
 
 
-# From ptxas on sm_90 (bf16, D=128, GQA 4, 4 warps): 32 key slots per step fit in ~200 registers without
-# spills; 64 spills.
-DEFAULT_CONFIG = DecodeConfig()
+def default_config(batch: int) -> DecodeConfig:
+    """Measured on the H200 (bf16, 32 query / 8 KV heads, D=128, 2K-32K tokens per row, `bench_decode.py --parts
+    sweep`): 32 key slots per step are fastest for one or two rows (each program holds a few blocks, and the
+    smaller tile starts its loads sooner), 64 for four rows or more (1.25-1.3x faster than 32 there)."""
+    return DecodeConfig(block_n=32 if batch <= 2 else 64)
 
 
 @triton.jit
@@ -92,7 +92,6 @@ def _decode_split_kernel(
     DIRECT: tl.constexpr,  # S == 1: normalise and write Out, no partials
     DOT_PRECISION: tl.constexpr,
     APE: tl.constexpr,  # two online softmaxes: the parallel entries' (at temperature T) and the others'
-    PER_BLOCK: tl.constexpr,  # loop over block-table entries, each block's slots unrolled (else one flat loop)
     FAST_TRIG: tl.constexpr,  # MUFU sin / cos (CUDA; the interpreter has none)
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -135,45 +134,23 @@ def _decode_split_kernel(
     inv_t = 1.0
     if APE:
         inv_t = 1.0 / tl.load(Ape + b * 2)
-    if PER_BLOCK:
-        # One iteration per block-table entry: the offset check and the flag read once per block, the block's
-        # key slots in SUB unrolled steps (their loads can be issued together).
-        for e in range(j0, j1):
-            kb = tl.load(KvIndices + e)
-            n_valid = tl.load(BlockValid + kb)
-            if ROPE:
-                off = tl.load(KvOffset + e)
-                if off != cur_off:
-                    q1r, q2r = _rotated_q(q1_ptr, q2_ptr, g_ok, off - q_off, InvFreq, offs_g, offs_h,
-                                          K.dtype.element_ty, FAST_TRIG)
-                    cur_off = off
-            par = 0
-            if APE:
-                par = tl.load(KvParallel + e)
-            for sub in tl.static_range(SUB):
-                first_slot = (kb * BLOCK + sub * BLOCK_N).to(tl.int64)
-                m_i, l_i, acc, m_p, l_p, acc_p = _step(
-                    q1r, q2r, k_head + first_slot * stride_kn, v_head + first_slot * stride_vn,
-                    offs_n < n_valid - sub * BLOCK_N, par, inv_t, qk_scale, m_i, l_i, acc, m_p, l_p, acc_p,
-                    stride_kd, stride_vd, HEAD_DIM, DOT_PRECISION, APE)
-    else:
-        for j in range(j0 * SUB, j1 * SUB):
-            kb = tl.load(KvIndices + j // SUB)
-            k_first = (j % SUB) * BLOCK_N  # first slot of this step inside block kb
-            if ROPE:
-                off = tl.load(KvOffset + j // SUB)
-                if off != cur_off:
-                    q1r, q2r = _rotated_q(q1_ptr, q2_ptr, g_ok, off - q_off, InvFreq, offs_g, offs_h,
-                                          K.dtype.element_ty, FAST_TRIG)
-                    cur_off = off
-            par = 0
-            if APE:
-                par = tl.load(KvParallel + j // SUB)
-            first_slot = (kb * BLOCK + k_first).to(tl.int64)
-            m_i, l_i, acc, m_p, l_p, acc_p = _step(
-                q1r, q2r, k_head + first_slot * stride_kn, v_head + first_slot * stride_vn,
-                offs_n < tl.load(BlockValid + kb) - k_first, par, inv_t, qk_scale, m_i, l_i, acc, m_p, l_p, acc_p,
-                stride_kd, stride_vd, HEAD_DIM, DOT_PRECISION, APE)
+    for j in range(j0 * SUB, j1 * SUB):
+        kb = tl.load(KvIndices + j // SUB)
+        k_first = (j % SUB) * BLOCK_N  # first slot of this step inside block kb
+        if ROPE:
+            off = tl.load(KvOffset + j // SUB)
+            if off != cur_off:
+                q1r, q2r = _rotated_q(q1_ptr, q2_ptr, g_ok, off - q_off, InvFreq, offs_g, offs_h,
+                                      K.dtype.element_ty, FAST_TRIG)
+                cur_off = off
+        par = 0
+        if APE:
+            par = tl.load(KvParallel + j // SUB)
+        first_slot = (kb * BLOCK + k_first).to(tl.int64)
+        m_i, l_i, acc, m_p, l_p, acc_p = _step(
+            q1r, q2r, k_head + first_slot * stride_kn, v_head + first_slot * stride_vn,
+            offs_n < tl.load(BlockValid + kb) - k_first, par, inv_t, qk_scale, m_i, l_i, acc, m_p, l_p, acc_p,
+            stride_kd, stride_vd, HEAD_DIM, DOT_PRECISION, APE)
 
     offs_d = tl.arange(0, HEAD_DIM)
     safe_l = tl.where(l_i == 0.0, 1.0, l_i)
@@ -360,11 +337,15 @@ def _validate(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block_valid,
 
 
 def default_num_splits(batch: int, kv_heads: int, nnz_blocks: int, device: torch.device) -> int:
-    """About four programs per SM (flash-decoding; on the H200, B=1, 8 KV heads, 16K-64K tokens, 66 splits
-    measured 1.2-1.4x faster than 33 and 1.07-1.13x faster than 132: docs/design.md), never more
-    splits than a request's average block count; from host-known sizes only, so no device sync."""
-    target = 4 * sm_count(device) if device.type == "cuda" else 4
-    splits = triton.cdiv(target, batch * kv_heads)
+    """Programs per (row, kv head) along its block list (flash-decoding), from host-known sizes only (no device
+    sync), never more than a row's average block count. Measured on the H200 (`bench_decode.py --parts sweep`,
+    32 query / 8 KV heads, 2K-32K tokens per row, each batch with its `default_config`): about four programs
+    per SM for one or two rows (B=1: 66 splits 1.2x faster than 33 and 1.1x faster than 132), about two for four
+    rows or more (B=8: 4 splits 1.14x faster than 9); rounded down, since a launch a few programs over a whole
+    number of waves pays a nearly empty wave."""
+    per_sm = 4 if batch <= 2 else 2
+    target = per_sm * sm_count(device) if device.type == "cuda" else 4
+    splits = target // max(batch * kv_heads, 1)
     return max(1, min(splits, nnz_blocks // max(batch, 1), 256))
 
 
@@ -374,7 +355,7 @@ def decode_attention(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block
     Shapes in the module docstring. num_splits: programs per (request, kv head) along the block list (default
     `default_num_splits`). Returns out [B, Hq, D] in q's dtype. Block ids are not range-checked (no sync).
     parallel / ape: the APE option (module docstring); without it the kernels are the plain ones.
-    config: a `DecodeConfig` (default `DEFAULT_CONFIG`); every config computes the same attention."""
+    config: a `DecodeConfig` (default `default_config(B)`); every config computes the same attention."""
     _validate(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block_valid, kv_offset, inv_freq, scale,
               block, out, parallel, ape)
     if not triton_runs_on(q.device):
@@ -385,7 +366,7 @@ def decode_attention(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block
     splits = num_splits or default_num_splits(bsz, hkv, kv_indices.numel(), q.device)
     if splits < 1:
         raise ValueError(f"num_splits={num_splits} must be >= 1")
-    config = config or DEFAULT_CONFIG
+    config = config or default_config(bsz)
     block_n = min(block, config.block_n)
     if block_n < 16 or block_n & (block_n - 1) or block % block_n:
         raise ValueError(f"config.block_n={config.block_n} must be a power of two >= 16 dividing block={block}")
@@ -411,7 +392,7 @@ def decode_attention(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), BLOCK=block, BLOCK_N=block_n,
         HEAD_DIM=d, ROPE=rope, DIRECT=direct,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", APE=ape is not None,
-        PER_BLOCK=config.per_block, FAST_TRIG=q.device.type == "cuda", num_warps=config.num_warps,
+        FAST_TRIG=q.device.type == "cuda", num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
     if not direct:

@@ -150,12 +150,11 @@ def test_decode_generated_tokens(num_splits):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("config", [DecodeConfig(block_n=16, per_block=True), DecodeConfig(block_n=32, per_block=True),
-                                    DecodeConfig(block_n=16, per_block=False)])
+@pytest.mark.parametrize("config", [DecodeConfig(block_n=16, num_stages=2), DecodeConfig(block_n=32, num_warps=2)])
 def test_every_config_computes_the_same_attention(dtype, config):
-    """The split kernel's schedules (one flat loop over 16-slot steps; one iteration per 32-slot block, its slots
-    in two unrolled 16-slot steps or one whole step) against the float64 definition, with generated tokens in a
-    segment of their own (a change of rotation inside a split) and splits that start mid-request."""
+    """The split kernel's schedules (32-slot blocks in two 16-slot steps or one whole step) against the float64
+    definition, with generated tokens in a segment of their own (a change of rotation inside a split) and splits
+    that start mid-request."""
     gen = torch.Generator().manual_seed(3)
     inputs, want, scale = case(REQUESTS, 32, 8, 2, 64, dtype, gen, n_generated=3)
     check(inputs, want, scale, 32, dtype, 3, config)
