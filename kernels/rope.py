@@ -269,26 +269,47 @@ def cos_sin_table_ref(block_offset: torch.Tensor, inv_freq: torch.Tensor, out: t
 # embedding at each row's segment-local position: any scaling the model applies is already in it), in place in
 # the fused QKV projection's output, in one kernel for every head of both. transformers' apply_rotary_pos_emb
 # rounds three times in the activations' dtype (x * cos, rotate_half(x) * sin, their sum); so does the kernel.
+# The same launch can append the step's KV to the cache: the rotated k and the v of each row written to the row's
+# slot of a layer's token-major pool [slots, Hkv, D] (runtime/kv_cache.py PoolKV), which spares the step two
+# copy kernels per layer.
 
 
 @triton.jit
-def _rotary_qk_kernel(QKV, Cos, Sin, stride_qkv, stride_cs, HALF: tl.constexpr, BLOCK: tl.constexpr):
+def _rotary_qk_kernel(QKV, Cos, Sin, Slots, KCache, VCache, stride_qkv, stride_cs, stride_cn, stride_ch,
+                      N_Q: tl.constexpr, N_KV: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr,
+                      APPEND: tl.constexpr):
+    """Program (row, head): heads [0, N_Q) are q, [N_Q, N_Q + N_KV) k, both rotated in place; APPEND: the k heads
+    also store their rotated values, and heads [N_Q + N_KV, N_Q + 2 N_KV) (v) their values, at the row's slot
+    Slots[row] of KCache / VCache."""
     row = tl.program_id(0)
     head = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
     mask = offs < HALF
     x_ptr = QKV + row * stride_qkv + head * 2 * HALF
-    x1 = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_ptr + HALF + offs, mask=mask, other=0.0).to(tl.float32)
-    c1 = tl.load(Cos + row * stride_cs + offs, mask=mask, other=0.0).to(tl.float32)
-    c2 = tl.load(Cos + row * stride_cs + HALF + offs, mask=mask, other=0.0).to(tl.float32)
-    s1 = tl.load(Sin + row * stride_cs + offs, mask=mask, other=0.0).to(tl.float32)
-    s2 = tl.load(Sin + row * stride_cs + HALF + offs, mask=mask, other=0.0).to(tl.float32)
-    dt = QKV.dtype.element_ty
-    o1 = (x1 * c1).to(dt).to(tl.float32) - (x2 * s1).to(dt).to(tl.float32)
-    o2 = (x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)
-    tl.store(x_ptr + offs, o1.to(dt), mask=mask)
-    tl.store(x_ptr + HALF + offs, o2.to(dt), mask=mask)
+    if APPEND:
+        slot = tl.load(Slots + row)   # int64: slot * stride_cn may pass 2^31
+    if head < N_Q + N_KV:
+        x1 = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x_ptr + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+        c1 = tl.load(Cos + row * stride_cs + offs, mask=mask, other=0.0).to(tl.float32)
+        c2 = tl.load(Cos + row * stride_cs + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+        s1 = tl.load(Sin + row * stride_cs + offs, mask=mask, other=0.0).to(tl.float32)
+        s2 = tl.load(Sin + row * stride_cs + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+        dt = QKV.dtype.element_ty
+        o1 = ((x1 * c1).to(dt).to(tl.float32) - (x2 * s1).to(dt).to(tl.float32)).to(dt)
+        o2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
+        tl.store(x_ptr + offs, o1, mask=mask)
+        tl.store(x_ptr + HALF + offs, o2, mask=mask)
+        if APPEND:
+            if head >= N_Q:
+                k_ptr = KCache + slot * stride_cn + (head - N_Q) * stride_ch
+                tl.store(k_ptr + offs, o1, mask=mask)
+                tl.store(k_ptr + HALF + offs, o2, mask=mask)
+    else:
+        if APPEND:   # a v head, launched only to append
+            v_ptr = VCache + slot * stride_cn + (head - N_Q - N_KV) * stride_ch
+            tl.store(v_ptr + offs, tl.load(x_ptr + offs, mask=mask), mask=mask)
+            tl.store(v_ptr + HALF + offs, tl.load(x_ptr + HALF + offs, mask=mask), mask=mask)
 
 
 def _qkv_views(qkv: torch.Tensor, n_q_heads: int, n_kv_heads: int, head_dim: int):
@@ -298,7 +319,7 @@ def _qkv_views(qkv: torch.Tensor, n_q_heads: int, n_kv_heads: int, head_dim: int
             qkv[:, k_end:].view(b, n_kv_heads, head_dim))
 
 
-def _check_qkv(qkv, cos, sin, n_q_heads: int, n_kv_heads: int) -> int:
+def _check_qkv(qkv, cos, sin, n_q_heads: int, n_kv_heads: int, append_to) -> int:
     if cos.dim() != 2 or cos.shape != sin.shape or cos.shape[0] != qkv.shape[0] or cos.shape[1] % 2:
         raise ValueError(f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must both be [B, D] with even D, "
                          f"B = qkv's rows ({qkv.shape[0]})")
@@ -306,30 +327,60 @@ def _check_qkv(qkv, cos, sin, n_q_heads: int, n_kv_heads: int) -> int:
     if qkv.dim() != 2 or qkv.shape[1] != (n_q_heads + 2 * n_kv_heads) * head_dim or qkv.stride(-1) != 1:
         raise ValueError(f"qkv {tuple(qkv.shape)} must be [B, (Hq + 2 Hkv) * D] = [B, {(n_q_heads + 2 * n_kv_heads)}"
                          f" * {head_dim}] with unit column stride: q, k and v heads side by side, rotated in place")
+    if append_to is not None:
+        k_cache, v_cache, slots = append_to
+        if (k_cache.dim() != 3 or k_cache.shape[1:] != (n_kv_heads, head_dim) or k_cache.shape != v_cache.shape
+                or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1
+                or {k_cache.dtype, v_cache.dtype} != {qkv.dtype}):
+            raise ValueError(f"append_to's k {tuple(k_cache.shape)} {k_cache.dtype} and v {tuple(v_cache.shape)} "
+                             f"{v_cache.dtype} must both be [slots, Hkv, D] = [slots, {n_kv_heads}, {head_dim}] of "
+                             f"qkv's dtype {qkv.dtype}, with the same strides and unit last stride (a layer's pool)")
+        if {k_cache.device, v_cache.device, slots.device} != {qkv.device}:
+            raise ValueError(f"append_to's k, v and slots ({k_cache.device}, {v_cache.device}, {slots.device}) "
+                             f"must be on qkv's device {qkv.device}")
+        if slots.shape != (qkv.shape[0],) or slots.dtype != torch.int64:
+            raise ValueError(f"append_to's slots ({tuple(slots.shape)} {slots.dtype}) must be int64 [B], "
+                             f"B = qkv's rows ({qkv.shape[0]}): one pool slot per row")
     return head_dim
 
 
-def rotary_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_q_heads: int, n_kv_heads: int):
+def rotary_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_q_heads: int, n_kv_heads: int, *,
+              append_to: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
     """qkv [B, (Hq + 2 Hkv) * D]: a row's q heads, k heads and v heads side by side; cos, sin [B, D]: the model's
     rotary table at each row's position -> (q [B, Hq, D], k [B, Hkv, D], v [B, Hkv, D]), views of qkv whose q and
-    k heads are rotated in place: x * cos + rotate_half(x) * sin."""
-    head_dim = _check_qkv(qkv, cos, sin, n_q_heads, n_kv_heads)
+    k heads are rotated in place: x * cos + rotate_half(x) * sin.
+
+    append_to: optional (k_cache, v_cache [slots, Hkv, D] of qkv's dtype, slots int64 [B]): the same launch
+    writes row b's rotated k and its v to slot slots[b] of the caches (`k_cache[slots] = k`, what
+    `rotary_qk_ref` does with index_copy_). Rows that share a slot (the runner sends every idle row to one
+    scratch slot) leave one of them there. Reads no data on the host: a CUDA graph captures it."""
+    head_dim = _check_qkv(qkv, cos, sin, n_q_heads, n_kv_heads, append_to)
     if not triton_runs_on(qkv.device):
         raise ValueError(f"rotary_qk runs on CUDA tensors (got {qkv.device}); use rotary_qk_ref on CPU")
     cos, sin = cos.contiguous(), sin.contiguous()
     half = head_dim // 2
-    _rotary_qk_kernel[(qkv.shape[0], n_q_heads + n_kv_heads)](qkv, cos, sin, qkv.stride(0), cos.stride(0),
-                                                              HALF=half, BLOCK=triton.next_power_of_2(half),
-                                                              num_warps=1)
+    append = append_to is not None
+    k_cache, v_cache, slots = append_to if append else (qkv, qkv, qkv)   # without append_to: never read
+    heads = n_q_heads + n_kv_heads * (2 if append else 1)
+    _rotary_qk_kernel[(qkv.shape[0], heads)](qkv, cos, sin, slots, k_cache, v_cache, qkv.stride(0), cos.stride(0),
+                                             k_cache.stride(0), k_cache.stride(1), N_Q=n_q_heads, N_KV=n_kv_heads,
+                                             HALF=half, BLOCK=triton.next_power_of_2(half), APPEND=append,
+                                             num_warps=1)
     return _qkv_views(qkv, n_q_heads, n_kv_heads, head_dim)
 
 
-def rotary_qk_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_q_heads: int, n_kv_heads: int):
-    """The twin of `rotary_qk`, in torch: transformers' `x * cos + rotate_half(x) * sin` on the q and k heads."""
-    head_dim = _check_qkv(qkv, cos, sin, n_q_heads, n_kv_heads)
+def rotary_qk_ref(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_q_heads: int, n_kv_heads: int, *,
+                  append_to: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+    """The twin of `rotary_qk`, in torch: transformers' `x * cos + rotate_half(x) * sin` on the q and k heads,
+    then (append_to) index_copy_ of k and v into the caches' slots, as PoolKV.append does."""
+    head_dim = _check_qkv(qkv, cos, sin, n_q_heads, n_kv_heads, append_to)
     q, k, v = _qkv_views(qkv, n_q_heads, n_kv_heads, head_dim)
     half = head_dim // 2
     for x in (q, k):
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         x.copy_(x * cos[:, None] + rotated * sin[:, None])
+    if append_to is not None:
+        k_cache, v_cache, slots = append_to
+        k_cache.index_copy_(0, slots, k)
+        v_cache.index_copy_(0, slots, v)
     return q, k, v

@@ -76,15 +76,23 @@ class PrefillAttention:
 
 
 class DecodeAttention:
-    """The attention of one decode step: one token per row, appended to the pool at the row's slot and
-    attended over the row's block table. Nothing here reads the data on the host: a CUDA graph captures it."""
+    """The attention of one decode step: one token per row, appended to the pool at the row's slot (here, or by
+    the fast forward's rotary kernel) and attended over the row's block table. Nothing here reads the data on the
+    host: a CUDA graph captures it."""
 
     def __init__(self, backend, meta: DecodeMetadata, cache: PoolKV, inv_freq):
         self.backend, self.meta, self.cache, self.inv_freq = backend, meta, cache, inv_freq
 
-    def attend(self, layer: int, query, key, value, scale: float):
-        """query [1, Hq, B, D], key / value [1, Hkv, B, D] -> [1, B, Hq, D]."""
-        self.cache.append(layer, self.meta.slots, key[0], value[0])
+    def append_target(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Where this step's K / V rows of `layer` go (PoolKV.append_target), for a forward whose rotary kernel
+        writes them itself; it then attends with appended=True."""
+        return self.cache.append_target(layer, self.meta.slots)
+
+    def attend(self, layer: int, query, key, value, scale: float, appended: bool = False):
+        """query [1, Hq, B, D], key / value [1, Hkv, B, D] -> [1, B, Hq, D]. appended: the caller has written key
+        and value to `append_target(layer)` already."""
+        if not appended:
+            self.cache.append(layer, self.meta.slots, key[0], value[0])
         out = self.backend.decode(self.meta, self.cache, layer, query[0].transpose(0, 1), self.inv_freq, scale)
         return out.unsqueeze(0), None
 

@@ -47,6 +47,11 @@ class PoolKV:
         self.store.k_pool[layer].index_copy_(0, slots, key.transpose(0, 1))
         self.store.v_pool[layer].index_copy_(0, slots, value.transpose(0, 1))
 
+    def append_target(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What `append` writes to, for a kernel that appends the rows itself (kernels/rope.py `rotary_qk`'s
+        append_to): the layer's token-major k and v pools [pool slots, Hkv, D] and `slots` (int64 [B])."""
+        return self.store.k_pool[layer], self.store.v_pool[layer], slots
+
 
 class PagedKVCache(PoolKV):
     """One prefill forward's KV in the pool: logical block b of `layout` is page `block_pages[b]` (int64 [NB]),

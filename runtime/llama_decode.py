@@ -6,7 +6,8 @@ Per decode step of B rows (one token each), with the residual stream h [B, hidde
 
     h = embed(tokens); x = rms_norm(h, layers[0].input_layernorm); cos, sin = the model's rotary_emb at pos
     per layer:
-        q, k, v = rotary_qk(x @ Wqkv^T (+ b), cos, sin)    Wqkv: q_proj, k_proj, v_proj stacked; rotated in place
+        q, k, v = rotary_qk(x @ Wqkv^T (+ b), cos, sin)    Wqkv: q_proj, k_proj, v_proj stacked; rotated in place,
+                                                            k and v written to the layer's KV pool at each row's slot
         a = attention.attend(layer, q, k, v, scale)         the engine's DecodeAttention (runtime/forward.py)
         x, h = add_rms_norm(o_proj(a), h, post_attention_layernorm)
         m = down_proj(silu_mul(x @ Wgu^T (+ b)))            Wgu: gate_proj, up_proj stacked
@@ -14,7 +15,8 @@ Per decode step of B rows (one token each), with the residual stream h [B, hidde
     -> x, the final norm's output [B, hidden]
 
 About ten kernels per layer where the module forward launches some thirty (each projection its own GEMM; the
-rotary, the residual adds, the SiLU and the multiply as several element-wise kernels each), and the same bytes.
+rotary, the residual adds, the SiLU and the multiply as several element-wise kernels each; the KV append two
+copies), and the same bytes.
 The kernels round where transformers' forward rounds (kernels/rmsnorm.py, kernels/swiglu.py, kernels/rope.py).
 
 Fused weights without a second copy: one stacked matrix per layer for q / k / v and one for gate / up, made once
@@ -170,7 +172,11 @@ class Probe:
     k, v and the scale (so a wrong head order, rotation, GQA grouping or scale changes the result), the same
     whichever forward calls it."""
 
-    def attend(self, layer: int, query, key, value, scale: float):
+    def append_target(self, layer: int) -> None:
+        """No KV cache: the fast forward's rotary kernel appends nothing."""
+        return None
+
+    def attend(self, layer: int, query, key, value, scale: float, appended: bool = False):
         """query [1, Hq, B, D], key / value [1, Hkv, B, D] -> [1, B, Hq, D]."""
         group = query.shape[1] // key.shape[1]
         kv = (key - 2 * value).repeat_interleave(group, dim=1)
@@ -208,9 +214,11 @@ class LlamaDecode:
     def attention(self, layer: FusedLayer, x: torch.Tensor, cos, sin, attention) -> torch.Tensor:
         """x [B, hidden] (normed) -> the attention branch o_proj(attend(q, k, v)) [B, hidden]."""
         qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
-        q, k, v = rotary_qk(qkv, cos, sin, layer.n_q_heads, layer.n_kv_heads)
+        # the rotary kernel appends k and v to the KV cache too: two copy kernels fewer per layer
+        target = attention.append_target(layer.index)
+        q, k, v = rotary_qk(qkv, cos, sin, layer.n_q_heads, layer.n_kv_heads, append_to=target)
         out, _ = attention.attend(layer.index, q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                  v.transpose(0, 1)[None], layer.scale)
+                                  v.transpose(0, 1)[None], layer.scale, appended=target is not None)
         return layer.o_proj(out[0].reshape(x.shape[0], -1))
 
     def mlp(self, layer: FusedLayer, x: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,9 @@ their ref twins, against float64 computations written from the definitions:
 
     add_rms_norm (kernels/rmsnorm.py)   residual += x (rounded to the stream's dtype), then RMSNorm of it
     silu_mul (kernels/swiglu.py)        silu(gate) * up, gate and up the two halves of one row
-    rotary_qk (kernels/rope.py)         x * cos + rotate_half(x) * sin on the q and k heads of a QKV row, in place
+    rotary_qk (kernels/rope.py)         x * cos + rotate_half(x) * sin on the q and k heads of a QKV row, in place;
+                                        with append_to, also the rotated k and the v of row b into slot slots[b] of
+                                        a layer's pool [slots, Hkv, D]
 
 Tolerances count the roundings to the tested dtype that the kernel makes and the float64 definition does not
 (each at most half a unit of that dtype, of the rounded value's magnitude), plus the fp32 arithmetic inside.
@@ -84,28 +86,38 @@ def test_silu_mul_refuses_an_odd_width():
         silu_mul(torch.zeros(2, 7, device=DEVICE))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows, hq, hkv, d", [(1, 4, 2, 64), (3, 3, 1, 96), (2, 2, 2, 128)])
-def test_rotary_qk_matches_definition(dtype, rows, hq, hkv, d):
-    gen = torch.Generator().manual_seed(rows * hq + d)
-    qkv = (torch.randn(rows, (hq + 2 * hkv) * d, generator=gen) * 2).to(dtype)
-    # A table as the model's rotary embedding makes it: cat(freqs, freqs) at each row's position, times a yarn-like
-    # attention scaling, cast to the activations' dtype.
-    pos = torch.randint(0, 5000, (rows,), generator=gen).double()
-    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, d, 2).double() / d)
-    angle = torch.cat([pos[:, None] * inv_freq] * 2, dim=-1)
-    cos, sin = (angle.cos() * 1.1).to(dtype), (angle.sin() * 1.1).to(dtype)
+def rotary_definition(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hq: int, hkv: int):
+    """float64 q and k heads [B, Hq + Hkv, D] of x * cos + rotate_half(x) * sin, and the bound on a kernel's error:
+    three roundings to qkv's dtype (both products and their sum), each of its rounded value's magnitude."""
+    rows, d = qkv.shape[0], cos.shape[1]
     half = d // 2
-    x = qkv.double()
-    n_rot = (hq + hkv) * d
-    heads = x[:, :n_rot].view(rows, hq + hkv, d)
+    heads = qkv.double()[:, :(hq + hkv) * d].view(rows, hq + hkv, d)
     x1, x2 = heads[..., :half], heads[..., half:]
     c, s = cos.double()[:, None], sin.double()[:, None]
     t11, t12 = x1 * c[..., :half], x2 * s[..., :half]
     t21, t22 = x2 * c[..., half:], x1 * s[..., half:]
     want = torch.cat((t11 - t12, t21 + t22), dim=-1)
-    # three roundings to dtype: both products and their sum
-    bound = unit(dtype) * (torch.cat((t11.abs() + t12.abs(), t21.abs() + t22.abs()), -1) + want.abs()) * 1.01 + 1e-30
+    bound = unit(qkv.dtype) * (torch.cat((t11.abs() + t12.abs(), t21.abs() + t22.abs()), -1) + want.abs()) * 1.01
+    return want, bound + 1e-30
+
+
+def rotary_inputs(rows: int, hq: int, hkv: int, d: int, dtype: torch.dtype, seed: int):
+    """Random qkv [B, (Hq + 2 Hkv) * D] and a table as the model's rotary embedding makes it: cat(freqs, freqs) at
+    each row's position, times a yarn-like attention scaling, cast to the activations' dtype."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = (torch.randn(rows, (hq + 2 * hkv) * d, generator=gen) * 2).to(dtype)
+    pos = torch.randint(0, 5000, (rows,), generator=gen).double()
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, d, 2).double() / d)
+    angle = torch.cat([pos[:, None] * inv_freq] * 2, dim=-1)
+    return qkv, (angle.cos() * 1.1).to(dtype), (angle.sin() * 1.1).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, hq, hkv, d", [(1, 4, 2, 64), (3, 3, 1, 96), (2, 2, 2, 128)])
+def test_rotary_qk_matches_definition(dtype, rows, hq, hkv, d):
+    qkv, cos, sin = rotary_inputs(rows, hq, hkv, d, dtype, seed=rows * hq + d)
+    want, bound = rotary_definition(qkv, cos, sin, hq, hkv)
+    n_rot = (hq + hkv) * d
     for fn, where in ((rotary_qk, DEVICE), (rotary_qk_ref, "cpu")):
         buf = qkv.clone().to(where)
         q, k, v = fn(buf, cos.to(where), sin.to(where), hq, hkv)
@@ -117,7 +129,58 @@ def test_rotary_qk_matches_definition(dtype, rows, hq, hkv, d):
         report_and_check(fn.__name__, got[:, :n_rot].view(rows, hq + hkv, d), want, bound)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, hq, hkv, d", [(1, 4, 2, 64), (5, 6, 2, 128), (3, 2, 2, 96), (64, 2, 1, 64)])
+def test_rotary_qk_appends_k_and_v_to_their_slots(dtype, rows, hq, hkv, d):
+    """Scattered slots of layer 1 of a token-major pool [layers, slots, Hkv, D], the last two rows idle on one
+    scratch slot as the runner sends them: each row's rotated k (the definition's) and its v (bit-exact) land
+    in its slot; every other slot, and the other layers, keep their contents."""
+    n_slots = 3 * rows + 40
+    qkv, cos, sin = rotary_inputs(rows, hq, hkv, d, dtype, seed=7 * rows + hq + d)
+    want, bound = rotary_definition(qkv, cos, sin, hq, hkv)
+    gen = torch.Generator().manual_seed(rows)
+    slots = torch.randperm(n_slots - 1, generator=gen)[:rows] + 1
+    scratch = 0
+    if rows > 2:
+        slots[-2:] = scratch
+    pool_k = torch.randn(3, n_slots, hkv, d, generator=gen).to(dtype)
+    pool_v = torch.randn(3, n_slots, hkv, d, generator=gen).to(dtype)
+    v_rows = qkv[:, (hq + hkv) * d:].view(rows, hkv, d)
+    others = torch.ones(n_slots, dtype=torch.bool)
+    others[slots] = False
+    for fn, where in ((rotary_qk, DEVICE), (rotary_qk_ref, "cpu")):
+        k_pool, v_pool = pool_k.clone().to(where), pool_v.clone().to(where)
+        buf = qkv.clone().to(where)
+        q, k, v = fn(buf, cos.to(where), sin.to(where), hq, hkv,
+                     append_to=(k_pool[1], v_pool[1], slots.to(where)))
+        k_pool, v_pool = k_pool.cpu(), v_pool.cpu()
+        for layer in (0, 2):
+            assert torch.equal(k_pool[layer], pool_k[layer]) and torch.equal(v_pool[layer], pool_v[layer])
+        assert torch.equal(k_pool[1, others], pool_k[1, others]), f"{fn.__name__}: a k slot of no row changed"
+        assert torch.equal(v_pool[1, others], pool_v[1, others]), f"{fn.__name__}: a v slot of no row changed"
+        live = slice(0, rows - 2) if rows > 2 else slice(0, rows)
+        live_slots = slots[live]
+        assert torch.equal(v_pool[1, live_slots], v_rows[live]), f"{fn.__name__}: v rows not in their slots"
+        assert torch.equal(k_pool[1, live_slots], k.cpu()[live]), f"{fn.__name__}: k slots are not the rotated k"
+        report_and_check(f"{fn.__name__} k slots", k_pool[1, live_slots], want[live, hq:], bound[live, hq:])
+        report_and_check(f"{fn.__name__} q", q.cpu(), want[:, :hq], bound[:, :hq])
+        if rows > 2:      # the idle rows share the scratch slot: one of them is there, whole
+            assert any(torch.equal(k_pool[1, scratch], k.cpu()[r]) and torch.equal(v_pool[1, scratch], v_rows[r])
+                       for r in (rows - 2, rows - 1)), f"{fn.__name__}: the scratch slot holds no idle row"
+
+
 def test_rotary_qk_refuses_a_mismatched_row():
     with pytest.raises(ValueError, match="q, k and v heads side by side"):
         rotary_qk(torch.zeros(2, 5 * 64, device=DEVICE), torch.ones(2, 64, device=DEVICE),
                   torch.zeros(2, 64, device=DEVICE), 2, 2)
+
+
+def test_rotary_qk_refuses_a_pool_it_cannot_append_to():
+    qkv, cos, sin = (torch.zeros(2, 8 * 64, device=DEVICE), torch.ones(2, 64, device=DEVICE),
+                     torch.zeros(2, 64, device=DEVICE))
+    pool = torch.zeros(10, 2, 64, device=DEVICE)
+    slots = torch.tensor([3, 4], device=DEVICE)
+    with pytest.raises(ValueError, match=r"\[slots, Hkv, D\] = \[slots, 2, 64\]"):
+        rotary_qk(qkv, cos, sin, 4, 2, append_to=(pool.half(), pool.half(), slots))
+    with pytest.raises(ValueError, match="int64"):
+        rotary_qk(qkv, cos, sin, 4, 2, append_to=(pool, pool.clone(), slots.int()))

@@ -26,35 +26,47 @@ def tokenizer():
     return smollm2()[1]
 
 
-def decode(engine: SiftEngine, steps: int) -> tuple[list[int], list[torch.Tensor]]:
-    """Greedy decode of REQUEST through the step API -> (its tokens, each decode step's fp32 logits [V])."""
+def decode(engine: SiftEngine, steps: int) -> tuple[list[int], list[torch.Tensor], list[tuple]]:
+    """Greedy decode of REQUEST through the step API -> (its tokens, each decode step's fp32 logits [V], each
+    decode step's (pool slot, the K and V that step wrote there [n_layers, Hkv, D], read back from the pool))."""
     rid = engine.add_request(REQUEST, SamplingParams(max_tokens=steps + 1, temperature=0.0), mode="dense")
-    logits, out = [], None
+    logits, written, out = [], [], None
+    store = engine.kv_store
     while engine.has_unfinished():
         launches = engine.runner.launches
         for o in engine.step():
             out = o
         if engine.runner.launches != launches:
             logits.append(engine.runner.last_logits[0].clone())
+            slot = int(engine.runner.batch.slots[0])
+            written.append((slot, store.k_pool[:, slot].clone(), store.v_pool[:, slot].clone()))
     assert out.request_id == rid and out.finished
-    return out.token_ids, logits
+    return out.token_ids, logits, written
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_fast_decode_equals_the_module_forward(family, tokenizer, tmp_path):
     """Larger random weights than the default init (std 0.02 makes a tiny model repeat one token), so that the
-    greedy tokens change from step to step; qwen2 has q / k / v biases."""
+    greedy tokens change from step to step; qwen2 has q / k / v biases. The KV each step appends to the pool
+    (the fast forward's rotary kernel writes it, the module forward's attention copies it) is the same too: the
+    rotated keys and the values, at the same slots, within the logits' rounding."""
     model = model_on_device(_tiny(family, tmp_path, initializer_range=0.2))
     fast = SiftEngine(model, tokenizer, None, backend="triton")
     assert fast.runner.fast is not None, fast.runner.fast_refusal
     plain = SiftEngine(model, tokenizer, None, backend="triton")
     plain.runner.fast = None
-    a_ids, a_logits = decode(fast, 6)
-    b_ids, b_logits = decode(plain, 6)
+    a_ids, a_logits, a_kv = decode(fast, 6)
+    b_ids, b_logits, b_kv = decode(plain, 6)
     assert a_ids == b_ids and len(set(a_ids)) > 1
     assert len(a_logits) == len(b_logits) == 6
     for step, (a, b) in enumerate(zip(a_logits, b_logits)):
         assert_within(a, b, model_logit_tol(model.config, b), f"{family} step {step}")
+    assert len({slot for slot, _, _ in a_kv}) == 6, "each step appends to a slot of its own"
+    for step, ((a_slot, a_k, a_v), (b_slot, b_k, b_v)) in enumerate(zip(a_kv, b_kv)):
+        assert a_slot == b_slot
+        for what, a, b in (("K", a_k, b_k), ("V", a_v, b_v)):
+            assert b.abs().amax(dim=(1, 2)).min() > 0, f"step {step}: a layer's {what} row is empty"
+            assert_within(a, b, model_logit_tol(model.config, b), f"{family} step {step} pool {what}")
 
 
 def test_stacked_weights_are_views_and_leave_the_model_unchanged(tokenizer, tmp_path):
