@@ -46,7 +46,7 @@ class GemvConfig:
         return f"n{self.block_n}k{self.block_k}w{self.num_warps}s{self.num_stages}{'d' if self.dot else 'f'}"
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])       # one compiled kernel for every row count of a BLOCK_M
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, x_stride, w_stride, y_stride,
                  HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, DOT: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr):
@@ -117,3 +117,46 @@ def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype)
+
+
+# The schedules an engine chooses among on its own device (runtime/llama_decode.py `LlamaDecode.linear`): few, so
+# that choosing costs a few compiles at warm-up; bench/bench_gemv.py times them beside a wider grid and cuBLAS.
+CANDIDATES = (GemvConfig(32, 256, 4, 3, True), GemvConfig(64, 256, 4, 3, True), GemvConfig(16, 512, 4, 4, True),
+              GemvConfig(8, 256, 4, 2, False))
+
+
+def fastest(x: torch.Tensor, weights: list[tuple[torch.Tensor, torch.Tensor | None]],
+            configs: tuple[GemvConfig, ...] = CANDIDATES, reps: int = 3) -> tuple[GemvConfig | None, dict]:
+    """The faster way to compute F.linear(x, w, b) for x [M, K] on its CUDA device, over `weights`: (w, b) pairs
+    of one shape (the same projection of every layer, so the product streams each weight from memory as a decode
+    step does): None (F.linear, cuBLAS) or the fastest of `configs`. Each way runs once (compiling), then is
+    captured in a CUDA graph of one call per pair (the host's launch cost out of the figure, as in a captured
+    step) and timed over `reps` replays; a config that fails to compile or errs is left out.
+    -> (choice, {name: us per call}), name "cublas" or the config's name. Not during a capture."""
+    ways = {"cublas": (None, lambda w, b: torch.nn.functional.linear(x, w, b))}
+    ways.update({c.name: (c, lambda w, b, c=c: gemv(x, w, b, c)) for c in configs})
+    times = {}
+    for name, (_, call) in ways.items():
+        try:
+            call(*weights[0])
+            torch.cuda.synchronize(x.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for w, b in weights:
+                    call(w, b)
+        except (RuntimeError, ValueError, triton.CompilationError, triton.runtime.errors.OutOfResources):
+            continue
+        graph.replay()
+        runs = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            runs.append(start.elapsed_time(end) * 1e3 / len(weights))
+        del graph
+        times[name] = sorted(runs)[len(runs) // 2]
+    if not times:
+        return None, times
+    return ways[min(times, key=times.get)][0], times      # a tie goes to cuBLAS, listed first
