@@ -136,12 +136,15 @@ def fastest(x: torch.Tensor, weights: list[tuple[torch.Tensor, torch.Tensor | No
     ways = {"cublas": (None, lambda w, b: torch.nn.functional.linear(x, w, b))}
     ways.update({c.name: (c, lambda w, b, c=c: gemv(x, w, b, c)) for c in configs})
     times = {}
+    stream = torch.cuda.Stream(x.device)      # warm-up and capture on one stream (cuBLAS' workspace is per stream)
     for name, (_, call) in ways.items():
         try:
-            call(*weights[0])
-            torch.cuda.synchronize(x.device)
+            stream.wait_stream(torch.cuda.current_stream(x.device))
+            with torch.cuda.stream(stream):
+                call(*weights[0])
+            stream.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph, stream=stream):
                 for w, b in weights:
                     call(w, b)
         except (RuntimeError, ValueError, triton.CompilationError, triton.runtime.errors.OutOfResources):
