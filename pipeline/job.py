@@ -51,7 +51,8 @@ from .plan import BuildPlan, ErrorRow, Pair, Planner, Todo, resolve_target, reus
 STARTUP_KEYS = {
     "process": "the sift-build process's start to the build's start (Python, imports, config; CLI only)",
     "ray": "duration: starting (or joining) Ray",
-    "plan": "duration: previous generation, model identity, tokenizer, reusable rows (after Ray's start)",
+    "plan": "duration: Ray Data's set-up, previous generation, model identity, tokenizer, reusable rows (after "
+            "Ray's start and the actors' creation)",
     "actor_code": "moment: the actor's process began importing the builder",
     "actor_init": "moment: the actor's set-up began (its code imported)",
     "model_load": "duration: the actor's set-up (weights on its device, profiler ready)",
@@ -620,13 +621,12 @@ def commit(build: BuildPlan, profiled: Profiled, index: Location, cfg: BuildConf
 
 def _start_ray(address: str | None, verbose: bool, quiet: bool = False) -> None:
     """Join the Ray cluster at `address` (or $RAY_ADDRESS), else start a local one (`ray_driver.start_local`:
-    nothing of it outlives the driver); keep corpus order; let a profiling actor's own error reach the driver.
+    nothing of it outlives the driver).
 
-    Unless `verbose`, Ray prints only its errors: its INFO logs, its progress blocks and the workers' output go
-    to Ray's log files alone, and the build reports its own progress (`ProgressLines`, or the CLI's bar).
+    Unless `verbose`, Ray prints only its errors: its INFO logs and the workers' output go to Ray's log files
+    alone, and the build reports its own progress (`ProgressLines`, or the CLI's bar).
     quiet: Ray's native error lines go to its log folder only (`ray_driver.native_stderr_to_logs`)."""
     import ray
-    import ray.data
 
     if not ray.is_initialized():
         address = address or os.environ.get("RAY_ADDRESS")
@@ -637,6 +637,13 @@ def _start_ray(address: str | None, verbose: bool, quiet: bool = False) -> None:
             ray_driver.start_local(**chatter)
         if quiet:
             ray_driver.native_stderr_to_logs()
+
+
+def _stream_settings(verbose: bool) -> None:
+    """Ray Data, for the reading tasks (imported once the actors are asked for: they need none of it): keep
+    corpus order; let a task's own error reach the driver; unless `verbose`, no progress blocks nor console logs."""
+    import ray.data
+
     if not verbose:
         # Ray Data logs to its file and to a handler named "console" (its default logging config): quiet the
         # console, so the file keeps everything and a failure reaches the user as the build's one line.
@@ -651,9 +658,11 @@ def _start_ray(address: str | None, verbose: bool, quiet: bool = False) -> None:
     ctx.raise_original_map_exception = True
 
 
-def _plan(cfg: BuildConfig, model_dir: Path, index: Location) -> tuple:
-    """The build's plan, which needs no Ray: (the target, the reusable rows, its seconds)."""
+def _plan(cfg: BuildConfig, model_dir: Path, index: Location, verbose: bool) -> tuple:
+    """The build's plan, which needs no Ray, after Ray Data's settings (`_stream_settings`): (the target, the
+    reusable rows, the seconds of both)."""
     t0 = time.perf_counter()
+    _stream_settings(verbose)
     target = resolve_target(cfg, model_dir, index)
     return target, reusable(index, target), time.perf_counter() - t0
 
@@ -697,7 +706,7 @@ def run_build(corpus: str | Path, out: str | Path, cfg: BuildConfig, *, ray_addr
         pool = _Pool(ray, cfg, index, DEFAULT_MODEL if cfg.model == DEFAULT_MODEL else str(model_dir))
         if first:  # load the model now
             pool.start(echo)
-        target, reuse, startup["plan"] = _plan(cfg, model_dir, index)
+        target, reuse, startup["plan"] = _plan(cfg, model_dir, index, verbose)
         shown = redact(corpus) if is_uri(corpus) else corpus
         echo(f"sift-build: {len(sources)} source(s) in {shown}, model {target.model.name}, tile {cfg.profile.tile}")
         if not (reuse.previous or reuse.orphans):  # nothing to reuse: everything is profiled

@@ -275,6 +275,36 @@ def test_cuda_driver_starts_beside_the_actors_imports(monkeypatch):
     assert _CudaStart().join() >= 0
 
 
+_FIRST_ACTOR = """
+import sys
+from sift.pipeline import job
+from sift.pipeline.config import load_config
+
+class Stop(Exception):
+    pass
+
+def start(self, echo):  # the moment a first build asks for its actors
+    print("ray.data imported:", "ray.data" in sys.modules, flush=True)
+    raise Stop
+
+job._Pool.start = start
+try:
+    job.run_build(sys.argv[1], sys.argv[2], load_config(None), echo=lambda *_: None)
+except Stop:
+    pass
+"""
+
+
+def test_actors_are_asked_for_before_ray_data_is_imported(tmp_path):
+    """A first build asks for its profiling actors the moment Ray is up, before the driver imports Ray Data (the
+    reading tasks' library, which the actors do not need), so that import is not on the actors' path."""
+    make_corpus(tmp_path / "corpus", 1)
+    proc = subprocess.run([sys.executable, "-c", _FIRST_ACTOR, str(tmp_path / "corpus"), str(tmp_path / "index")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "ray.data imported: False" in proc.stdout, proc.stdout
+
+
 def _session_processes(session: Path) -> list[int]:
     """Processes holding a file of the Ray session folder `session` open (its GCS, raylet, agents, workers)."""
     held = []
