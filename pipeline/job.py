@@ -207,6 +207,8 @@ class _CudaStart:
 
     def __init__(self, library: str = "libcuda.so.1"):
         self.seconds = 0.0
+        # What torch sets before its own `cuInit` (the driver reads it there): kernels load on first use.
+        os.environ.setdefault("CUDA_MODULE_LOADING", "LAZY")
         self.thread = threading.Thread(target=self._run, args=(library,), daemon=True, name="sift-cuda-start")
         self.thread.start()
 

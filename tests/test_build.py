@@ -254,6 +254,7 @@ def test_cuda_driver_starts_beside_the_actors_imports(monkeypatch):
             return 0
 
     libraries = []
+    monkeypatch.delenv("CUDA_MODULE_LOADING", raising=False)
     monkeypatch.setattr(ctypes, "CDLL", lambda name: libraries.append(name) or Driver(0))
     start = _CudaStart()
     assert running.wait(30)
@@ -261,6 +262,7 @@ def test_cuda_driver_starts_beside_the_actors_imports(monkeypatch):
     release.set()
     assert start.join() > 0
     assert libraries == ["libcuda.so.1"]
+    assert os.environ["CUDA_MODULE_LOADING"] == "LAZY"  # as torch sets it before its own cuInit
     assert calls == [("cuInit", 0), ("cuDeviceGet", 0), ("cuDevicePrimaryCtxRetain", 0)]
 
     calls.clear()
