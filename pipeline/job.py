@@ -661,7 +661,7 @@ def _stream_settings(verbose: bool) -> None:
 
 
 def _plan(cfg: BuildConfig, model_dir: Path, index: Location, verbose: bool) -> tuple:
-    """The build's plan, which needs no Ray, after Ray Data's settings (`_stream_settings`): (the target, the
+    """Ray Data's settings (`_stream_settings`), then the build's plan, which needs no Ray: (the target, the
     reusable rows, the seconds of both)."""
     t0 = time.perf_counter()
     _stream_settings(verbose)
