@@ -302,8 +302,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None,
                     help="CPU: torch threads of the builds' actors (build.threads) and of this process's forwards")
     ap.add_argument("--only-build", action="store_true",
-                    help="after the cold build, one sift-build of each whole corpus and its start-up breakdown: no "
-                         "half-corpus build, no forwards, no result file")
+                    help="after the cold build, a fresh process's imports and Ray start (the floor under a build's "
+                         "`imports` and `ray`), then one sift-build of each whole corpus and its start-up breakdown: "
+                         "no half-corpus build, no forwards, no result file")
     args = ap.parse_args()
     device = "cpu" if args.smoke else args.device
     if args.threads:
@@ -340,6 +341,9 @@ def main() -> None:
     cold = build(write_corpus(work / "cold", corpora["passages"][:16]), work / "index-cold", config,
                  args.build_timeout)
     if args.only_build:
+        m = machine_start()
+        print("this machine, a fresh process: " + ", ".join(f"{k} {v:.1f} s" if isinstance(v, float) else f"{k} {v}"
+                                                          for k, v in m.items()))
         for name, docs in corpora.items():
             print_build(name, build(write_corpus(work / name / "whole", docs), work / name / "index-whole", config,
                                     args.build_timeout))
@@ -362,6 +366,32 @@ def main() -> None:
     print_table(json.loads(path.read_text()))
     if args.work is None:
         shutil.rmtree(work, ignore_errors=True)
+
+
+# What a fresh Python on this machine takes to import what a profiling actor imports, and to start a local Ray
+# alone: the floor under a build's `imports` and `ray` (slow imports mean a slow file system or no bytecode cache).
+MACHINE_START = """
+import json, sys, time
+t0 = time.perf_counter()
+import torch
+t1 = time.perf_counter()
+import transformers
+transformers.AutoModelForCausalLM
+t2 = time.perf_counter()
+import ray
+ray.init(include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+t3 = time.perf_counter()
+ray.shutdown()
+print(json.dumps({"import_torch": t1 - t0, "import_transformers": t2 - t1, "ray_start": t3 - t2}))
+"""
+
+
+def machine_start() -> dict:
+    """`MACHINE_START` in a fresh process -> its seconds, and whether torch's bytecode is cached (`__pycache__`)."""
+    proc = subprocess.run([sys.executable, "-c", MACHINE_START], capture_output=True, text=True, timeout=300)
+    out = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else {"error": proc.stderr[-500:]}
+    out["torch_bytecode_cached"] = any((Path(torch.__file__).parent / "__pycache__").glob("*.pyc"))
+    return out
 
 
 def print_build(name: str, b: dict) -> None:

@@ -51,11 +51,14 @@ from .plan import BuildPlan, ErrorRow, Pair, Planner, Todo, resolve_target, reus
 STARTUP_KEYS = {
     "process": "the sift-build process's start to the build's start (Python, imports, config; CLI only)",
     "ray": "duration: starting (or joining) Ray",
-    "plan": "duration: previous generation, model identity, tokenizer, reusable rows (after Ray's start)",
+    "plan": "duration: Ray Data's set-up, previous generation, model identity, tokenizer, reusable rows (after "
+            "Ray's start and the actors' creation)",
     "actor_code": "moment: the actor's process began importing the builder",
     "actor_init": "moment: the actor's set-up began (its code imported)",
     "model_load": "duration: the actor's set-up (weights on its device, profiler ready)",
     "imports": "duration: of which the imports (torch, transformers' model classes, the profiler; CUDA's start)",
+    "cuda_driver": "duration: beside `imports`, the CUDA driver's start and the device's context (GPU actors; else 0)",
+    "cuda": "duration: of `imports`, torch's CUDA start once the imports and `cuda_driver` are done (else 0)",
     "weights": "duration: of which `load_model` (the weights onto the device, the tokenizer)",
     "warmup": "duration: beside `weights`, the profiling path run once on dummy inputs (GPU actors; 0 on CPU)",
     "actor_ready": "moment: the actor can profile",
@@ -109,6 +112,9 @@ class ProfileShardWriter:
     def __init__(self, *, model: str, cfg_dict: dict, index: str, threads: int):
         t0, init = time.perf_counter(), time.time()
         import ray
+
+        # On a GPU, CUDA's driver starts beside the imports below rather than after them (`_CudaStart`).
+        cuda_start = _CudaStart() if ray.get_gpu_ids() else None
         import torch
         import transformers
 
@@ -122,9 +128,12 @@ class ProfileShardWriter:
         transformers.AutoModelForCausalLM  # noqa: B018 - its lazy import, here rather than inside `weights`
         cfg = load_config_dict(cfg_dict)
         torch.set_num_threads(max(1, threads))
+        cuda_driver = cuda_start.join() if cuda_start is not None else 0.0
+        t_cuda = time.perf_counter()
         device = "cuda" if torch.cuda.is_available() else "cpu"
         if device == "cuda":
             torch.cuda.init()
+        cuda = time.perf_counter() - t_cuda if device == "cuda" else 0.0
         imports = time.perf_counter() - t0
         backend = resolve_backend(cfg.build.backend, device, choices=BACKENDS, setting="build.backend")
         # The device's kernels warm up on dummy inputs while the weights load (on a GPU: Triton's kernels,
@@ -141,7 +150,7 @@ class ProfileShardWriter:
         # The actor's start-up: wall-clock moments (the driver counts them from the build's start) and durations.
         self.timeline = {"actor_code": IMPORT_STARTED, "actor_init": init, "actor_ready": time.time(),
                          "model_load": time.perf_counter() - t0, "imports": imports, "weights": weights,
-                         "warmup": warmup}
+                         "warmup": warmup, "cuda": cuda, "cuda_driver": cuda_driver}
 
     def ready(self) -> None:
         """Answers once the actor is set up (the driver's sign that it can profile)."""
@@ -184,6 +193,41 @@ class ProfileShardWriter:
         import torch
 
         return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
+
+
+class _CudaStart:
+    """The CUDA driver's start (`cuInit`) and the device's primary context (the one torch's runtime uses) on a
+    thread of its own, from the first moment of a GPU actor's set-up: ctypes lets go of the interpreter lock for
+    the length of each driver call, so the driver's start (seconds on a large GPU, most of it in `cuInit`) runs
+    while the actor imports torch and transformers instead of after them, and torch's own CUDA start then finds
+    both done. It starts after Ray chose the actor's GPU (CUDA_VISIBLE_DEVICES, set before the set-up begins),
+    which the driver reads in `cuInit`. It decides nothing: without a driver or a device it ends, and torch's
+    start, which follows it, meets and reports the same problem. The context is retained for the life of the
+    process, as torch's is. `join` -> its seconds."""
+
+    def __init__(self, library: str = "libcuda.so.1"):
+        self.seconds = 0.0
+        # What torch sets before its own `cuInit` (the driver reads it there): kernels load on first use.
+        os.environ.setdefault("CUDA_MODULE_LOADING", "LAZY")
+        self.thread = threading.Thread(target=self._run, args=(library,), daemon=True, name="sift-cuda-start")
+        self.thread.start()
+
+    def _run(self, library: str) -> None:
+        import ctypes
+
+        t0 = time.perf_counter()
+        try:
+            driver = ctypes.CDLL(library)
+            device, context = ctypes.c_int(0), ctypes.c_void_p()
+            if driver.cuInit(0) == 0 and driver.cuDeviceGet(ctypes.byref(device), 0) == 0:
+                driver.cuDevicePrimaryCtxRetain(ctypes.byref(context), device)
+        except (OSError, AttributeError):  # no driver library, or not this one: torch's start reports it
+            pass
+        self.seconds = time.perf_counter() - t0
+
+    def join(self) -> float:
+        self.thread.join()
+        return self.seconds
 
 
 class _WarmUp:
@@ -579,13 +623,12 @@ def commit(build: BuildPlan, profiled: Profiled, index: Location, cfg: BuildConf
 
 def _start_ray(address: str | None, verbose: bool, quiet: bool = False) -> None:
     """Join the Ray cluster at `address` (or $RAY_ADDRESS), else start a local one (`ray_driver.start_local`:
-    nothing of it outlives the driver); keep corpus order; let a profiling actor's own error reach the driver.
+    nothing of it outlives the driver).
 
-    Unless `verbose`, Ray prints only its errors: its INFO logs, its progress blocks and the workers' output go
-    to Ray's log files alone, and the build reports its own progress (`ProgressLines`, or the CLI's bar).
+    Unless `verbose`, Ray prints only its errors: its INFO logs and the workers' output go to Ray's log files
+    alone, and the build reports its own progress (`ProgressLines`, or the CLI's bar).
     quiet: Ray's native error lines go to its log folder only (`ray_driver.native_stderr_to_logs`)."""
     import ray
-    import ray.data
 
     if not ray.is_initialized():
         address = address or os.environ.get("RAY_ADDRESS")
@@ -596,6 +639,13 @@ def _start_ray(address: str | None, verbose: bool, quiet: bool = False) -> None:
             ray_driver.start_local(**chatter)
         if quiet:
             ray_driver.native_stderr_to_logs()
+
+
+def _stream_settings(verbose: bool) -> None:
+    """Ray Data, for the reading tasks (imported once the actors are asked for: they need none of it): keep
+    corpus order; let a task's own error reach the driver; unless `verbose`, no progress blocks nor console logs."""
+    import ray.data
+
     if not verbose:
         # Ray Data logs to its file and to a handler named "console" (its default logging config): quiet the
         # console, so the file keeps everything and a failure reaches the user as the build's one line.
@@ -610,9 +660,11 @@ def _start_ray(address: str | None, verbose: bool, quiet: bool = False) -> None:
     ctx.raise_original_map_exception = True
 
 
-def _plan(cfg: BuildConfig, model_dir: Path, index: Location) -> tuple:
-    """The build's plan, which needs no Ray: (the target, the reusable rows, its seconds)."""
+def _plan(cfg: BuildConfig, model_dir: Path, index: Location, verbose: bool) -> tuple:
+    """Ray Data's settings (`_stream_settings`), then the build's plan, which needs no Ray: (the target, the
+    reusable rows, the seconds of both)."""
     t0 = time.perf_counter()
+    _stream_settings(verbose)
     target = resolve_target(cfg, model_dir, index)
     return target, reusable(index, target), time.perf_counter() - t0
 
@@ -656,7 +708,7 @@ def run_build(corpus: str | Path, out: str | Path, cfg: BuildConfig, *, ray_addr
         pool = _Pool(ray, cfg, index, DEFAULT_MODEL if cfg.model == DEFAULT_MODEL else str(model_dir))
         if first:  # load the model now
             pool.start(echo)
-        target, reuse, startup["plan"] = _plan(cfg, model_dir, index)
+        target, reuse, startup["plan"] = _plan(cfg, model_dir, index, verbose)
         shown = redact(corpus) if is_uri(corpus) else corpus
         echo(f"sift-build: {len(sources)} source(s) in {shown}, model {target.model.name}, tile {cfg.profile.tile}")
         if not (reuse.previous or reuse.orphans):  # nothing to reuse: everything is profiled

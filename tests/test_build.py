@@ -211,6 +211,7 @@ def check_startup(last_build: dict) -> None:
     assert set(s) == set(STARTUP_KEYS), set(s) ^ set(STARTUP_KEYS)
     assert 0 <= s["process"] < 60 and s["ray"] > 0 and s["plan"] > 0
     assert 0 < s["imports"] and 0 < s["weights"] and s["imports"] + s["weights"] <= s["model_load"]
+    assert 0 <= s["cuda"] <= s["imports"] and s["cuda_driver"] >= 0  # CUDA's start (a GPU actor's), else 0
     assert 0 <= s["warmup"] <= s["model_load"]  # beside the weights' load (a GPU actor's), else 0
     # The actor's moments come from its own clock (the same machine here): started, set up, ready, in order, and
     # its set-up lasting what it measured itself.
@@ -220,6 +221,90 @@ def check_startup(last_build: dict) -> None:
     assert 0 < s["first_shard_compute"] < s["first_shard"]
     assert s["first_records"] <= s["last_records"] <= last_build["seconds"]
     assert s["first_shard"] <= s["last_shard"] <= last_build["seconds"]
+
+
+def test_cuda_driver_starts_beside_the_actors_imports(monkeypatch):
+    """A GPU actor's CUDA start (`_CudaStart`) runs on a thread of its own: the set-up carries on while `cuInit`
+    is still running, then the device's primary context is retained; a failed `cuInit` asks for no context, and a
+    machine without the driver library ends it quietly (torch's own start reports the problem). The driver is a
+    stand-in that records its calls, so this runs without a GPU."""
+    import ctypes
+    import threading
+
+    from sift.pipeline.job import _CudaStart
+
+    running, release, calls = threading.Event(), threading.Event(), []
+
+    class Driver:
+        def __init__(self, init_result: int):
+            self.init_result = init_result
+
+        def cuInit(self, flags):
+            calls.append(("cuInit", flags))
+            running.set()
+            release.wait(30)
+            return self.init_result
+
+        def cuDeviceGet(self, device, ordinal):
+            calls.append(("cuDeviceGet", ordinal))
+            return 0
+
+        def cuDevicePrimaryCtxRetain(self, context, device):
+            calls.append(("cuDevicePrimaryCtxRetain", device.value))
+            return 0
+
+    libraries = []
+    monkeypatch.delenv("CUDA_MODULE_LOADING", raising=False)
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: libraries.append(name) or Driver(0))
+    start = _CudaStart()
+    assert running.wait(30)
+    assert start.thread.is_alive() and calls == [("cuInit", 0)]  # the caller has control while cuInit runs
+    release.set()
+    assert start.join() > 0
+    assert libraries == ["libcuda.so.1"]
+    assert os.environ["CUDA_MODULE_LOADING"] == "LAZY"  # as torch sets it before its own cuInit
+    assert calls == [("cuInit", 0), ("cuDeviceGet", 0), ("cuDevicePrimaryCtxRetain", 0)]
+
+    calls.clear()
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: Driver(100))  # CUDA_ERROR_NO_DEVICE
+    _CudaStart().join()
+    assert calls == [("cuInit", 0)]
+
+    def missing(name):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(ctypes, "CDLL", missing)
+    assert _CudaStart().join() >= 0
+
+
+_FIRST_ACTOR = """
+import sys
+from sift.pipeline import job
+from sift.pipeline.config import load_config
+
+class Stop(Exception):
+    pass
+
+def start(self, echo):  # the moment a first build asks for its actors
+    print("ray.data imported:", "ray.data" in sys.modules, flush=True)
+    raise Stop
+
+job._Pool.start = start
+try:
+    job.run_build(sys.argv[1], sys.argv[2], load_config(None), echo=lambda *_: None)
+except Stop:
+    pass
+"""
+
+
+def test_actors_are_asked_for_before_ray_data_is_imported(tmp_path):
+    """A first build asks for its profiling actors the moment Ray is up, before the driver imports Ray Data (the
+    reading tasks' library, which the actors do not need), so that import is not on the actors' path."""
+    make_corpus(tmp_path / "corpus", 1)
+    proc = subprocess.run([sys.executable, "-c", _FIRST_ACTOR, str(tmp_path / "corpus"), str(tmp_path / "index")],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "ray.data imported: False" in proc.stdout, proc.stdout
 
 
 def _session_processes(session: Path) -> list[int]:
