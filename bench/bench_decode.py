@@ -93,21 +93,20 @@ def host_us(fn, n: int = 50) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def queued_us(fn, n: int = 50, spin: int = 200_000_000, reps: int = 5) -> float:
-    """Device time per call with the host's launch cost hidden: the GPU first spins (torch.cuda._sleep, `spin`
-    cycles: longer than the host takes to enqueue the n calls) while the host enqueues n calls, then runs them
-    back to back between two events; the median of `reps` such runs. This is the cost a call adds to a prefill
-    whose host runs ahead of the device (the engine's case); do_bench's figure includes the host's Python launch
-    time whenever that is longer than the kernels."""
+def queued_us(fn, n: int = 50) -> float:
+    """Device time per call with the host's launch cost hidden: the GPU first spins (torch.cuda._sleep) while the
+    host enqueues n calls, then runs them back to back between two events. This is the cost a call adds to a
+    prefill whose host runs ahead of the device (the engine's case); do_bench's figure includes the host's
+    Python launch time whenever that is longer than the kernels."""
     if SMOKE:
         fn()
         return float("nan")
     fn()
     torch.cuda.synchronize()
     times = []
-    for _ in range(reps):
+    for _ in range(5):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(spin)  # by default ~0.1 s of spinning: more than n host launches take
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of spinning: more than n host launches take
         start.record()
         for _ in range(n):
             fn()

@@ -127,7 +127,7 @@ def main() -> None:
                 config=config)
     index = SyntheticIndex.open(tmp / "index", device=model.device)
     tok = IdTokenizer(config.bos_token_id, None)
-    rows, gemv_choices = [], {}
+    rows = []
     for path in paths:
         # --smoke: backend triton in the interpreter, so that the fast forward (Triton kernels only) runs on CPU
         engine = SiftEngine(model, tok, index, kv_cache_bytes=(64 << 20) if smoke else 40 << 30,
@@ -137,10 +137,6 @@ def main() -> None:
         elif engine.runner.fast is None:
             raise SystemExit(f"the fast decode forward does not serve this model: {engine.runner.fast_refusal}")
         engine.warmup()
-        if engine.runner.fast is not None:     # each projection's GEMM per bucket, chosen at the warm-up
-            choices = {f"{what}@{m}": c for (what, m), c in engine.runner.fast.gemv_choices.items()}
-            gemv_choices[path] = choices
-            print(f"{path}: GEMMs {choices}", flush=True)
         rows += measure(engine, path, docs, queries, contexts, batches, doc_tokens, query_tokens, weights_bytes,
                         kv_per_token, bandwidth, smoke)
         del engine
@@ -149,7 +145,7 @@ def main() -> None:
             torch.cuda.empty_cache()
     setup = dict(contexts=contexts, batches=batches, paths=paths, doc_tokens=doc_tokens, query_tokens=query_tokens,
                  mode="reuse", tile=TILE, bandwidth_bytes_per_s=bandwidth, weights_bytes_read=weights_bytes,
-                 kv_bytes_per_token=kv_per_token, smoke=smoke, gemv_choices=gemv_choices)
+                 kv_bytes_per_token=kv_per_token, smoke=smoke)
     common.write_result("decode-step", dict(setup=setup, seconds=time.perf_counter() - t_start, rows=rows),
                         common.out_dir(args))
     print(f"\n{'path':>6} {'ctx':>6} {'batch':>5} {'wall':>7} {'replay':>7} {'floor':>7} | {'GEMMs (floor, n)':>22} | "

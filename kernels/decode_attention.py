@@ -358,6 +358,10 @@ def decode_attention(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block
     config: a `DecodeConfig` (default `default_config(B)`); every config computes the same attention."""
     _validate(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block_valid, kv_offset, inv_freq, scale,
               block, out, parallel, ape)
+    config = config or default_config(q.shape[0])
+    block_n = min(block, config.block_n)
+    if block_n < 16 or block_n & (block_n - 1) or block % block_n:
+        raise ValueError(f"config.block_n={config.block_n} must be a power of two >= 16 dividing block={block}")
     if not triton_runs_on(q.device):
         raise ValueError(f"decode_attention runs on CUDA tensors (got {q.device}); use decode_attention_ref on CPU")
     bsz, hq, d = q.shape
@@ -366,10 +370,6 @@ def decode_attention(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block
     splits = num_splits or default_num_splits(bsz, hkv, kv_indices.numel(), q.device)
     if splits < 1:
         raise ValueError(f"num_splits={num_splits} must be >= 1")
-    config = config or default_config(bsz)
-    block_n = min(block, config.block_n)
-    if block_n < 16 or block_n & (block_n - 1) or block % block_n:
-        raise ValueError(f"config.block_n={config.block_n} must be a power of two >= 16 dividing block={block}")
     if out is None:
         out = torch.empty((bsz, hq, d), dtype=q.dtype, device=q.device)
     # The kernel forms the fp64 turns (inv_freq / 2 pi) itself: no launches besides the split and merge kernels.

@@ -24,10 +24,6 @@ by concatenation, and the modules' own `weight` (and `bias`) parameters re-point
 the prefill, which runs the unchanged modules, reads the same memory, and a second engine on the same model finds
 the stacked matrices already there.
 
-Each projection's product runs through cuBLAS (F.linear) or, at up to GEMV_ROWS rows, the few-row kernel of
-kernels/gemv.py, whichever this device runs faster for that weight shape and row count: measured once per process
-on the model's own weights, at the runner's warm-up step of each batch-size bucket, before its capture (`linear`).
-
 Which models it serves is decided once, per model: the structure (a decoder layer of exactly these modules, plain
 nn.Linear projections, a SiLU, RMSNorms that `rms_norm` computes, no hooks), then the model's own forward on a few
 random tokens with the attention replaced by a probe, against this forward layer by layer on the same
@@ -45,7 +41,6 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..kernels.device import triton_runs_on
-from ..kernels.gemv import MAX_ROWS, GemvConfig, fastest, gemv
 from ..kernels.rmsnorm import add_rms_norm, rms_norm
 from ..kernels.rope import rotary_qk
 from ..kernels.swiglu import silu_mul
@@ -60,12 +55,6 @@ MLP_CHILDREN = {"gate_proj", "up_proj", "down_proj", "act_fn"}
 # a branch by a sizeable fraction of its size.
 CHECK_EPS = 16
 CHECK_POSITIONS = (0, 7, 1000)   # the probe tokens' positions (clamped to the model's context)
-# Batches of up to this many rows may run a projection through the few-row kernel (kernels/gemv.py) where it beats
-# cuBLAS on the device; larger ones are GEMMs, cuBLAS' ground.
-GEMV_ROWS = 8
-# The choices made in this process, shared by every engine in it: (device, dtype, weight shape, bias?, rows) ->
-# (None for cuBLAS or the kernel's schedule, what each way took), so that two engines on one model compute alike.
-GEMV_CHOICES: dict[tuple, tuple[GemvConfig | None, dict[str, float]]] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,14 +187,6 @@ class LlamaDecode:
     """The fast decode forward of one model (module docstring): `forward(tokens, pos, attention)`."""
 
     def __init__(self, model):
-        # Each projection's product at each batch size: cuBLAS (F.linear) or the few-row kernel, whichever is
-        # faster on this device (`linear`). tune: choose by measurement (on CUDA, once the check passed);
-        # gemv_force: run every product of up to MAX_ROWS rows through the kernel with this schedule instead.
-        self.tune = False
-        self.gemv_force: GemvConfig | None = None
-        self.gemv_choices: dict[tuple[str, int], str] = {}     # (projection, rows) -> "cublas" or a schedule
-        self.gemv_times: dict[tuple[str, int], dict[str, float]] = {}   # what each way took, us per call
-        self._gemv: dict[tuple[str, int], GemvConfig | None] = {}
         base = model.base_model
         self.embed, self.rotary, self.layers_in = base.embed_tokens, base.rotary_emb, base.layers
         self.final_norm = (base.norm.weight, base.norm.variance_epsilon)
@@ -224,35 +205,6 @@ class LlamaDecode:
                 n_q_heads=attn.q_proj.out_features // attn.head_dim,
                 n_kv_heads=attn.k_proj.out_features // attn.head_dim, scale=attn.scaling))
 
-    def weights(self, what: str) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        """Projection `what`'s (weight, bias) in every layer."""
-        if what in ("o_proj", "down_proj"):
-            return [(getattr(la, what).weight, getattr(la, what).bias) for la in self.layers]
-        return [(getattr(la, f"{what}_weight"), getattr(la, f"{what}_bias")) for la in self.layers]
-
-    def linear(self, what: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x @ weight^T + bias for projection `what` ("qkv", "o_proj", "gate_up", "down_proj"), through cuBLAS or
-        the few-row kernel, as chosen for this projection and x's row count: the first time it runs outside a
-        CUDA graph capture (the runner's warm-up step of each bucket, before its capture), by timing both on this
-        projection's weights of every layer (kernels/gemv.py `fastest`); the choice then stays for the process
-        (`GEMV_CHOICES`), so a captured step and an eager one, of this engine or another, compute alike."""
-        rows = x.shape[0]
-        if self.gemv_force is not None and rows <= MAX_ROWS:
-            return gemv(x, weight, bias, self.gemv_force)
-        if not self.tune or rows > GEMV_ROWS:
-            return F.linear(x, weight, bias)
-        key = (what, rows)
-        if key not in self._gemv:
-            shared = (str(x.device), x.dtype, tuple(weight.shape), bias is None, rows)
-            if shared not in GEMV_CHOICES:
-                capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-                GEMV_CHOICES[shared] = (None, {}) if capturing else fastest(x, self.weights(what))
-            config, self.gemv_times[key] = GEMV_CHOICES[shared]
-            self._gemv[key] = config
-            self.gemv_choices[key] = "cublas" if config is None else config.name
-        config = self._gemv[key]
-        return F.linear(x, weight, bias) if config is None else gemv(x, weight, bias, config)
-
     def rotation(self, h: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The model's own cos / sin [B, D] at positions pos [B] (its rope type and scaling included), in h's
         dtype, as its forward computes them."""
@@ -261,19 +213,17 @@ class LlamaDecode:
 
     def attention(self, layer: FusedLayer, x: torch.Tensor, cos, sin, attention) -> torch.Tensor:
         """x [B, hidden] (normed) -> the attention branch o_proj(attend(q, k, v)) [B, hidden]."""
-        qkv = self.linear("qkv", x, layer.qkv_weight, layer.qkv_bias)
+        qkv = F.linear(x, layer.qkv_weight, layer.qkv_bias)
         # the rotary kernel appends k and v to the KV cache too: two copy kernels fewer per layer
         target = attention.append_target(layer.index)
         q, k, v = rotary_qk(qkv, cos, sin, layer.n_q_heads, layer.n_kv_heads, append_to=target)
         out, _ = attention.attend(layer.index, q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                   v.transpose(0, 1)[None], layer.scale, appended=target is not None)
-        o = layer.o_proj
-        return self.linear("o_proj", out[0].reshape(x.shape[0], -1), o.weight, o.bias)
+        return layer.o_proj(out[0].reshape(x.shape[0], -1))
 
     def mlp(self, layer: FusedLayer, x: torch.Tensor) -> torch.Tensor:
         """x [B, hidden] (normed) -> the MLP branch down_proj(silu(gate) * up) [B, hidden]."""
-        act = silu_mul(self.linear("gate_up", x, layer.gate_up_weight, layer.gate_up_bias))
-        return self.linear("down_proj", act, layer.down_proj.weight, layer.down_proj.bias)
+        return layer.down_proj(silu_mul(F.linear(x, layer.gate_up_weight, layer.gate_up_bias)))
 
     def forward(self, tokens: torch.Tensor, pos: torch.Tensor, attention) -> torch.Tensor:
         """tokens, pos int64 [B] (each row's input token at its segment-local position), attention: the step's
@@ -361,7 +311,4 @@ def llama_decode(model, device: torch.device, norms: list, routed_attention) -> 
     except (TypeError, ValueError, RuntimeError, KeyError, AttributeError, IndexError) as e:
         # a model class whose pieces take other arguments (a rotary embedding of another signature, ...)
         why = f"the check against the model's own forward failed: {type(e).__name__}: {e}"
-    if why:
-        return None, why
-    fast.tune = device.type == "cuda"       # choose each projection's GEMM by measurement on the device
-    return fast, ""
+    return (None, why) if why else (fast, "")
