@@ -291,7 +291,7 @@ def main() -> None:
     ap.add_argument("--model", choices=("8b", "smollm2"), default=None,
                     help="default: 8b on cuda, smollm2 on cpu")
     ap.add_argument("--data", type=Path, default=None, help=f"{DATA_NAME} (default: shared/data or /work/shared/data)")
-    ap.add_argument("--passages", type=int, default=None, help="default 3000 (cuda), 240 (cpu)")
+    ap.add_argument("--passages", type=int, default=None, help="default 3000 (cuda), 240 (cpu); 0: none")
     ap.add_argument("--chunks", type=int, default=None, help="default 256 (cuda), 0 (cpu)")
     ap.add_argument("--batch-tokens", type=int, default=32768, help="build.batch_tokens, and the padded baseline's budget")
     ap.add_argument("--peak-tflops", type=float, default=790.0, help="the device's dense bf16 rate, for the floor")
@@ -304,7 +304,7 @@ def main() -> None:
     ap.add_argument("--only-build", action="store_true",
                     help="after the cold build, a fresh process's imports and Ray start (the floor under a build's "
                          "`imports` and `ray`), then one sift-build of each whole corpus and its start-up breakdown: "
-                         "no half-corpus build, no forwards, no result file")
+                         "no half-corpus build, no forwards; writes build-start.json")
     args = ap.parse_args()
     device = "cpu" if args.smoke else args.device
     if args.threads:
@@ -329,7 +329,9 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir() if model == DEFAULT_MODEL else model)
     texts = articles(find_data(args.data))
     chunk_tokens = 200 if args.smoke else CHUNK_TOKENS
-    corpora = {"passages": passages(texts, args.passages)}
+    corpora = {}
+    if args.passages:    # 0: no passage corpus (as --chunks 0)
+        corpora["passages"] = passages(texts, args.passages)
     if args.chunks:
         corpora["chunks"] = chunks(texts, args.chunks, tokenizer, chunk_tokens)
 
@@ -338,15 +340,21 @@ def main() -> None:
 
     prefix = profiling_prefix_ids(tokenizer, ProfileConfig())
     # The first build on a machine compiles the Triton kernels into Triton's cache; later builds find them there.
-    cold = build(write_corpus(work / "cold", corpora["passages"][:16]), work / "index-cold", config,
+    cold = build(write_corpus(work / "cold", passages(texts, 16)), work / "index-cold", config,
                  args.build_timeout)
     if args.only_build:
         m = machine_start()
         print("this machine, a fresh process: " + ", ".join(f"{k} {v:.1f} s" if isinstance(v, float) else f"{k} {v}"
                                                           for k, v in m.items()))
+        builds = {}
         for name, docs in corpora.items():
-            print_build(name, build(write_corpus(work / name / "whole", docs), work / name / "index-whole", config,
-                                    args.build_timeout))
+            builds[name] = build(write_corpus(work / name / "whole", docs), work / name / "index-whole", config,
+                                 args.build_timeout)
+            print_build(name, builds[name])
+        write_result("build-start" if gpu else "build-start-cpu",
+                     {"smoke": args.smoke, "model_kind": kind, "dtype": dtype, "backend": backend,
+                      "batch_tokens": args.batch_tokens, "machine": m, "cold_build": cold, "builds": builds,
+                      "options": {k: str(v) for k, v in vars(args).items()}}, out_dir(args))
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)
         return
