@@ -17,7 +17,8 @@ rule), never a key. (A raw, un-rotated q works too: pass its logical position as
 GQA: one program serves all query heads of a kv head, so K/V are read once and never copied. The request's
 blocks are split over `num_splits` programs, each writing a partial result and its log-sum-exp; a second kernel
 merges them, or, with `DecodeConfig(fused_merge=True)`, the last program of each (request, kv head) to finish
-does (`_ticket_counters`). Padding slots (at or beyond `block_valid[b]`) are never attended and may hold anything, NaN too.
+does (`_ticket_counters`). Padding slots (at or beyond `block_valid[b]`) are never attended and may hold
+anything, NaN too.
 
 Shapes:
     q:            [B, Hq, D]       fp16 / bf16 / fp32, D / 2 a power of two >= 16
