@@ -332,6 +332,12 @@ def sweep_configs(context: int, batch: int, configs: list[DecodeConfig], dev: to
     splits = default_num_splits(batch, HKV, kv_indices.numel(), dev)
     ref = decode_attention_ref(*args, scale=scale, block=BLOCK)
     kv_bytes = 2 * HKV * int(layout.block_valid.sum()) * HEAD_DIM * k_cache.element_size()
+    # A second query for the fused merge's check: launches alternating between the two queries, queued back to
+    # back, reuse one partials buffer (the caching allocator), so a merging program that read partials not yet
+    # visible would mix in the other query's and fail the check.
+    q_other = torch.randn(batch, HQ, HEAD_DIM, generator=gen).to(dev, DTYPE)
+    args_other = (q_other,) + args[1:]
+    ref_other = decode_attention_ref(*args_other, scale=scale, block=BLOCK)
     times = {}
     for config in configs:
         name = config_name(config)
@@ -340,7 +346,15 @@ def sweep_configs(context: int, batch: int, configs: list[DecodeConfig], dev: to
         except Exception as exc:  # a schedule the compiler cannot fit (shared memory, registers) is reported
             times[name] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
             continue
-        if checks.close(f"sweep/{context}/b{batch}/{name}", got, ref, DTYPE, DEPTH_DECODE, group_dims=2):
+        ok = checks.close(f"sweep/{context}/b{batch}/{name}", got, ref, DTYPE, DEPTH_DECODE, group_dims=2)
+        if config.fused_merge:
+            rounds = 2 if SMOKE else 50
+            got = torch.stack([decode_attention(*a, scale=scale, block=BLOCK, config=config)
+                               for _ in range(rounds) for a in (args, args_other)])
+            want = torch.stack([ref, ref_other] * rounds)
+            ok &= checks.close(f"sweep/{context}/b{batch}/{name}/alternating", got, want, DTYPE, DEPTH_DECODE,
+                               group_dims=3)
+        if ok:
             times[name] = queued_us(lambda c=config: decode_attention(*args, scale=scale, block=BLOCK, config=c))
     timed = {k: v for k, v in times.items() if isinstance(v, float)}
     best = min(timed, key=timed.get) if timed and not SMOKE else config_name(default_config(batch))
