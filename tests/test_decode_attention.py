@@ -205,6 +205,23 @@ def test_fused_merge(monkeypatch, dtype, hq, hkv, d, block, num_splits, n_genera
     assert torch.equal(again, first) and not counters.any()
 
 
+def test_ticket_counters_grow_and_refuse_capture(monkeypatch):
+    """The fused merge's counters: a larger buffer when a launch needs more (the old one kept alive for the graphs
+    captured with it), none allocated during a CUDA graph capture (simulated: the check runs before any device
+    work)."""
+    monkeypatch.setattr(decode_module, "_COUNTERS", {})
+    cpu = torch.device("cpu")
+    small = decode_module._ticket_counters(cpu, 8)
+    assert small.dtype == torch.int32 and small.numel() >= 8 and not small.any()
+    assert decode_module._ticket_counters(cpu, small.numel()) is small
+    large = decode_module._ticket_counters(cpu, small.numel() + 1)
+    kept = decode_module._COUNTERS[cpu]
+    assert large.numel() > small.numel() and len(kept) == 2 and kept[0] is small and kept[1] is large
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(ValueError, match="run the same batch size once eagerly before capturing"):
+        decode_module._ticket_counters(torch.device("cuda", 0), 8)
+
+
 def test_many_splits_merged_in_chunks():
     """40 splits of about one block each: the merge combines the partials 16 at a time, rescaling what it holds
     whenever a later chunk has a larger log-sum-exp."""
