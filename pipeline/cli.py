@@ -91,9 +91,10 @@ def _leave_ray(code: int) -> None:
     started its own Ray, exit now with `code` (`os._exit`, after flushing what it printed), without stopping Ray
     one process after another or tearing the interpreter down, which took 3 to 6 s after the last line. Ray's
     GCS and raylet end with this process (they are tied to it), the raylet's workers with the raylet, and the
-    Ray session's reaper (`ray_driver.py`) SIGKILLs whatever is left within a fraction of a second. Otherwise (the
-    build called from Python, or a cluster joined) stop the local Ray, or leave the cluster, here rather than in
-    Ray's exit hook, which first waits half a second for worker output that only `--verbose` prints."""
+    reaper of the local Ray instance (`ray_driver.py`) SIGKILLs whatever is left within a fraction of a second.
+    Otherwise (the build called from Python, or a cluster joined) stop the local Ray, or leave the cluster, here
+    rather than in Ray's exit hook, which first waits half a second for worker output that only `--verbose`
+    prints."""
     from .ray_driver import started_local
 
     ray = sys.modules.get("ray")

@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 REAPER = Path(__file__).with_name("reaper.py")
-_REAPED: list[str] = []   # the name of the Ray session this process started locally, once started
+_REAPED: list[str] = []   # Ray's name (`get_session_name`) for the local instance this process started
 
 
 def start_local(**chatter) -> None:
