@@ -117,6 +117,15 @@ def queued_us(fn, n: int = 50) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def context_request(context: int) -> list[tuple[str, int]]:
+    """One request of `context` document tokens: a 1-token prefix, DOC_TOKENS-token documents, the query."""
+    return [("prefix", PREFIX_TOKENS)] + [("doc", DOC_TOKENS)] * (context // DOC_TOKENS) + [("query", QUERY_TOKENS)]
+
+
+def rope_inv_freq(dev: torch.device) -> torch.Tensor:
+    return (1.0 / (ROPE_THETA ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM))).to(dev)
+
+
 def random_bits(n_tokens: list[int], gen: torch.Generator, n_layers: int = 1):
     la_blobs, ca_blobs = [], []
     for n in n_tokens:
@@ -149,8 +158,7 @@ SWEEP = ((8, 64, 4), (4, 64, 4), (2, 64, 4), (1, 64, 4), (4, 128, 4), (2, 128, 4
 
 
 def bench_index_decode(context: int, dev: torch.device, gen: torch.Generator, checks: Checks) -> dict:
-    n_docs = context // DOC_TOKENS
-    requests = [[("prefix", PREFIX_TOKENS)] + [("doc", DOC_TOKENS)] * n_docs + [("query", QUERY_TOKENS)]]
+    requests = [context_request(context)]
     layout = build_layout(requests, BLOCK, device=dev)
     n_tok = layout.doc_n_tokens.tolist()
     la_blobs, ca_blobs = random_bits(n_tok, gen, N_LAYERS)
@@ -214,7 +222,7 @@ def bench_index_decode(context: int, dev: torch.device, gen: torch.Generator, ch
         "index_decode_grouped_device_us_per_layer": queued_us(decode_group) / group,
         "one_pass_sweep_device_us": sweep,
         "n_tokens": layout.n_tokens,
-        "n_docs": n_docs,
+        "n_docs": context // DOC_TOKENS,
         "n_blocks": layout.n_blocks,
         "nnz_blocks": nnz,
         "dense_blocks": dense,
@@ -229,10 +237,9 @@ def bench_index_decode(context: int, dev: torch.device, gen: torch.Generator, ch
 
 def bench_decode_attention(context: int, dev: torch.device, gen: torch.Generator, splits_sweep: list[int],
                            checks: Checks) -> dict:
-    n_docs = context // DOC_TOKENS
-    requests = [[("prefix", PREFIX_TOKENS)] + [("doc", DOC_TOKENS)] * n_docs + [("query", QUERY_TOKENS)]]
+    requests = [context_request(context)]
     layout = build_layout(requests, BLOCK, device=dev)
-    inv_freq = (1.0 / (ROPE_THETA ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM))).to(dev)
+    inv_freq = rope_inv_freq(dev)
     dtype = DTYPE
     k_raw = torch.randn(HKV, layout.n_tokens, HEAD_DIM, generator=gen).to(dev)
     v = torch.randn(HKV, layout.n_tokens, HEAD_DIM, generator=gen).to(dev, dtype)
@@ -317,10 +324,8 @@ CONFIG_SWEEP = ",".join([f"n{n}w{w}s{s}" for n, w in ((32, 4), (64, 4), (64, 8),
 def sweep_configs(context: int, batch: int, configs: list[DecodeConfig], dev: torch.device, gen: torch.Generator,
                   bandwidth: float, checks: Checks) -> dict:
     """Every config on `batch` requests of `context` tokens each (separate KV), the engine's split count."""
-    n_docs = context // DOC_TOKENS
-    request = [("prefix", PREFIX_TOKENS)] + [("doc", DOC_TOKENS)] * n_docs + [("query", QUERY_TOKENS)]
-    layout = build_layout([request] * batch, BLOCK, device=dev)
-    inv_freq = (1.0 / (ROPE_THETA ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM))).to(dev)
+    layout = build_layout([context_request(context)] * batch, BLOCK, device=dev)
+    inv_freq = rope_inv_freq(dev)
     k_cache = torch.randn(HKV, layout.n_slots, HEAD_DIM, generator=gen).to(dev, DTYPE)
     v_cache = torch.randn(HKV, layout.n_slots, HEAD_DIM, generator=gen).to(dev, DTYPE)
     kv_indptr, kv_indices = layout_kv_table(layout)

@@ -126,9 +126,8 @@ def _decode_split_kernel(
     k_head = K + kvh.to(tl.int64) * stride_kh + offs_n[:, None] * stride_kn
     v_head = V + kvh.to(tl.int64) * stride_vh + offs_n[:, None] * stride_vn
     q_off = tl.load(QOffset + b)
-    # q of the current segment, in K's dtype. With RoPE it is (re)built whenever the block's offset changes;
-    # the first block always does (offsets are >= 0). q and the frequencies are re-read from memory there
-    # rather than held: they would cost registers in every iteration for a rare use.
+    # q of the current segment, in K's dtype. With RoPE it is rebuilt (`_rotated_q`) whenever the block's offset
+    # changes; the first block always does (offsets are >= 0).
     q1r = tl.load(q1_ptr, mask=g_ok[:, None], other=0.0).to(K.dtype.element_ty)  # [G_PAD, D/2]
     q2r = tl.load(q2_ptr, mask=g_ok[:, None], other=0.0).to(K.dtype.element_ty)
     cur_off = q_off * 0 - 1
