@@ -195,7 +195,31 @@ class ProfileShardWriter:
         return torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
 
 
-class _CudaStart:
+class _Beside:
+    """`self.work(*args)` on a daemon thread of its own, from the moment the object is made (beside what the
+    actor's set-up does meanwhile); `join` -> its seconds."""
+
+    def __init__(self, name: str, *args):
+        self.seconds = 0.0
+        self.thread = threading.Thread(target=self._timed, args=args, daemon=True, name=name)
+        self.thread.start()
+
+    def _timed(self, *args) -> None:
+        t0 = time.perf_counter()
+        try:
+            self.work(*args)
+        finally:
+            self.seconds = time.perf_counter() - t0
+
+    def work(self, *args) -> None:
+        raise NotImplementedError
+
+    def join(self) -> float:
+        self.thread.join()
+        return self.seconds
+
+
+class _CudaStart(_Beside):
     """The CUDA driver's start (`cuInit`) and the device's primary context (the one torch's runtime uses) on a
     thread of its own, from the first moment of a GPU actor's set-up: ctypes lets go of the interpreter lock for
     the length of each driver call, so the driver's start (seconds on a large GPU, most of it in `cuInit`) runs
@@ -206,16 +230,13 @@ class _CudaStart:
     process, as torch's is. `join` -> its seconds."""
 
     def __init__(self, library: str = "libcuda.so.1"):
-        self.seconds = 0.0
         # What torch sets before its own `cuInit` (the driver reads it there): kernels load on first use.
         os.environ.setdefault("CUDA_MODULE_LOADING", "LAZY")
-        self.thread = threading.Thread(target=self._run, args=(library,), daemon=True, name="sift-cuda-start")
-        self.thread.start()
+        super().__init__("sift-cuda-start", library)
 
-    def _run(self, library: str) -> None:
+    def work(self, library: str) -> None:
         import ctypes
 
-        t0 = time.perf_counter()
         try:
             driver = ctypes.CDLL(library)
             device, context = ctypes.c_int(0), ctypes.c_void_p()
@@ -223,25 +244,16 @@ class _CudaStart:
                 driver.cuDevicePrimaryCtxRetain(ctypes.byref(context), device)
         except (OSError, AttributeError):  # no driver library, or not this one: torch's start reports it
             pass
-        self.seconds = time.perf_counter() - t0
-
-    def join(self) -> float:
-        self.thread.join()
-        return self.seconds
 
 
-class _WarmUp:
+class _WarmUp(_Beside):
     """`profiler.warm_up` on a thread of its own, from the moment it is made; `join` -> its seconds. A warm-up
     that fails is logged and otherwise ignored: it changes no result, and a real shard meets the same error."""
 
     def __init__(self, model: str, cfg, backend: str, device: str):
-        self.seconds = 0.0
-        self.thread = threading.Thread(target=self._run, args=(model, cfg, backend, device), daemon=True,
-                                       name="sift-warm-up")
-        self.thread.start()
+        super().__init__("sift-warm-up", model, cfg, backend, device)
 
-    def _run(self, model: str, cfg, backend: str, device: str) -> None:
-        t0 = time.perf_counter()
+    def work(self, model: str, cfg, backend: str, device: str) -> None:
         try:
             import torch
             from transformers import AutoConfig, AutoTokenizer
@@ -254,11 +266,6 @@ class _WarmUp:
         except Exception as e:  # noqa: BLE001 - see the class docstring
             logging.getLogger("sift.build").warning("the profiling warm-up failed (the first shard warms up "
                                                     "instead): %s", one_line(e))
-        self.seconds = time.perf_counter() - t0
-
-    def join(self) -> float:
-        self.thread.join()
-        return self.seconds
 
 
 @dataclass(frozen=True)
