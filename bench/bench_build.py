@@ -379,7 +379,9 @@ def main() -> None:
 # What a fresh Python on this machine takes to import what a profiling actor imports, and to start a local Ray
 # alone: the floor under a build's `imports` and `ray` (slow imports mean a slow file system or no bytecode cache).
 MACHINE_START = """
-import json, sys, time
+import importlib.util, json, os, sys, time
+# whether torch's bytecode is there before the import (beside the source, or under PYTHONPYCACHEPREFIX)
+cached = os.path.exists(importlib.util.cache_from_source(importlib.util.find_spec("torch").origin))
 t0 = time.perf_counter()
 import torch
 t1 = time.perf_counter()
@@ -390,16 +392,15 @@ import ray
 ray.init(include_dashboard=False, log_to_driver=False, logging_level="ERROR")
 t3 = time.perf_counter()
 ray.shutdown()
-print(json.dumps({"import_torch": t1 - t0, "import_transformers": t2 - t1, "ray_start": t3 - t2}))
+print(json.dumps({"import_torch": t1 - t0, "import_transformers": t2 - t1, "ray_start": t3 - t2,
+                  "torch_bytecode_cached": cached}))
 """
 
 
 def machine_start() -> dict:
-    """`MACHINE_START` in a fresh process -> its seconds, and whether torch's bytecode is cached (`__pycache__`)."""
+    """`MACHINE_START` in a fresh process -> its seconds, and whether torch's bytecode was cached when it started."""
     proc = subprocess.run([sys.executable, "-c", MACHINE_START], capture_output=True, text=True, timeout=300)
-    out = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else {"error": proc.stderr[-500:]}
-    out["torch_bytecode_cached"] = any((Path(torch.__file__).parent / "__pycache__").glob("*.pyc"))
-    return out
+    return json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else {"error": proc.stderr[-500:]}
 
 
 def print_build(name: str, b: dict) -> None:
