@@ -14,9 +14,8 @@ failed. Times are triton.testing.do_bench medians in microseconds; `*_device_us`
 GPU spin (host launch cost hidden), `*_host_us` the host's time per call. Writes bench/results/decode.json.
 
 3. With `--parts sweep`: the split kernel's schedules (`DecodeConfig`: key slots per step, warps, pipeline
-   stages; an "m" suffix: the split kernel merges the splits itself, no merge kernel) at batch 1 and 8
-   (`--batches`), each checked against the twin, then timed with the engine's split count; beside them the floor,
-   the KV bytes over the bandwidth of a large device-to-device copy in the same run.
+   stages) at batch 1 and 8 (`--batches`), each checked against the twin, then timed with the engine's split
+   count; beside them the floor, the KV bytes over the bandwidth of a large device-to-device copy in the same run.
 
     python bench/bench_decode.py [--parts index,attention,sweep] [--contexts 16384,32768,65536] [--splits 8,16,...]
     python bench/bench_decode.py --parts sweep --contexts 16384,32768 [--configs n32w4s3,n64w4s3,...]
@@ -304,21 +303,18 @@ def bench_decode_attention(context: int, dev: torch.device, gen: torch.Generator
 
 
 def parse_config(text: str) -> DecodeConfig:
-    """"n64w8s3" -> DecodeConfig(block_n=64, num_warps=8, num_stages=3); a trailing "m" sets fused_merge."""
-    m = re.fullmatch(r"n(\d+)w(\d+)s(\d+)(m?)", text)
+    """"n64w8s3" -> DecodeConfig(block_n=64, num_warps=8, num_stages=3)."""
+    m = re.fullmatch(r"n(\d+)w(\d+)s(\d+)", text)
     if not m:
-        raise SystemExit(f"--configs: {text!r} is not of the form n<slots>w<warps>s<stages>[m], e.g. n64w8s3 or "
-                         "n64w8s3m (m: the split kernel merges)")
-    return DecodeConfig(int(m[1]), int(m[2]), int(m[3]), fused_merge=bool(m[4]))
+        raise SystemExit(f"--configs: {text!r} is not of the form n<slots>w<warps>s<stages>, e.g. n64w8s3")
+    return DecodeConfig(int(m[1]), int(m[2]), int(m[3]))
 
 
 def config_name(c: DecodeConfig) -> str:
-    return f"n{c.block_n}w{c.num_warps}s{c.num_stages}" + ("m" if c.fused_merge else "")
+    return f"n{c.block_n}w{c.num_warps}s{c.num_stages}"
 
 
-# The schedules, plus the fused-merge variants of the batch-1 and batch-8 defaults (n32w4s3, n64w4s3).
-CONFIG_SWEEP = ",".join([f"n{n}w{w}s{s}" for n, w in ((32, 4), (64, 4), (64, 8), (128, 8)) for s in (2, 3, 4)]
-                        + ["n32w4s3m", "n64w4s3m"])
+CONFIG_SWEEP = ",".join(f"n{n}w{w}s{s}" for n, w in ((32, 4), (64, 4), (64, 8), (128, 8)) for s in (2, 3, 4))
 
 
 def sweep_configs(context: int, batch: int, configs: list[DecodeConfig], dev: torch.device, gen: torch.Generator,
@@ -337,12 +333,6 @@ def sweep_configs(context: int, batch: int, configs: list[DecodeConfig], dev: to
     splits = default_num_splits(batch, HKV, kv_indices.numel(), dev)
     ref = decode_attention_ref(*args, scale=scale, block=BLOCK)
     kv_bytes = 2 * HKV * int(layout.block_valid.sum()) * HEAD_DIM * k_cache.element_size()
-    # A second query for the fused merge's check: launches alternating between the two queries, queued back to
-    # back, reuse one partials buffer (the caching allocator), so a merging program that read partials not yet
-    # visible would mix in the other query's and fail the check.
-    q_other = torch.randn(batch, HQ, HEAD_DIM, generator=gen).to(dev, DTYPE)
-    args_other = (q_other,) + args[1:]
-    ref_other = decode_attention_ref(*args_other, scale=scale, block=BLOCK)
     times = {}
     for config in configs:
         name = config_name(config)
@@ -351,15 +341,7 @@ def sweep_configs(context: int, batch: int, configs: list[DecodeConfig], dev: to
         except Exception as exc:  # a schedule the compiler cannot fit (shared memory, registers) is reported
             times[name] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
             continue
-        ok = checks.close(f"sweep/{context}/b{batch}/{name}", got, ref, DTYPE, DEPTH_DECODE, group_dims=2)
-        if config.fused_merge:
-            rounds = 2 if SMOKE else 50
-            got = torch.stack([decode_attention(*a, scale=scale, block=BLOCK, config=config)
-                               for _ in range(rounds) for a in (args, args_other)])
-            want = torch.stack([ref, ref_other] * rounds)
-            ok &= checks.close(f"sweep/{context}/b{batch}/{name}/alternating", got, want, DTYPE, DEPTH_DECODE,
-                               group_dims=3)
-        if ok:
+        if checks.close(f"sweep/{context}/b{batch}/{name}", got, ref, DTYPE, DEPTH_DECODE, group_dims=2):
             times[name] = queued_us(lambda c=config: decode_attention(*args, scale=scale, block=BLOCK, config=c))
     timed = {k: v for k, v in times.items() if isinstance(v, float)}
     best = min(timed, key=timed.get) if timed and not SMOKE else config_name(default_config(batch))
@@ -379,12 +361,12 @@ def main() -> None:
     ap.add_argument("--contexts", default="16384,32768,65536", help="context lengths (tokens), comma-separated")
     ap.add_argument("--splits", default="8,16,33,66,132,264", help="num_splits values of the decode sweep")
     ap.add_argument("--configs", default=CONFIG_SWEEP, help="split-kernel schedules of --parts sweep: "
-                    "n<key slots per step>w<warps>s<stages>, an m suffix for the fused merge")
+                    "n<key slots per step>w<warps>s<stages>")
     ap.add_argument("--batches", default="1,8", help="batch sizes of --parts sweep")
     args = ap.parse_args()
     if args.smoke:
         args.contexts, args.splits, args.batches = "1024", "2,3", "1,2"
-        args.configs = "n32w4s2,n64w4s3,n64w4s3m"
+        args.configs = "n32w4s2,n64w4s3"
     elif not torch.cuda.is_available():
         raise SystemExit("bench_decode.py needs a CUDA GPU (or --smoke)")
     parts = args.parts.split(",")
@@ -415,16 +397,14 @@ def main() -> None:
     }
     if sweeps:
         setup["bandwidth_bytes_per_s"] = bandwidth
-        # fused us: the default schedule with the merge fused into the split kernel (its "m" variant), if swept
-        print(f"{'context':>8} {'batch':>5} {'splits':>6} {'floor us':>9} {'default us':>10} {'fused us':>9} "
-              f"{'best':>10} {'best us':>8}")
+        print(f"{'context':>8} {'batch':>5} {'splits':>6} {'floor us':>9} {'default us':>10} {'best':>10} "
+              f"{'best us':>8}")
         for r in sweeps:
             d = r["device_us"].get(r["default"], "-")
-            f = r["device_us"].get(r["default"] + "m", "-")
             b = r["device_us"].get(r["best"], "-")
             print(f"{r['context']:>8} {r['batch']:>5} {r['num_splits']:>6} {r['floor_us']:>9.1f} "
-                  f"{d if isinstance(d, str) else f'{d:10.1f}':>10} {f if isinstance(f, str) else f'{f:9.1f}':>9} "
-                  f"{r['best']:>10} {b if isinstance(b, str) else f'{b:8.1f}':>8}")
+                  f"{d if isinstance(d, str) else f'{d:10.1f}':>10} {r['best']:>10} "
+                  f"{b if isinstance(b, str) else f'{b:8.1f}':>8}")
     write_result("decode", {"setup": setup, "results": results, "sweeps": sweeps, "checks": checks.to_json(),
                             "ok": checks.ok}, out_dir(args))
     raise SystemExit(checks.exit_status())

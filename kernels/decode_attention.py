@@ -16,9 +16,7 @@ rule), never a key. (A raw, un-rotated q works too: pass its logical position as
 
 GQA: one program serves all query heads of a kv head, so K/V are read once and never copied. The request's
 blocks are split over `num_splits` programs, each writing a partial result and its log-sum-exp; a second kernel
-merges them, or, with `DecodeConfig(fused_merge=True)`, the last program of each (request, kv head) to finish
-does (`_ticket_counters`). Padding slots (at or beyond `block_valid[b]`) are never attended and may hold
-anything, NaN too.
+merges them. Padding slots (at or beyond `block_valid[b]`) are never attended and may hold anything, NaN too.
 
 Shapes:
     q:            [B, Hq, D]       fp16 / bf16 / fp32, D / 2 a power of two >= 16
@@ -58,13 +56,10 @@ BLOCKS = TILES
 
 class DecodeConfig(NamedTuple):
     """The split kernel's schedule: block_n key slots per step (capped at the block size), Triton's num_warps
-    and num_stages; fused_merge: the split kernel also merges the splits (the last program of each (request, kv
-    head) to finish merges its query heads) instead of a second kernel doing it, one launch fewer per layer.
-    Every schedule computes the same attention."""
+    and num_stages. Every schedule computes the same attention."""
     block_n: int = 32
     num_warps: int = 4
     num_stages: int = 3
-    fused_merge: bool = False
 
 
 def default_config(batch: int) -> DecodeConfig:
@@ -77,13 +72,12 @@ def default_config(batch: int) -> DecodeConfig:
 @triton.jit
 def _decode_split_kernel(
     Q, K, V,  # q [B, Hq, D]; k, v [Hkv, N, D]
-    Out,  # [B, Hq, D] when DIRECT or FUSED_MERGE, else unused
+    Out,  # [B, Hq, D] when DIRECT, else unused
     PartO, PartLse,  # fp32 [B, Hq, P * S, D], fp32 [B, Hq, P * S] (log2 domain) when not DIRECT; P parts: 1, or
                      # 2 with APE (the other keys' partials, then the parallel keys')
     QOffset, KvIndptr, KvIndices, BlockValid, KvOffset,
     InvFreq,  # [D/2] float: the RoPE inverse frequencies (unused without ROPE)
     KvParallel, Ape,  # APE: int32 [nnz] entry flags, fp32 [B, 2] each row's (temperature, scale)
-    Counters,  # FUSED_MERGE: int32 [>= B * Hkv], zero at launch, zero again when it ends
     stride_qb, stride_qh, stride_qd,
     stride_kh, stride_kn, stride_kd,
     stride_vh, stride_vn, stride_vd,
@@ -99,8 +93,6 @@ def _decode_split_kernel(
     DOT_PRECISION: tl.constexpr,
     APE: tl.constexpr,  # two online softmaxes: the parallel entries' (at temperature T) and the others'
     FAST_TRIG: tl.constexpr,  # MUFU sin / cos (CUDA; the interpreter has none)
-    FUSED_MERGE: tl.constexpr,  # not DIRECT: the last of the S programs of (b, kv head) merges its heads
-    S_CHUNK: tl.constexpr,  # FUSED_MERGE: partials per merge step (`_decode_merge_kernel`'s)
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
     SUB: tl.constexpr = BLOCK // BLOCK_N
@@ -187,22 +179,6 @@ def _decode_split_kernel(
             tl.store(PartLse + row + S, tl.where(l_p == 0.0, float("-inf"), m_p + tl.log2(safe_p)), mask=g_ok)
             tl.store(PartO + (row + S).to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :], acc_p / safe_p[:, None],
                      mask=g_ok[:, None])
-        if FUSED_MERGE:
-            # Why the last program sees every program's partials: the barrier orders all of this program's
-            # threads' stores above before the ticket; the ticket is one atomic executed by one thread of the
-            # program (a scalar pointer; its result is broadcast to the others through shared memory after a
-            # barrier), with release semantics at GPU scope, which makes those stores visible GPU-wide before the
-            # counter moves (release is cumulative over what the barrier ordered before it). The S tickets of a
-            # counter form one release sequence, so the program drawing S - 1 acquires every other program's
-            # release, and the barrier after the broadcast extends that to all of its threads before they load.
-            tl.debug_barrier()
-            counter = Counters + b * tl.num_programs(1) + kvh
-            ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if ticket == S - 1:
-                for g in range(GROUP):
-                    _merge_head(PartO, PartLse, Out, Ape, b, kvh * GROUP + g, stride_ob, stride_oh, stride_od,
-                                HQ, S, S_CHUNK, HEAD_DIM, APE)
-                tl.store(counter, 0)  # the next launch (stream order: after this one ends) starts from zero
 
 
 @triton.jit
@@ -291,15 +267,9 @@ def _decode_merge_kernel(
     HEAD_DIM: tl.constexpr,
     APE: tl.constexpr,      # two parts per (b, h): the other keys' partials, then the parallel keys' (scaled S * T)
 ):
-    """Out[b, h] for every (b, h) of the grid (B, Hq)."""
-    _merge_head(PartO, PartLse, Out, Ape, tl.program_id(0), tl.program_id(1), stride_ob, stride_oh, stride_od,
-                HQ, S, S_CHUNK, HEAD_DIM, APE)
-
-
-@triton.jit
-def _merge_head(PartO, PartLse, Out, Ape, b, h, stride_ob, stride_oh, stride_od, HQ, S, S_CHUNK: tl.constexpr,
-                HEAD_DIM: tl.constexpr, APE: tl.constexpr):
     """Out[b, h] = the split partials of (b, h) combined by their log-sum-exps, S_CHUNK at a time (online)."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
     offs_d = tl.arange(0, HEAD_DIM)
     if APE:
         lse_o, o_o = _merge_part(PartO, PartLse, (b * HQ + h) * 2 * S, S, S_CHUNK, HEAD_DIM)
@@ -378,39 +348,13 @@ def default_num_splits(batch: int, kv_heads: int, nnz_blocks: int, device: torch
     return max(1, min(splits, nnz_blocks // max(batch, 1), 256))
 
 
-_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def _ticket_counters(device: torch.device, n: int) -> torch.Tensor:
-    """The fused merge's counters: a zeroed int32 buffer of at least n, one per device, owned by this module.
-
-    Every launch leaves the counters it used at zero (the merging program resets its own), so one buffer serves
-    every launch on the device, eager or replayed from a CUDA graph, as long as those launches run one after
-    another (one stream, as the engine's decode steps do). A launch needing more counters than the buffer holds
-    allocates a larger one (at least 4096 counters, so most devices only ever allocate one); a buffer is never
-    freed, since a captured graph keeps the address it was captured with. Allocating inside a capture would put
-    the buffer in the graph's private pool and its zeroing in the graph, so it is refused there: an eager launch
-    at the same batch size before capturing (the engine's runner runs each bucket's step once before capturing
-    it) allocates it."""
-    buffers = _COUNTERS.setdefault(device, [])
-    if buffers and buffers[-1].numel() >= n:
-        return buffers[-1]
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise ValueError(f"decode_attention(fused_merge) needs {n} ticket counters on {device} and may not allocate "
-                         f"them during CUDA graph capture: run the same batch size once eagerly before capturing")
-    buffers.append(torch.zeros(max(4096, triton.next_power_of_2(n)), dtype=torch.int32, device=device))
-    return buffers[-1]
-
-
 def decode_attention(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block_valid, kv_offset, inv_freq,
                      *, scale, block, num_splits=None, out=None, parallel=None, ape=None, config=None):
     """Attention of one new token per request over its KV blocks, with q rotated per segment in the kernel.
     Shapes in the module docstring. num_splits: programs per (request, kv head) along the block list (default
     `default_num_splits`). Returns out [B, Hq, D] in q's dtype. Block ids are not range-checked (no sync).
     parallel / ape: the APE option (module docstring); without it the kernels are the plain ones.
-    config: a `DecodeConfig` (default `default_config(B)`); every config computes the same attention. With
-    config.fused_merge and more than one split, the launch uses the module's ticket counters (`_ticket_counters`):
-    launches of that option on one device must not run concurrently (one stream)."""
+    config: a `DecodeConfig` (default `default_config(B)`); every config computes the same attention."""
     _validate(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block_valid, kv_offset, inv_freq, scale,
               block, out, parallel, ape)
     config = config or default_config(q.shape[0])
@@ -439,24 +383,20 @@ def decode_attention(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block
         part_lse = torch.empty((bsz, hq, parts * splits), dtype=torch.float32, device=q.device)
     flags = kv_indices if parallel is None else parallel   # any pointer when unused
     rows = q_offset if ape is None else ape
-    fused = config.fused_merge and not direct
-    counters = _ticket_counters(q.device, bsz * hkv) if fused else q_offset   # any pointer when unused
-    s_chunk = min(triton.next_power_of_2(splits), 128)
     _decode_split_kernel[(bsz, hkv, splits)](
         q, k_cache, v_cache, out, part_o, part_lse,
-        q_offset, kv_indptr, kv_indices, block_valid, kv_offset, freq, flags, rows, counters,
+        q_offset, kv_indptr, kv_indices, block_valid, kv_offset, freq, flags, rows,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
         hq, splits, float(scale) * LOG2E,
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), BLOCK=block, BLOCK_N=block_n,
         HEAD_DIM=d, ROPE=rope, DIRECT=direct,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", APE=ape is not None,
-        FAST_TRIG=q.device.type == "cuda", FUSED_MERGE=fused, S_CHUNK=s_chunk if fused else 1,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        FAST_TRIG=q.device.type == "cuda", num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    if not direct and not fused:
+    if not direct:
         _decode_merge_kernel[(bsz, hq)](
             part_o, part_lse, out, rows, *out.stride(), hq, splits,
-            S_CHUNK=s_chunk, HEAD_DIM=d, APE=ape is not None, num_warps=4,
+            S_CHUNK=min(triton.next_power_of_2(splits), 128), HEAD_DIM=d, APE=ape is not None, num_warps=4,
         )
     return out
 

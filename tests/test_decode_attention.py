@@ -5,7 +5,6 @@ import math
 import pytest
 import torch
 
-from sift.kernels import decode_attention as decode_module
 from sift.kernels.decode_attention import DecodeConfig, decode_attention, decode_attention_ref, layout_kv_table
 from sift.kernels.layout import build_layout
 from sift.kernels.rope import apply_rope_ref
@@ -169,57 +168,6 @@ def test_offsets_beyond_65535(dtype):
                                n_generated=2)
     assert int(inputs["q_offset"].max()) > 200_000
     check(inputs, want, scale, 16, dtype, 3)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("hq, hkv, d, block, num_splits, n_generated", [
-    (8, 2, 64, 32, 3, 0),
-    (6, 2, 128, 16, 4, 0),   # GQA ratio 3: padded head group
-    (8, 2, 64, 16, 37, 3),   # generated tokens; more splits than blocks, some left empty
-])
-def test_fused_merge(monkeypatch, dtype, hq, hkv, d, block, num_splits, n_generated):
-    """DecodeConfig(fused_merge=True): the last split program of each (request, kv head) merges its query heads,
-    no merge kernel is launched, and the ticket counters are all zero again after the launch, so a second
-    launch into an output full of NaN (as a CUDA graph replays it) gives the same result bit for bit.
-
-    The Triton interpreter runs a grid's programs one after another, so here the last ticket always goes to the
-    last split and no two programs overlap: this checks the merge and the counters' life cycle, not the memory
-    ordering between programs running at once on a GPU (the kernel's comment argues that ordering; the GPU
-    sweep, `bench_decode.py --parts sweep`, checks the fused schedules' outputs against the twin)."""
-    gen = torch.Generator().manual_seed(hq * 100 + d + n_generated)
-    inputs, want, scale = case(REQUESTS, block, hq, hkv, d, dtype, gen, n_generated=n_generated)
-    fused = DecodeConfig(block_n=16, fused_merge=True)
-
-    class NoMerge:
-        def __getitem__(self, grid):
-            raise AssertionError("the merge kernel was launched")
-
-    monkeypatch.setattr(decode_module, "_decode_merge_kernel", NoMerge())
-    check(inputs, want, scale, block, dtype, num_splits, fused)
-    args = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-    first = decode_attention(**args, scale=scale, block=block, num_splits=num_splits, config=fused)
-    counters = decode_module._COUNTERS[first.device][-1]
-    assert counters.numel() >= want.shape[0] * hkv and not counters.any()
-    again = decode_attention(**args, scale=scale, block=block, num_splits=num_splits, config=fused,
-                             out=torch.full_like(first, float("nan")))
-    assert torch.equal(again, first) and not counters.any()
-
-
-def test_ticket_counters_grow_and_refuse_capture(monkeypatch):
-    """The fused merge's counters: a larger buffer when a launch needs more (the old one kept alive for the graphs
-    captured with it), none allocated during a CUDA graph capture (simulated: the check runs before any device
-    work)."""
-    monkeypatch.setattr(decode_module, "_COUNTERS", {})
-    cpu = torch.device("cpu")
-    small = decode_module._ticket_counters(cpu, 8)
-    assert small.dtype == torch.int32 and small.numel() >= 8 and not small.any()
-    assert decode_module._ticket_counters(cpu, small.numel()) is small
-    large = decode_module._ticket_counters(cpu, small.numel() + 1)
-    kept = decode_module._COUNTERS[cpu]
-    assert large.numel() > small.numel() and len(kept) == 2 and kept[0] is small and kept[1] is large
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    with pytest.raises(ValueError, match="run the same batch size once eagerly before capturing"):
-        decode_module._ticket_counters(torch.device("cuda", 0), 8)
 
 
 def test_many_splits_merged_in_chunks():
