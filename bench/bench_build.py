@@ -353,7 +353,8 @@ def main() -> None:
             print_build(name, builds[name])
         write_result("build-start" if gpu else "build-start-cpu",
                      {"smoke": args.smoke, "model_kind": kind, "dtype": dtype, "backend": backend,
-                      "batch_tokens": args.batch_tokens, "machine": m, "cold_build": cold, "builds": builds,
+                      "batch_tokens": args.batch_tokens, "machine": m, "bytecode": bytecode(), "cold_build": cold,
+                      "builds": builds,
                       "options": {k: str(v) for k, v in vars(args).items()}}, out_dir(args))
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)
@@ -367,7 +368,7 @@ def main() -> None:
               f"weights, SmolLM2 tokenizer", "model_kind": kind, "dtype": dtype, "backend": backend,
               "batch_tokens": args.batch_tokens, "tile": 64, "criterion": args.criterion,
               "peak_tflops": args.peak_tflops,
-              "model_folder": model_cost, "cold_build": cold, "corpora": results,
+              "model_folder": model_cost, "bytecode": bytecode(), "cold_build": cold, "corpora": results,
               "options": {k: str(v) for k, v in vars(args).items()}}   # `args` is the argv (provenance)
     name = ("build" if gpu else "build-cpu") + ("-reader" if args.criterion == "reader" else "")
     path = write_result(name, result, out_dir(args))
@@ -395,6 +396,13 @@ ray.shutdown()
 print(json.dumps({"import_torch": t1 - t0, "import_transformers": t2 - t1, "ray_start": t3 - t2,
                   "torch_bytecode_cached": cached}))
 """
+
+
+def bytecode() -> dict:
+    """Where the builds' Python processes (which inherit this one's environment) keep compiled bytecode: a Python
+    environment without bytecode that may not write any recompiles every module it imports in every process
+    (about 10 s more per process for torch and transformers), which shows in a build's `ray`, `imports` and `plan`."""
+    return {"pycache_prefix": sys.pycache_prefix, "writes_bytecode": not sys.dont_write_bytecode}
 
 
 def machine_start() -> dict:
