@@ -22,7 +22,7 @@ the pages as the engine's kernel block computes them).
 
 Each set's result also names the setting the held-in questions choose at no more tiles than the paper's
 defaults compute (`within_default_tiles`: the best held-in agreement among them, with its held-out figures
-when --held-out-all or the front put it there).
+when --held-out-within-default, --held-out-all or the front put it there).
 
 Writes bench/results/eval_quality.json: `sets["<set>/<dtype>"]` (`"<set>/<dtype>/<tag>"` with --tag), each
 set's front.json content with the run that produced it (command, date, device), written after each set; entries
@@ -34,6 +34,7 @@ target).
                                  [--limit-long 100] [--limit-nq-long 100] [--dtype bfloat16] [--max-new-tokens 16]
                                  [--guard-ca 0.04,0.03] [--guard-by layer,head] [--guard-at-block] [--no-floor]
                                  [--held-out-all] [--block B] [--tag T] [--batch B]
+                                 [--held-out-within-default]
     python bench/eval_quality.py --smoke     # 3 questions of one set, 2 settings, 2 tokens: checks it runs
 """
 from __future__ import annotations
@@ -49,7 +50,7 @@ import qa_sets  # bench/qa_sets.py
 
 import torch  # noqa: E402
 
-from sift.quality.calibrate import DEFAULT, GUARD_BY, calibrate_items, parse_setting  # noqa: E402
+from sift.quality.calibrate import DEFAULT, GUARD_BY, calibrate_items, parse_setting, within_tiles  # noqa: E402
 
 SETTINGS = ("tile=64", "tile=32", "tile=16",
             "tile=16,alpha=0.003,beta=0.02,gamma=0.2",
@@ -79,6 +80,10 @@ def parse_args():
                          "--guard-at-block)")
     ap.add_argument("--held-out-all", action="store_true",
                     help="evaluate every swept setting on the held-out questions, not only the held-in front")
+    ap.add_argument("--held-out-within-default", action="store_true",
+                    help="evaluate on the held-out questions the paper's defaults and the setting the held-in "
+                         "questions choose at no more tiles than the defaults (the defaults must be swept), and not the rest of the "
+                         "held-in front")
     ap.add_argument("--no-floor", dest="floor", action="store_false", help="skip the floor (dense against dense)")
     ap.add_argument("--tag", default="", help="stored as sets[\"<set>/<dtype>/<tag>\"] (a run beside the main one)")
     ap.add_argument("--target-agreement", type=float, default=0.95)
@@ -133,23 +138,19 @@ class InProcessBuilder:
                                  self.model_dir, profile_key=setting.label)
 
 
-def within_tiles(result: dict, reference: str) -> dict | None:
-    """The swept setting, other than `reference`, that the held-in questions choose at no more tiles than
-    `reference` computes on them: the best held-in whole-answer agreement (then first token, then fewer tiles,
-    then the label) among those whose held-in tile fraction is at most the reference's; with its held-out
-    figures and the reference's where they were measured. None when the reference was not swept."""
+def within_default_tiles(result: dict) -> dict | None:
+    """The swept setting the held-in questions choose at no more tiles than the paper's defaults compute
+    (`quality.calibrate.within_tiles`), with its held-out figures and the defaults' where they were measured. None
+    when the defaults were not swept."""
     points = {p["label"]: p for p in result["points"]}
-    if reference not in points:
+    if DEFAULT.label not in points:
         return None
-    ref = points[reference]
-    fits = [p for label, p in points.items() if label != reference and p["tile_fraction"] <= ref["tile_fraction"]]
+    ref, best = points[DEFAULT.label], within_tiles(result["points"], DEFAULT.label)
     held_out = result.get("held_out_results", {})
-    out = dict(reference=reference, reference_held_in=dict(agreement=ref["agreement"],
-                                                            tile_fraction=ref["tile_fraction"]),
-               reference_held_out=held_out.get(reference), chosen=None)
-    if fits:
-        best = max(fits, key=lambda p: (p["agreement"], p["agreement_first_token"], -p["tile_fraction"],
-                                        p["label"]))
+    out = dict(reference=DEFAULT.label, reference_held_in=dict(agreement=ref["agreement"],
+                                                               tile_fraction=ref["tile_fraction"]),
+               reference_held_out=held_out.get(DEFAULT.label), chosen=None)
+    if best:
         out.update(chosen=best["label"], chosen_held_in=dict(agreement=best["agreement"],
                                                              tile_fraction=best["tile_fraction"]),
                    chosen_held_out=held_out.get(best["label"]))
@@ -195,6 +196,7 @@ def main() -> None:
                guard_ca=args.guard_ca, guard_by=args.guard_by, guard_prompts=args.guard_prompts,
                target_agreement=args.target_agreement, max_new_tokens=args.max_new_tokens, block=args.block,
                held_out_all=args.held_out_all, guard_at_block=args.guard_at_block, batch=args.batch,
+               held_out_within_default=args.held_out_within_default,
                command=" ".join(["python", "bench/eval_quality.py", *sys.argv[1:]]))
     path = common.out_dir(args) / "eval_quality.json"
     results = json.loads(path.read_text()).get("sets", {}) if path.exists() else {}
@@ -206,14 +208,15 @@ def main() -> None:
         t = time.perf_counter()
         result = calibrate_items(items, args.work / name, name=name, settings=settings, held_in=args.held_in,
                                  target=args.target_agreement, model=model, device=args.device, dtype=args.dtype,
-                                 max_new_tokens=args.max_new_tokens, held_out_front=True,
+                                 max_new_tokens=args.max_new_tokens,
+                                 held_out_front=not args.held_out_within_default,
                                  held_out_all=args.held_out_all, floor=args.floor,
                                  guard_ca=args.guard_ca, guard_by=args.guard_by, guard_prompts=args.guard_prompts,
                                  guard_at_block=args.guard_at_block, block=args.block, build=builder,
-                                 batch=args.batch,
+                                 batch=args.batch, held_out_within=args.held_out_within_default,
                                  echo=lambda m: print("  " + m, flush=True))
         result["seconds"] = time.perf_counter() - t
-        result["within_default_tiles"] = within_tiles(result, DEFAULT.label)
+        result["within_default_tiles"] = within_default_tiles(result)
         key = "/".join([name, result["dtype"], *([args.tag] if args.tag else [])])
         results[key] = dict(run=dict(run, **common.environment()), **result)
         common.write_result("eval_quality", dict(sets=results), common.out_dir(args))

@@ -216,6 +216,17 @@ def choose(rows: list[dict], target: float) -> dict | None:
     return min(meeting, key=lambda r: (r["tile_fraction"], -r["agreement"], r["label"]))
 
 
+def within_tiles(rows: list[dict], reference: str) -> dict | None:
+    """The row, other than `reference`'s (a label), with the best agreement (then first token, then fewer tiles,
+    then the label) among those computing at most the tiles `reference` computes; None when none does or the
+    reference is not among the rows."""
+    ref = next((r for r in rows if r["label"] == reference), None)
+    fits = [r for r in rows if ref is not None and r["label"] != reference
+            and r["tile_fraction"] <= ref["tile_fraction"]]
+    return max(fits, key=lambda r: (r["agreement"], r["agreement_first_token"], -r["tile_fraction"], r["label"]),
+               default=None)
+
+
 # --------------------------------------------------------------------------------------------- running
 
 
@@ -483,7 +494,7 @@ def calibrate_items(items: list[QAItem], out: Path, *, name: str, settings, held
                     model: str, device: str = "auto", dtype: str = "auto", max_new_tokens: int = 24,
                     reuse_sweep=False, floor=True, held_out_front=False, held_out_all=False, guard_ca=(),
                     guard_prompts=5, guard_by=("layer",), guard_at_block=False, block=None, build=sift_build,
-                    batch=1, echo=lambda m: None):
+                    batch=1, held_out_within=False, echo=lambda m: None):
     """The calibration of `items` (the first `held_in` held in, the rest held out) -> the front.json content.
     target None: sweep only; reuse_sweep: the points of the previous run's front.json instead of a new sweep
     (e.g. to choose again for another target); floor: also measure how often two dense computations agree
@@ -495,7 +506,9 @@ def calibrate_items(items: list[QAItem], out: Path, *, name: str, settings, held
     `guard_prompts` held-in prompts, by layer and / or by head as `guard_by` says), swept beside them; block: the
     engine's kernel block (None: 128 on CUDA, the index tile on CPU; 128 on CPU computes the blocks a GPU
     would); build: what turns a setting and a corpus folder into an index (default: the `sift-build` CLI); batch:
-    questions per engine call (`_Runner`)."""
+    questions per engine call (`_Runner`); held_out_within: also evaluate the paper's defaults and the swept
+    setting the held-in questions choose at no more tiles than the defaults compute (`within_tiles`; the defaults
+    must be among `settings`) on the held-out questions."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     out.mkdir(parents=True, exist_ok=True)
@@ -530,6 +543,9 @@ def calibrate_items(items: list[QAItem], out: Path, *, name: str, settings, held
                      f"dense on {own:.0%} of the held-in questions; judge settings against the floor, or in float32")
     chosen = choose(rows, target) if target is not None else None
     evaluate_out = held_out_settings(rows, front, every=held_out_all) if held_out_front or held_out_all else []
+    if held_out_within:
+        best = within_tiles(rows, DEFAULT.label)
+        evaluate_out = list(dict.fromkeys([DEFAULT, *([Setting(**best["setting"])] if best else []), *evaluate_out]))
     if target is not None:
         result["chosen"] = chosen
         if chosen is None:

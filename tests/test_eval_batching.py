@@ -9,14 +9,14 @@ from types import SimpleNamespace
 import pytest
 
 from sift.errors import SiftError
-from sift.quality.calibrate import _Runner
+from sift.quality.calibrate import DEFAULT, _Runner, within_tiles
 from sift.quality.qa import QAItem
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 if str(BENCH) not in sys.path:
     sys.path.insert(0, str(BENCH))
 
-from eval_quality import within_tiles  # noqa: E402  (bench/eval_quality.py)
+from eval_quality import within_default_tiles  # noqa: E402  (bench/eval_quality.py)
 
 
 class _Engine:
@@ -63,30 +63,31 @@ def _point(label, agreement, tiles, first=None):
                 tile_fraction=tiles)
 
 
-def test_within_tiles_best_held_in_agreement_at_most_the_reference_tiles():
-    paper = "t64-a0.001-b0.01-g0.1"
-    result = dict(points=[_point(paper, 0.80, 0.757), _point("t64-reader0.999", 0.97, 0.80),   # too many tiles
-                          _point("t64-reader0.998", 0.90, 0.75), _point("t64-reader0.995", 0.90, 0.70, first=0.95),
-                          _point("t64-reader0.99", 0.85, 0.65)],
-                  held_out_results={paper: dict(agreement_answer=0.82, tile_fraction=0.757),
-                                    "t64-reader0.995": dict(agreement_answer=0.9, tile_fraction=0.71)})
-    out = within_tiles(result, paper)
+def test_within_tiles_best_agreement_at_most_the_reference_tiles():
+    paper = DEFAULT.label
+    rows = [_point(paper, 0.80, 0.757), _point("t64-reader0.999", 0.97, 0.80),   # too many tiles
+            _point("t64-reader0.998", 0.90, 0.75), _point("t64-reader0.995", 0.90, 0.70, first=0.95),
+            _point("t64-reader0.99", 0.85, 0.65)]
     # 0.998 and 0.995 tie on agreement; 0.995 agrees on the first token more often
-    assert out["chosen"] == "t64-reader0.995"
-    assert out["chosen_held_in"] == dict(agreement=0.90, tile_fraction=0.70)
-    assert out["chosen_held_out"] == dict(agreement_answer=0.9, tile_fraction=0.71)
+    assert within_tiles(rows, paper)["label"] == "t64-reader0.995"
+    rows[3]["agreement_first_token"] = 0.90       # a full tie: the fewer tiles
+    assert within_tiles(rows, paper)["label"] == "t64-reader0.995"
+    rows[3]["tile_fraction"], rows[2]["tile_fraction"] = 0.75, 0.74
+    assert within_tiles(rows, paper)["label"] == "t64-reader0.998"
+    assert within_tiles(rows[1:], paper) is None                       # the reference not swept
+    assert within_tiles([_point(paper, 0.8, 0.7), _point("t64-reader0.999", 1.0, 0.8)], paper) is None
+
+
+def test_within_default_tiles_reports_the_held_out_figures():
+    paper = DEFAULT.label
+    result = dict(points=[_point(paper, 0.80, 0.757), _point("t64-reader0.995", 0.90, 0.70)],
+                  held_out_results={paper: dict(agreement_answer=0.82, tile_fraction=0.757)})
+    out = within_default_tiles(result)
+    assert out["chosen"] == "t64-reader0.995" and out["chosen_held_in"] == dict(agreement=0.90, tile_fraction=0.70)
+    assert out["chosen_held_out"] is None                              # not evaluated held out
     assert out["reference_held_out"] == dict(agreement_answer=0.82, tile_fraction=0.757)
-    # a full tie: the fewer tiles
-    result["points"][3]["agreement_first_token"] = 0.90
-    assert within_tiles(result, paper)["chosen"] == "t64-reader0.995"
-    result["points"][3]["tile_fraction"] = 0.75
-    result["points"][2]["tile_fraction"] = 0.74
-    assert within_tiles(result, paper)["chosen"] == "t64-reader0.998"
-    assert within_tiles(result, paper)["chosen_held_out"] is None     # not evaluated held out
-
-
-def test_within_tiles_without_the_reference_or_any_fitting_setting():
-    paper = "t64-a0.001-b0.01-g0.1"
-    assert within_tiles(dict(points=[_point("t64-reader0.999", 1.0, 0.8)]), paper) is None
-    out = within_tiles(dict(points=[_point(paper, 0.8, 0.7), _point("t64-reader0.999", 1.0, 0.8)]), paper)
-    assert out["chosen"] is None and out["reference_held_out"] is None
+    result["held_out_results"]["t64-reader0.995"] = dict(agreement_answer=0.9, tile_fraction=0.71)
+    assert within_default_tiles(result)["chosen_held_out"] == dict(agreement_answer=0.9, tile_fraction=0.71)
+    result["points"][1]["tile_fraction"] = 0.8
+    assert within_default_tiles(result)["chosen"] is None
+    assert within_default_tiles(dict(points=result["points"][1:])) is None
