@@ -20,6 +20,10 @@ whole in the layers, or with --guard-by head the (layer, head) pairs, whose docu
 their attention mass on dropped CA pages, measured on --guard-prompts held-in prompts; --guard-at-block counts
 the pages as the engine's kernel block computes them).
 
+Each set's result also names the setting the held-in questions choose at no more tiles than the paper's
+defaults compute (`within_default_tiles`: the best held-in agreement among them, with its held-out figures
+when --held-out-within-default, --held-out-all or the front put it there).
+
 Writes bench/results/eval_quality.json: `sets["<set>/<dtype>"]` (`"<set>/<dtype>/<tag>"` with --tag), each
 set's front.json content with the run that produced it (command, date, device), written after each set; entries
 of other keys already in the file are kept, so runs per dtype, per set or per tag add up to one result. Under
@@ -29,7 +33,8 @@ target).
     python bench/eval_quality.py --device cuda --model-dir DIR [--sets hotpotqa,2wiki,long,nq-long] [--held-in 25]
                                  [--limit-long 100] [--limit-nq-long 100] [--dtype bfloat16] [--max-new-tokens 16]
                                  [--guard-ca 0.04,0.03] [--guard-by layer,head] [--guard-at-block] [--no-floor]
-                                 [--held-out-all] [--block B] [--tag T]
+                                 [--held-out-all] [--block B] [--tag T] [--batch B]
+                                 [--held-out-within-default]
     python bench/eval_quality.py --smoke     # 3 questions of one set, 2 settings, 2 tokens: checks it runs
 """
 from __future__ import annotations
@@ -45,7 +50,7 @@ import qa_sets  # bench/qa_sets.py
 
 import torch  # noqa: E402
 
-from sift.quality.calibrate import GUARD_BY, calibrate_items, parse_setting  # noqa: E402
+from sift.quality.calibrate import DEFAULT, GUARD_BY, calibrate_items, parse_setting, within_tiles  # noqa: E402
 
 SETTINGS = ("tile=64", "tile=32", "tile=16",
             "tile=16,alpha=0.003,beta=0.02,gamma=0.2",
@@ -75,6 +80,10 @@ def parse_args():
                          "--guard-at-block)")
     ap.add_argument("--held-out-all", action="store_true",
                     help="evaluate every swept setting on the held-out questions, not only the held-in front")
+    ap.add_argument("--held-out-within-default", action="store_true",
+                    help="evaluate on the held-out questions the paper's defaults and the setting the held-in "
+                         "questions choose at no more tiles than the defaults (the defaults must be swept), and not the rest of the "
+                         "held-in front")
     ap.add_argument("--no-floor", dest="floor", action="store_false", help="skip the floor (dense against dense)")
     ap.add_argument("--tag", default="", help="stored as sets[\"<set>/<dtype>/<tag>\"] (a run beside the main one)")
     ap.add_argument("--target-agreement", type=float, default=0.95)
@@ -86,6 +95,8 @@ def parse_args():
                          "blocks)")
     ap.add_argument("--model-dir", type=Path, default=None,
                     help="a plain transformers folder of the default model (where the GGUF package is not installed)")
+    ap.add_argument("--batch", type=int, default=1, help="questions per engine call (prefilled together, decoded in "
+                    "one continuous batch; a question's tile fraction is then its batch's)")
     ap.add_argument("--hotpotqa-json", type=Path, default=qa_sets.SHARED / "hotpotqa_train.json")
     ap.add_argument("--wiki", type=Path, default=qa_sets.SHARED / "wiki_vital_summaries_en.json.gz")
     ap.add_argument("--nq-json", type=Path, default=qa_sets.SHARED / "nq-open-oracle.jsonl.gz")
@@ -100,6 +111,8 @@ def parse_args():
     args.guard_by = tuple(x.strip() for x in args.guard_by.split(",") if x.strip())
     if not args.guard_by or set(args.guard_by) - set(GUARD_BY):
         ap.error(f"--guard-by {','.join(args.guard_by)!r}: choose among {', '.join(GUARD_BY)}")
+    if args.batch < 1:
+        ap.error(f"--batch {args.batch}: give at least 1")
     if args.smoke:
         args.sets, args.held_in, args.max_new_tokens = args.sets[:1], 2, 2
         args.limit_hotpotqa = args.limit_2wiki = args.limit_long = args.limit_nq_long = 3
@@ -125,6 +138,25 @@ class InProcessBuilder:
                                  self.model_dir, profile_key=setting.label)
 
 
+def within_default_tiles(result: dict) -> dict | None:
+    """The swept setting the held-in questions choose at no more tiles than the paper's defaults compute
+    (`quality.calibrate.within_tiles`), with its held-out figures and the defaults' where they were measured. None
+    when the defaults were not swept."""
+    points = {p["label"]: p for p in result["points"]}
+    if DEFAULT.label not in points:
+        return None
+    ref, best = points[DEFAULT.label], within_tiles(result["points"], DEFAULT.label)
+    held_out = result.get("held_out_results", {})
+    out = dict(reference=DEFAULT.label, reference_held_in=dict(agreement=ref["agreement"],
+                                                               tile_fraction=ref["tile_fraction"]),
+               reference_held_out=held_out.get(DEFAULT.label), chosen=None)
+    if best:
+        out.update(chosen=best["label"], chosen_held_in=dict(agreement=best["agreement"],
+                                                             tile_fraction=best["tile_fraction"]),
+                   chosen_held_out=held_out.get(best["label"]))
+    return out
+
+
 def summary_lines(name: str, result: dict) -> list[str]:
     lines = [f"{name}: {result['held_in']} held in, {result['held_out']} held out, {result['dtype']}"]
     for p in result["points"]:
@@ -134,6 +166,18 @@ def summary_lines(name: str, result: dict) -> list[str]:
         lo, hi = r["agreement_answer_ci95"]
         lines.append(f"  held out {label:<32} agreement {r['agreement_answer']:.0%} [{lo:.0%}, {hi:.0%}]  first "
                      f"token {r['agreement_first_token']:.0%}  tiles {r['tile_fraction']:.1%}  (n={r['n']})")
+    within = result.get("within_default_tiles")
+    if within:
+        if within["chosen"] is None:
+            lines.append(f"  no swept setting computes at most the tiles of {within['reference']} on the held-in "
+                         f"questions")
+        else:
+            out, ref = within.get("chosen_held_out"), within.get("reference_held_out")
+            text = (f"held out {out['agreement_answer']:.0%} at {out['tile_fraction']:.1%} tiles" if out
+                    else "not evaluated held out")
+            if ref:
+                text += f"; {within['reference']} held out {ref['agreement_answer']:.0%} at {ref['tile_fraction']:.1%}"
+            lines.append(f"  chosen on held-in at <= {within['reference']}'s tiles: {within['chosen']}: {text}")
     for key in ("floor", "held_out_floor"):
         for dtype, f in result.get(key, {}).items():
             lines.append(f"  {key:<14} dense = transformers {dtype}: {f['agreement']:.0%} (n={f['n']})")
@@ -151,7 +195,8 @@ def main() -> None:
     run = dict(model=DEFAULT_MODEL, device=args.device, settings=args.settings, held_in=args.held_in,
                guard_ca=args.guard_ca, guard_by=args.guard_by, guard_prompts=args.guard_prompts,
                target_agreement=args.target_agreement, max_new_tokens=args.max_new_tokens, block=args.block,
-               held_out_all=args.held_out_all, guard_at_block=args.guard_at_block,
+               held_out_all=args.held_out_all, guard_at_block=args.guard_at_block, batch=args.batch,
+               held_out_within_default=args.held_out_within_default,
                command=" ".join(["python", "bench/eval_quality.py", *sys.argv[1:]]))
     path = common.out_dir(args) / "eval_quality.json"
     results = json.loads(path.read_text()).get("sets", {}) if path.exists() else {}
@@ -163,12 +208,15 @@ def main() -> None:
         t = time.perf_counter()
         result = calibrate_items(items, args.work / name, name=name, settings=settings, held_in=args.held_in,
                                  target=args.target_agreement, model=model, device=args.device, dtype=args.dtype,
-                                 max_new_tokens=args.max_new_tokens, held_out_front=True,
+                                 max_new_tokens=args.max_new_tokens,
+                                 held_out_front=not args.held_out_within_default,
                                  held_out_all=args.held_out_all, floor=args.floor,
                                  guard_ca=args.guard_ca, guard_by=args.guard_by, guard_prompts=args.guard_prompts,
                                  guard_at_block=args.guard_at_block, block=args.block, build=builder,
+                                 batch=args.batch, held_out_within=args.held_out_within_default,
                                  echo=lambda m: print("  " + m, flush=True))
         result["seconds"] = time.perf_counter() - t
+        result["within_default_tiles"] = within_default_tiles(result)
         key = "/".join([name, result["dtype"], *([args.tag] if args.tag else [])])
         results[key] = dict(run=dict(run, **common.environment()), **result)
         common.write_result("eval_quality", dict(sets=results), common.out_dir(args))

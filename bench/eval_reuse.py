@@ -37,7 +37,9 @@ through the kernels' ref twins, so TTFT there measures correctness paths, not sp
 context_sensitivity, which `auto` reads). --held-in N reports each set's first N evaluated questions (where
 settings are chosen) apart from the others and prints the held-out figures of the mode the held-in questions
 choose among those recomputing at most --budget of the documents' tokens; --start N skips each set's first N
-questions. --no-warmup and --threads 1 suit answer-only runs on a shared CPU.
+questions. --no-warmup and --threads 1 suit answer-only runs on a shared CPU. --batch B runs B questions per engine call
+(prefilled together, decoded in one continuous batch): a question's answers are its own, but its tile
+fraction, share recomputed and TTFT are then its batch's.
 """
 from __future__ import annotations
 
@@ -106,6 +108,8 @@ def parse_args():
     ap.add_argument("--no-warmup", action="store_true", help="do not warm each mode up before its timed run "
                     "(answers only: TTFT then includes one-off costs)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    ap.add_argument("--batch", type=int, default=1, help="questions per engine call: each mode prefills and "
+                    "decodes them together (tile fraction, recompute share and TTFT are then the batch's)")
     ap.add_argument("--held-in", type=int, default=0, help="report the first N evaluated questions of each set "
                     "(held in: where modes' settings are chosen) apart from the others (held out), and the held-out "
                     "figures of the mode the held-in questions choose")
@@ -124,6 +128,8 @@ def parse_args():
     bad = [s for s in args.sets if s not in SETS]
     if not args.sets or bad:
         ap.error(f"--sets {bad or '(empty)'}: each set must be one of {', '.join(SETS)}")
+    if args.batch < 1:
+        ap.error(f"--batch {args.batch}: give at least 1")
     if args.index is not None and len(args.sets) != 1:
         ap.error("--index names one set's index: give exactly one set in --sets")
     try:
@@ -224,7 +230,7 @@ def record_generations(engine: SiftEngine) -> dict:
 
 
 def run_set(name: str, items: list[QAItem], index_path: Path, model, tokenizer, args, write) -> dict:
-    """Evaluate the set one question at a time (`quality.eval.evaluate` per question, which warms each mode up
+    """Evaluate the set --batch questions at a time (`quality.eval.evaluate` per batch, which warms each mode up
     first), calling write(result so far) after each, so that a long run leaves its partial result behind."""
     index = SiftIndex.open(index_path, device=args.device)
     store = KVStore(hbm_bytes=int(args.store_gib * 2**30), dram_bytes=0)
@@ -232,11 +238,14 @@ def run_set(name: str, items: list[QAItem], index_path: Path, model, tokenizer, 
     seen = record_generations(engine)
     rows, skipped, none_equals_reuse = [], [], []
     t = time.perf_counter()
-    for k, item in enumerate(items, 1):
-        r, s = evaluate(engine, [item], args.modes, max_new_tokens=args.max_new_tokens, warmup=not args.no_warmup)
+    for k in range(args.batch, len(items) + args.batch, args.batch):
+        chunk = items[k - args.batch:k]
+        r, s = evaluate(engine, chunk, args.modes, batch=len(chunk), max_new_tokens=args.max_new_tokens,
+                        warmup=not args.no_warmup)
         skipped += s
+        requests = {item.id: item.request() for item in chunk}
         for row in r:
-            request = item.request()
+            request = requests[row["id"]]
             for mode in args.modes:
                 extra = seen[_key(mode, request)]
                 row["modes"][mode]["recomputed_fraction"] = extra["recomputed_fraction"]
@@ -245,7 +254,7 @@ def run_set(name: str, items: list[QAItem], index_path: Path, model, tokenizer, 
                 none_equals_reuse.append(seen[_key("hybrid:none", request)]["token_ids"]
                                          == seen[_key("reuse", request)]["token_ids"])
         rows += r
-        print(f"  {name}: {k}/{len(items)} questions ({time.perf_counter() - t:.0f} s)", flush=True)
+        print(f"  {name}: {min(k, len(items))}/{len(items)} questions ({time.perf_counter() - t:.0f} s)", flush=True)
         write(_result(rows, skipped, none_equals_reuse, len(items), index, engine, store, args,
                       time.perf_counter() - t))
     return _result(rows, skipped, none_equals_reuse, len(items), index, engine, store, args, time.perf_counter() - t)
@@ -359,6 +368,7 @@ def main() -> None:
         model = model.to(args.device).eval()
         tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
     settings = dict(model=DEFAULT_MODEL, device=args.device, block=args.block or args.tile, modes=list(args.modes),
+                    batch=args.batch,
                     hybrid_fractions=args.fractions, max_new_tokens=args.max_new_tokens, tile=args.tile,
                     profile_prefix=args.profile_prefix,
                     store_gib=args.store_gib, doc_chars=args.doc_chars,

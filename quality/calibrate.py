@@ -216,17 +216,32 @@ def choose(rows: list[dict], target: float) -> dict | None:
     return min(meeting, key=lambda r: (r["tile_fraction"], -r["agreement"], r["label"]))
 
 
+def within_tiles(rows: list[dict], reference: str) -> dict | None:
+    """The row, other than `reference`'s (a label), with the best agreement (then first token, then fewer tiles,
+    then the label) among those computing at most the tiles `reference` computes; None when none does or the
+    reference is not among the rows."""
+    ref = next((r for r in rows if r["label"] == reference), None)
+    fits = [r for r in rows if ref is not None and r["label"] != reference
+            and r["tile_fraction"] <= ref["tile_fraction"]]
+    return max(fits, key=lambda r: (r["agreement"], r["agreement_first_token"], -r["tile_fraction"], r["label"]),
+               default=None)
+
+
 # --------------------------------------------------------------------------------------------- running
 
 
 class _Runner:
-    """The model once; one engine per index; dense answers once per (question, block)."""
+    """The model once; one engine per index; dense answers once per (question, block). batch: questions per
+    engine call (prefilled together and decoded in one continuous batch; a question's tile fraction is then its
+    batch's)."""
 
     def __init__(self, model: str, device: str, max_new_tokens: int, echo, dtype: str = "auto",
-                 block: int | None = None):
+                 block: int | None = None, batch: int = 1):
         from sift.model import load_model
 
-        self.device, self.model_name, self.block = device, model, block
+        if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+            raise SiftError(f"batch={batch!r} must be an integer >= 1")
+        self.device, self.model_name, self.block, self.batch = device, model, block, batch
         self.dtype = resolve_dtype(dtype, device)
         self.hf, self.tokenizer, _ = load_model(model, dtype=self.dtype, device=device)
         self.max_new_tokens, self.echo = max_new_tokens, echo
@@ -239,11 +254,15 @@ class _Runner:
 
         return SiftEngine(self.hf, self.tokenizer, SiftIndex.open(index_path, device=self.device), block=self.block)
 
-    def dense(self, engine, item: QAItem) -> list[int]:
-        key = (item.id, engine.block)
-        if key not in self._dense:
-            self._dense[key] = engine.generate([item.request()], self.max_new_tokens, mode=REFERENCE).token_ids[0]
-        return self._dense[key]
+    def dense(self, engine, items: list[QAItem]) -> list[list[int]]:
+        """Dense answers of `items`, those not known yet generated `batch` per engine call."""
+        missing = [item for item in items if (item.id, engine.block) not in self._dense]
+        for start in range(0, len(missing), self.batch):
+            chunk = missing[start:start + self.batch]
+            out = engine.generate([item.request() for item in chunk], self.max_new_tokens, mode=REFERENCE)
+            for item, ids in zip(chunk, out.token_ids):
+                self._dense[(item.id, engine.block)] = ids
+        return [self._dense[(item.id, engine.block)] for item in items]
 
     def agreement(self, index_path: Path, items: list[QAItem]) -> dict:
         """Held-in questions over one index -> {"agreement", "agreement_first_token", "tile_fraction", "n",
@@ -253,12 +272,13 @@ class _Runner:
         if not runnable:
             raise SiftError(f"the index {index_path} serves none of the held-in questions: see `sift-inspect`")
         same, first, tiles = [], [], []
-        for item in runnable:
-            sift = engine.generate([item.request()], self.max_new_tokens, mode="sift")
-            dense = self.dense(engine, item)
-            same.append(float(sift.token_ids[0] == dense))
-            first.append(float(sift.token_ids[0][:1] == dense[:1]))
-            tiles.append(sift.prefill.tile_fraction)
+        for start in range(0, len(runnable), self.batch):
+            chunk = runnable[start:start + self.batch]
+            sift = engine.generate([item.request() for item in chunk], self.max_new_tokens, mode="sift")
+            for ids, dense in zip(sift.token_ids, self.dense(engine, chunk)):
+                same.append(float(ids == dense))
+                first.append(float(ids[:1] == dense[:1]))
+                tiles.append(sift.prefill.tile_fraction)
         n = len(runnable)
         return dict(n=n, skipped=len(items) - n, agreement=sum(same) / n, agreement_first_token=sum(first) / n,
                     tile_fraction=sum(tiles) / n)
@@ -283,8 +303,7 @@ class _Runner:
         for dtype in dtypes:
             twin = self._twin(dtype)
             same, first = [], []
-            for item in runnable:
-                dense = self.dense(engine, item)
+            for item, dense in zip(runnable, self.dense(engine, runnable)):
                 other = greedy(twin, engine.prompt_ids(item.request()), self.max_new_tokens, engine.eos_ids)
                 same.append(float(other == dense))
                 first.append(float(other[:1] == dense[:1]))
@@ -355,12 +374,13 @@ def held_out(runner: _Runner, settings, items: list[QAItem], out: Path, model: s
         echo(f"held out: {setting.label}: building")
         build(setting, corpus, folder / "index", model)
         engine = runner.engine(folder / "index")
-        rows, skipped = evaluate(engine, items, [REFERENCE, "sift"], max_new_tokens=runner.max_new_tokens)
+        rows, skipped = evaluate(engine, items, [REFERENCE, "sift"], batch=runner.batch,
+                                 max_new_tokens=runner.max_new_tokens)
         modes = aggregate(rows, [REFERENCE, "sift"])
         report = dict(settings=dict(index=str(folder / "index"), qa_file=str(out / "held_out.jsonl"), format="jsonl",
                                     model=model, dtype=runner.dtype, backend=engine.backend, block=engine.block,
                                     tile=setting.tile, modes=[REFERENCE, "sift"], max_new_tokens=runner.max_new_tokens,
-                                    batch=1, limit=None),
+                                    batch=runner.batch, limit=None),
                       questions=len(items), evaluated=len(rows), modes=modes, rows=rows, skipped=skipped)
         write_report(report, folder)
         sift = modes["sift"]
@@ -474,7 +494,7 @@ def calibrate_items(items: list[QAItem], out: Path, *, name: str, settings, held
                     model: str, device: str = "auto", dtype: str = "auto", max_new_tokens: int = 24,
                     reuse_sweep=False, floor=True, held_out_front=False, held_out_all=False, guard_ca=(),
                     guard_prompts=5, guard_by=("layer",), guard_at_block=False, block=None, build=sift_build,
-                    echo=lambda m: None):
+                    batch=1, held_out_within=False, echo=lambda m: None):
     """The calibration of `items` (the first `held_in` held in, the rest held out) -> the front.json content.
     target None: sweep only; reuse_sweep: the points of the previous run's front.json instead of a new sweep
     (e.g. to choose again for another target); floor: also measure how often two dense computations agree
@@ -485,7 +505,10 @@ def calibrate_items(items: list[QAItem], out: Path, *, name: str, settings, held
     guard_ca: eps values for the guarded twins of the swept settings (`guard`, measured over the first
     `guard_prompts` held-in prompts, by layer and / or by head as `guard_by` says), swept beside them; block: the
     engine's kernel block (None: 128 on CUDA, the index tile on CPU; 128 on CPU computes the blocks a GPU
-    would); build: what turns a setting and a corpus folder into an index (default: the `sift-build` CLI)."""
+    would); build: what turns a setting and a corpus folder into an index (default: the `sift-build` CLI); batch:
+    questions per engine call (`_Runner`); held_out_within: also evaluate the paper's defaults and the swept
+    setting the held-in questions choose at no more tiles than the defaults compute (`within_tiles`; the defaults
+    must be among `settings`) on the held-out questions."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     out.mkdir(parents=True, exist_ok=True)
@@ -494,7 +517,7 @@ def calibrate_items(items: list[QAItem], out: Path, *, name: str, settings, held
     previous = _previous_sweep(out, Path(name), len(inside), model, max_new_tokens) if reuse_sweep else None
     write_qa(inside, out / "held_in.jsonl")
     write_qa(outside, out / "held_out.jsonl")
-    runner = _Runner(model, device, max_new_tokens, echo, dtype, block)
+    runner = _Runner(model, device, max_new_tokens, echo, dtype, block, batch)
     if previous is not None:
         rows = previous
     else:
@@ -520,6 +543,9 @@ def calibrate_items(items: list[QAItem], out: Path, *, name: str, settings, held
                      f"dense on {own:.0%} of the held-in questions; judge settings against the floor, or in float32")
     chosen = choose(rows, target) if target is not None else None
     evaluate_out = held_out_settings(rows, front, every=held_out_all) if held_out_front or held_out_all else []
+    if held_out_within:
+        best = within_tiles(rows, DEFAULT.label)
+        evaluate_out = list(dict.fromkeys([DEFAULT, *([Setting(**best["setting"])] if best else []), *evaluate_out]))
     if target is not None:
         result["chosen"] = chosen
         if chosen is None:
