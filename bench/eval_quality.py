@@ -25,7 +25,8 @@ defaults compute (`within_default_tiles`: the best held-in agreement among them,
 when --held-out-within-default, --held-out-all or the front put it there).
 
 Writes bench/results/eval_quality.json: `sets["<set>/<dtype>"]` (`"<set>/<dtype>/<tag>"` with --tag), each
-set's front.json content with the run that produced it (command, date, device), written after each set; entries
+set's front.json content with the run that produced it (command, date, device), written after the sweep, after
+each held-out setting (`complete` false) and when the set is done (`complete` true); entries
 of other keys already in the file are kept, so runs per dtype, per set or per tag add up to one result. Under
 --work, each set's calibration folder (front.png, held-out reports, calibrated.toml when a setting met the
 target).
@@ -206,6 +207,15 @@ def main() -> None:
         items = qa_sets.load_set(name, limit, hotpotqa_json=args.hotpotqa_json, wiki=args.wiki, nq_json=args.nq_json)
         print(f"{name}: {len(items)} questions", flush=True)
         t = time.perf_counter()
+
+        def checkpoint(partial: dict) -> None:
+            """What is measured so far, written as the set's entry: a run stopped by a time limit keeps it."""
+            at = "/".join([name, partial["dtype"], *([args.tag] if args.tag else [])])
+            partial["seconds"] = time.perf_counter() - t
+            partial["within_default_tiles"] = within_default_tiles(partial)
+            results[at] = dict(run=dict(run, **common.environment()), **partial)
+            common.write_result("eval_quality", dict(sets=results), common.out_dir(args))
+
         result = calibrate_items(items, args.work / name, name=name, settings=settings, held_in=args.held_in,
                                  target=args.target_agreement, model=model, device=args.device, dtype=args.dtype,
                                  max_new_tokens=args.max_new_tokens,
@@ -214,12 +224,8 @@ def main() -> None:
                                  guard_ca=args.guard_ca, guard_by=args.guard_by, guard_prompts=args.guard_prompts,
                                  guard_at_block=args.guard_at_block, block=args.block, build=builder,
                                  batch=args.batch, held_out_within=args.held_out_within_default,
-                                 echo=lambda m: print("  " + m, flush=True))
-        result["seconds"] = time.perf_counter() - t
-        result["within_default_tiles"] = within_default_tiles(result)
-        key = "/".join([name, result["dtype"], *([args.tag] if args.tag else [])])
-        results[key] = dict(run=dict(run, **common.environment()), **result)
-        common.write_result("eval_quality", dict(sets=results), common.out_dir(args))
+                                 checkpoint=checkpoint, echo=lambda m: print("  " + m, flush=True))
+        checkpoint(dict(result, complete=True))
         lines += summary_lines(name, result)
     print("\n".join(lines))
 

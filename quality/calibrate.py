@@ -364,8 +364,9 @@ def sweep(runner: _Runner, settings, items: list[QAItem], out: Path, model: str,
 
 
 def held_out(runner: _Runner, settings, items: list[QAItem], out: Path, model: str, echo,
-             build=sift_build) -> dict:
-    """The chosen and the default settings over the held-out questions: sift-eval's report for each."""
+             build=sift_build, done=lambda results: None) -> dict:
+    """The chosen and the default settings over the held-out questions: sift-eval's report for each. done: called
+    with the results so far after each setting."""
     corpus = out / "corpus" / "held_out"
     write_corpus(items, corpus / "docs.jsonl")
     results = {}
@@ -392,6 +393,7 @@ def held_out(runner: _Runner, settings, items: list[QAItem], out: Path, model: s
                                       dense_containment=modes[REFERENCE]["containment"]["mean"])
         echo(f"held out: {setting.label}: agreement {results[setting.label]['agreement_answer']:.0%}, tiles "
              f"computed {results[setting.label]['tile_fraction']:.1%} ({len(rows)} questions)")
+        done(dict(results))
     return results
 
 
@@ -494,7 +496,7 @@ def calibrate_items(items: list[QAItem], out: Path, *, name: str, settings, held
                     model: str, device: str = "auto", dtype: str = "auto", max_new_tokens: int = 24,
                     reuse_sweep=False, floor=True, held_out_front=False, held_out_all=False, guard_ca=(),
                     guard_prompts=5, guard_by=("layer",), guard_at_block=False, block=None, build=sift_build,
-                    batch=1, held_out_within=False, echo=lambda m: None):
+                    batch=1, held_out_within=False, checkpoint=lambda partial: None, echo=lambda m: None):
     """The calibration of `items` (the first `held_in` held in, the rest held out) -> the front.json content.
     target None: sweep only; reuse_sweep: the points of the previous run's front.json instead of a new sweep
     (e.g. to choose again for another target); floor: also measure how often two dense computations agree
@@ -508,7 +510,8 @@ def calibrate_items(items: list[QAItem], out: Path, *, name: str, settings, held
     would); build: what turns a setting and a corpus folder into an index (default: the `sift-build` CLI); batch:
     questions per engine call (`_Runner`); held_out_within: also evaluate the paper's defaults and the swept
     setting the held-in questions choose at no more tiles than the defaults compute (`within_tiles`; the defaults
-    must be among `settings`) on the held-out questions."""
+    must be among `settings`) on the held-out questions; checkpoint: called with the result so far (`complete`
+    False) after the sweep and after each held-out setting, so a run stopped midway keeps what it measured."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     out.mkdir(parents=True, exist_ok=True)
@@ -556,8 +559,11 @@ def calibrate_items(items: list[QAItem], out: Path, *, name: str, settings, held
                 f"# sift-calibrate: the sparsest setting with >= {target:.0%} whole-answer agreement with dense on "
                 f"{len(inside)} held-in questions of {Path(name).name}\n" + setting.toml(model))
             evaluate_out = [setting, DEFAULT, *evaluate_out]
+    checkpoint(dict(result, complete=False))
     if evaluate_out and outside:
-        result["held_out_results"] = held_out(runner, evaluate_out, outside, out, model, echo, build)
+        result["held_out_results"] = held_out(runner, evaluate_out, outside, out, model, echo, build,
+                                              done=lambda so_far: checkpoint(dict(result, held_out_results=so_far,
+                                                                                  complete=False)))
         if floor:
             first = next(iter(result["held_out_results"].values()))
             result["held_out_floor"] = runner.floor(Path(first["report"]).parent / "index", outside)

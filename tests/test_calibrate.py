@@ -305,9 +305,14 @@ def test_calibrate_items_flow_and_floor(tmp_path):
     items = [QAItem(q["id"], q["question"], (q["answers"][0],), tuple((d, DOCS[d]) for d in q["docs"]))
              for q in QUESTIONS]
     settings = [Setting(tile=16), Setting(tile=16, alpha=0.01)]
+    seen = []
     result = calibrate_items(items, tmp_path / "cal", name="toy.jsonl", settings=settings, held_in=2, target=0.95,
                              model=DEFAULT_MODEL, device="cpu", max_new_tokens=3, held_out_front=True,
-                             build=_copying_builder(tmp_path / "ready"))
+                             build=_copying_builder(tmp_path / "ready"), checkpoint=seen.append)
+    # A checkpoint after the sweep, then one after each held-out setting, each with what was measured by then.
+    assert [len(c.get("held_out_results", {})) for c in seen] == list(range(len(result["held_out_results"]) + 1))
+    assert all(c["complete"] is False and c["points"] == result["points"] for c in seen)
+    assert seen[-1]["held_out_results"] == result["held_out_results"]
     assert result["dtype"] == "float32" and result["held_in"] == 2 and result["held_out"] == 1
     assert [p["agreement"] for p in result["points"]] == [1.0, 1.0]
     assert all(p["tile_fraction"] == 1.0 for p in result["points"])
