@@ -386,6 +386,7 @@ def main() -> None:
                                            prefix_text(args), sensitivity=any(m.startswith("auto") for m in args.modes))
         else:
             index = build_index(items, args.work / name, args.tile, prefix_text(args))
+
         def write(partial: dict) -> None:
             results[name] = dict(settings=settings, **partial)
             common.write_result("eval_reuse", dict(sets=results), common.out_dir(args))
