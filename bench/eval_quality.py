@@ -83,8 +83,8 @@ def parse_args():
                     help="evaluate every swept setting on the held-out questions, not only the held-in front")
     ap.add_argument("--held-out-within-default", action="store_true",
                     help="evaluate on the held-out questions the paper's defaults and the setting the held-in "
-                         "questions choose at no more tiles than the defaults (the defaults must be swept), and not the rest of the "
-                         "held-in front")
+                         "questions choose at no more tiles than the defaults (the defaults must be swept), and not "
+                         "the rest of the held-in front")
     ap.add_argument("--no-floor", dest="floor", action="store_false", help="skip the floor (dense against dense)")
     ap.add_argument("--tag", default="", help="stored as sets[\"<set>/<dtype>/<tag>\"] (a run beside the main one)")
     ap.add_argument("--target-agreement", type=float, default=0.95)

@@ -37,9 +37,9 @@ through the kernels' ref twins, so TTFT there measures correctness paths, not sp
 context_sensitivity, which `auto` reads). --held-in N reports each set's first N evaluated questions (where
 settings are chosen) apart from the others and prints the held-out figures of the mode the held-in questions
 choose among those recomputing at most --budget of the documents' tokens; --start N skips each set's first N
-questions. --no-warmup and --threads 1 suit answer-only runs on a shared CPU. --batch B runs B questions per engine call
-(prefilled together, decoded in one continuous batch): a question's answers are its own, but its tile
-fraction, share recomputed and TTFT are then its batch's.
+questions. --no-warmup and --threads 1 suit answer-only runs on a shared CPU. --batch B runs B questions per
+engine call (prefilled together, decoded in one continuous batch): a question's answers are its own, but its
+tile fraction, share recomputed and TTFT are then its batch's.
 """
 from __future__ import annotations
 
@@ -238,8 +238,8 @@ def run_set(name: str, items: list[QAItem], index_path: Path, model, tokenizer, 
     seen = record_generations(engine)
     rows, skipped, none_equals_reuse = [], [], []
     t = time.perf_counter()
-    for k in range(args.batch, len(items) + args.batch, args.batch):
-        chunk = items[k - args.batch:k]
+    for start in range(0, len(items), args.batch):
+        chunk = items[start:start + args.batch]
         r, s = evaluate(engine, chunk, args.modes, batch=len(chunk), max_new_tokens=args.max_new_tokens,
                         warmup=not args.no_warmup)
         skipped += s
@@ -254,7 +254,7 @@ def run_set(name: str, items: list[QAItem], index_path: Path, model, tokenizer, 
                 none_equals_reuse.append(seen[_key("hybrid:none", request)]["token_ids"]
                                          == seen[_key("reuse", request)]["token_ids"])
         rows += r
-        print(f"  {name}: {min(k, len(items))}/{len(items)} questions ({time.perf_counter() - t:.0f} s)", flush=True)
+        print(f"  {name}: {start + len(chunk)}/{len(items)} questions ({time.perf_counter() - t:.0f} s)", flush=True)
         write(_result(rows, skipped, none_equals_reuse, len(items), index, engine, store, args,
                       time.perf_counter() - t))
     return _result(rows, skipped, none_equals_reuse, len(items), index, engine, store, args, time.perf_counter() - t)
