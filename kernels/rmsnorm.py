@@ -21,12 +21,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .device import triton_runs_on
+from .device import pdl_enter, pdl_on, triton_runs_on
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_cols, x_stride, out_stride, eps,
-                     X_DTYPE: tl.constexpr, BLOCK: tl.constexpr):
+                     X_DTYPE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -40,7 +41,8 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_cols, x_stride, out_stride, eps,
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n_cols, x_stride, res_stride, out_stride, eps,
-                         BLOCK: tl.constexpr):
+                         BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_enter(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -68,6 +70,12 @@ def _check(name: str, x: torch.Tensor, weight: torch.Tensor) -> None:
         raise ValueError(f"{name} runs on CUDA tensors (got {x.device}); use {name}_ref on CPU")
 
 
+def _pdl(device) -> dict:
+    """The launch's PDL arguments (kernels/device.py `pdl_on`)."""
+    on = pdl_on(device)
+    return {"PDL": on, "launch_pdl": on}
+
+
 def _warps(block: int) -> int:
     return min(16, max(1, block // 512))
 
@@ -82,7 +90,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     block = triton.next_power_of_2(n)
     _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, n, rows.stride(0), out.stride(0), float(eps),
-                                       X_DTYPE=_TL[x.dtype], BLOCK=block, num_warps=_warps(block))
+                                       X_DTYPE=_TL[x.dtype], BLOCK=block, num_warps=_warps(block),
+                                       **_pdl(x.device))
     return out.reshape(x.shape)
 
 
@@ -107,7 +116,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     n, block = x.shape[1], triton.next_power_of_2(x.shape[1])
     _add_rms_norm_kernel[(x.shape[0],)](x, residual, weight, out, n, x.stride(0), residual.stride(0), out.stride(0),
-                                        float(eps), BLOCK=block, num_warps=_warps(block))
+                                        float(eps), BLOCK=block, num_warps=_warps(block),
+                                        **_pdl(x.device))
     return out, residual
 
 
