@@ -15,10 +15,9 @@ beside each group's floor: the bytes it must read over the bandwidth of a large 
 the same run (GEMMs: every weight but the embedding table; attention: every request's KV). The gap between
 `replay` and the sum of the floors is what a faster step has to win, and the groups say where.
 
-Each figure is measured for each decode forward of `--paths`: "fast", runtime/llama_decode.py's (stacked q / k / v
-and gate / up projections, fused element-wise kernels); "fast-nopdl", the same with its kernels launched without
-programmatic dependent launch (SIFT_PDL=0, kernels/device.py `pdl_on`); and "module", the model's own modules with
-the fused RMSNorms (the runner with its fast forward switched off); one engine after the other on the same model.
+Each figure is measured for both decode forwards (`--paths`): "fast", runtime/llama_decode.py's (stacked q / k / v
+and gate / up projections, fused element-wise kernels), and "module", the model's own modules with the fused
+RMSNorms (the runner with its fast forward switched off), one engine after the other on the same model.
 
     python bench/profile_decode_step.py              # a CUDA GPU: ~2 minutes on an H200
     python bench/profile_decode_step.py --smoke      # tiny random Llama on CPU: checks the script runs
@@ -26,7 +25,6 @@ the fused RMSNorms (the runner with its fast forward switched off); one engine a
 from __future__ import annotations
 
 import gc
-import os
 import pathlib
 import tempfile
 import time
@@ -42,7 +40,6 @@ from bench_generate import copy_bandwidth  # noqa: E402
 from bench_ttft import TILE, SyntheticIndex, anchor_bits, build_llama, write_index  # noqa: E402
 from sift.runtime import Request, SamplingParams, SiftEngine  # noqa: E402
 
-PATHS = ("fast", "fast-nopdl", "module")
 GEMM_MARKS = ("gemm", "gemv", "nvjet", "cublas", "cutlass", "splitk", "sm90_xmma")
 ATTENTION_MARKS = ("_decode_",)
 
@@ -97,12 +94,11 @@ def main() -> None:
     ap = common.parser(__doc__.split("\n\n")[0])
     ap.add_argument("--contexts", default="16384,32768", help="document tokens per request")
     ap.add_argument("--batches", default="1,8")
-    ap.add_argument("--paths", default="fast,module",
-                    help="decode forwards measured, comma-separated: fast, fast-nopdl, module")
+    ap.add_argument("--paths", default="fast,module", help="decode forwards measured: fast, module")
     args = ap.parse_args()
     paths = args.paths.split(",")
-    if not set(paths) <= set(PATHS):
-        raise SystemExit(f"--paths {args.paths!r}: a comma-separated list of {', '.join(PATHS)}")
+    if not set(paths) <= {"fast", "module"}:
+        raise SystemExit(f"--paths {args.paths!r}: a comma-separated list of fast, module")
     smoke = args.smoke
     if not smoke and not torch.cuda.is_available():
         raise SystemExit("profile_decode_step needs a CUDA GPU (or --smoke)")
@@ -133,10 +129,6 @@ def main() -> None:
     tok = IdTokenizer(config.bos_token_id, None)
     rows = []
     for path in paths:
-        # PDL is decided at each launch; the engine captures its graphs at warm-up and the profile runs eagerly
-        pdl_before = os.environ.pop("SIFT_PDL", None)
-        if path == "fast-nopdl":
-            os.environ["SIFT_PDL"] = "0"
         # --smoke: backend triton in the interpreter, so that the fast forward (Triton kernels only) runs on CPU
         engine = SiftEngine(model, tok, index, kv_cache_bytes=(64 << 20) if smoke else 40 << 30,
                             backend="triton" if smoke else "auto")
@@ -148,9 +140,6 @@ def main() -> None:
         rows += measure(engine, path, docs, queries, contexts, batches, doc_tokens, query_tokens, weights_bytes,
                         kv_per_token, bandwidth, smoke)
         del engine
-        os.environ.pop("SIFT_PDL", None)
-        if pdl_before is not None:
-            os.environ["SIFT_PDL"] = pdl_before
         gc.collect()
         if not smoke:
             torch.cuda.empty_cache()
@@ -159,11 +148,11 @@ def main() -> None:
                  kv_bytes_per_token=kv_per_token, smoke=smoke)
     common.write_result("decode-step", dict(setup=setup, seconds=time.perf_counter() - t_start, rows=rows),
                         common.out_dir(args))
-    print(f"\n{'path':>10} {'ctx':>6} {'batch':>5} {'wall':>7} {'replay':>7} {'floor':>7} | {'GEMMs (floor, n)':>22} | "
+    print(f"\n{'path':>6} {'ctx':>6} {'batch':>5} {'wall':>7} {'replay':>7} {'floor':>7} | {'GEMMs (floor, n)':>22} | "
           f"{'attention (floor, n)':>22} | {'other (n)':>14}")
     for r in rows:
         g = r.get("groups")
-        head = f"{r['path']:>10} {r['context'] / 1024:>5g}K {r['batch']:>5} {r['wall_ms']:>5.2f}ms"
+        head = f"{r['path']:>6} {r['context'] / 1024:>5g}K {r['batch']:>5} {r['wall_ms']:>5.2f}ms"
         if g is None:
             print(head)
             continue

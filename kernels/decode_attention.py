@@ -44,7 +44,7 @@ import triton.language as tl
 
 from sift.format import TILES
 
-from .device import pdl_enter, pdl_on, sm_count, triton_runs_on
+from .device import sm_count, triton_runs_on
 from .layout import BatchLayout
 from .ape import ape_probs
 from .numerics import LOG2E, check_heads_and_blocks, check_scale
@@ -93,9 +93,7 @@ def _decode_split_kernel(
     DOT_PRECISION: tl.constexpr,
     APE: tl.constexpr,  # two online softmaxes: the parallel entries' (at temperature T) and the others'
     FAST_TRIG: tl.constexpr,  # MUFU sin / cos (CUDA; the interpreter has none)
-    PDL: tl.constexpr,  # launched with programmatic dependent launch (kernels/device.py `pdl_on`)
 ):
-    pdl_enter(PDL)
     HALF: tl.constexpr = HEAD_DIM // 2
     SUB: tl.constexpr = BLOCK // BLOCK_N
     b = tl.program_id(0)
@@ -268,10 +266,8 @@ def _decode_merge_kernel(
                             # stay bounded however many splits there are
     HEAD_DIM: tl.constexpr,
     APE: tl.constexpr,      # two parts per (b, h): the other keys' partials, then the parallel keys' (scaled S * T)
-    PDL: tl.constexpr,
 ):
     """Out[b, h] = the split partials of (b, h) combined by their log-sum-exps, S_CHUNK at a time (online)."""
-    pdl_enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -379,7 +375,6 @@ def decode_attention(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block
     rope = inv_freq is not None
     freq = inv_freq.to(q.device) if rope else q_offset   # any pointer when unused
     direct = splits == 1
-    pdl = pdl_on(q.device)
     if direct:
         part_o = part_lse = out  # unused
     else:
@@ -397,13 +392,11 @@ def decode_attention(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block
         HEAD_DIM=d, ROPE=rope, DIRECT=direct,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", APE=ape is not None,
         FAST_TRIG=q.device.type == "cuda", num_warps=config.num_warps, num_stages=config.num_stages,
-        PDL=pdl, launch_pdl=pdl,
     )
     if not direct:
         _decode_merge_kernel[(bsz, hq)](
             part_o, part_lse, out, rows, *out.stride(), hq, splits,
             S_CHUNK=min(triton.next_power_of_2(splits), 128), HEAD_DIM=d, APE=ape is not None, num_warps=4,
-            PDL=pdl, launch_pdl=pdl,
         )
     return out
 

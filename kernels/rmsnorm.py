@@ -21,13 +21,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .device import pdl_enter, pdl_on, triton_runs_on
+from .device import triton_runs_on
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_cols, x_stride, out_stride, eps,
-                     X_DTYPE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    pdl_enter(PDL)
+                     X_DTYPE: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -41,8 +40,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n_cols, x_stride, out_stride, eps,
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n_cols, x_stride, res_stride, out_stride, eps,
-                         BLOCK: tl.constexpr, PDL: tl.constexpr):
-    pdl_enter(PDL)
+                         BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -70,12 +68,6 @@ def _check(name: str, x: torch.Tensor, weight: torch.Tensor) -> None:
         raise ValueError(f"{name} runs on CUDA tensors (got {x.device}); use {name}_ref on CPU")
 
 
-def _pdl(device) -> dict:
-    """The launch's PDL arguments (kernels/device.py `pdl_on`)."""
-    on = pdl_on(device)
-    return {"PDL": on, "launch_pdl": on}
-
-
 def _warps(block: int) -> int:
     return min(16, max(1, block // 512))
 
@@ -90,8 +82,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty(rows.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     block = triton.next_power_of_2(n)
     _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, n, rows.stride(0), out.stride(0), float(eps),
-                                       X_DTYPE=_TL[x.dtype], BLOCK=block, num_warps=_warps(block),
-                                       **_pdl(x.device))
+                                       X_DTYPE=_TL[x.dtype], BLOCK=block, num_warps=_warps(block))
     return out.reshape(x.shape)
 
 
@@ -116,8 +107,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     n, block = x.shape[1], triton.next_power_of_2(x.shape[1])
     _add_rms_norm_kernel[(x.shape[0],)](x, residual, weight, out, n, x.stride(0), residual.stride(0), out.stride(0),
-                                        float(eps), BLOCK=block, num_warps=_warps(block),
-                                        **_pdl(x.device))
+                                        float(eps), BLOCK=block, num_warps=_warps(block))
     return out, residual
 
 

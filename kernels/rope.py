@@ -21,7 +21,7 @@ from triton.language.extra import libdevice
 
 from sift.format import ModelGeometry
 
-from .device import pdl_enter, pdl_on, triton_runs_on
+from .device import triton_runs_on
 from .layout import gather_blocks
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -277,11 +277,10 @@ def cos_sin_table_ref(block_offset: torch.Tensor, inv_freq: torch.Tensor, out: t
 @triton.jit
 def _rotary_qk_kernel(QKV, Cos, Sin, Slots, KCache, VCache, stride_qkv, stride_cs, stride_cn, stride_ch,
                       N_Q: tl.constexpr, N_KV: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr,
-                      APPEND: tl.constexpr, PDL: tl.constexpr):
+                      APPEND: tl.constexpr):
     """Program (row, head): heads [0, N_Q) are q, [N_Q, N_Q + N_KV) k, both rotated in place; APPEND: the k heads
     also store their rotated values, and heads [N_Q + N_KV, N_Q + 2 N_KV) (v) their values, at the row's slot
     Slots[row] of KCache / VCache."""
-    pdl_enter(PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
@@ -363,11 +362,10 @@ def rotary_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_q_heads
     append = append_to is not None
     k_cache, v_cache, slots = append_to if append else (qkv, qkv, qkv)   # without append_to: never read
     heads = n_q_heads + n_kv_heads * (2 if append else 1)
-    pdl = pdl_on(qkv.device)
     _rotary_qk_kernel[(qkv.shape[0], heads)](qkv, cos, sin, slots, k_cache, v_cache, qkv.stride(0), cos.stride(0),
                                              k_cache.stride(0), k_cache.stride(1), N_Q=n_q_heads, N_KV=n_kv_heads,
                                              HALF=half, BLOCK=triton.next_power_of_2(half), APPEND=append,
-                                             num_warps=1, PDL=pdl, launch_pdl=pdl)
+                                             num_warps=1)
     return _qkv_views(qkv, n_q_heads, n_kv_heads, head_dim)
 
 

@@ -15,14 +15,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .device import pdl_enter, pdl_on, triton_runs_on
+from .device import triton_runs_on
 
 BLOCK = 1024
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, inter, gu_stride, out_stride, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    pdl_enter(PDL)
+def _silu_mul_kernel(gu_ptr, out_ptr, inter, gu_stride, out_stride, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -45,9 +44,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(rows, inter, dtype=gate_up.dtype, device=gate_up.device)
     block = min(BLOCK, triton.next_power_of_2(inter))
-    pdl = pdl_on(gate_up.device)
     _silu_mul_kernel[(rows, triton.cdiv(inter, block))](gate_up, out, inter, gate_up.stride(0), out.stride(0),
-                                                        BLOCK=block, num_warps=4, PDL=pdl, launch_pdl=pdl)
+                                                        BLOCK=block, num_warps=4)
     return out
 
 
