@@ -88,12 +88,14 @@ class DecodeAttention:
         writes them itself; it then attends with appended=True."""
         return self.cache.append_target(layer, self.meta.slots)
 
-    def attend(self, layer: int, query, key, value, scale: float, appended: bool = False):
+    def attend(self, layer: int, query, key, value, scale: float, appended: bool = False, warm=None):
         """query [1, Hq, B, D], key / value [1, Hkv, B, D] -> [1, B, Hq, D]. appended: the caller has written key
-        and value to `append_target(layer)` already."""
+        and value to `append_target(layer)` already; warm: the weights the caller multiplies the result with
+        next, which the backend may prefetch into L2 meanwhile."""
         if not appended:
             self.cache.append(layer, self.meta.slots, key[0], value[0])
-        out = self.backend.decode(self.meta, self.cache, layer, query[0].transpose(0, 1), self.inv_freq, scale)
+        out = self.backend.decode(self.meta, self.cache, layer, query[0].transpose(0, 1), self.inv_freq, scale,
+                                  warm=warm)
         return out.unsqueeze(0), None
 
 
