@@ -15,10 +15,9 @@ beside each group's floor: the bytes it must read over the bandwidth of a large 
 the same run (GEMMs: every weight but the embedding table; attention: every request's KV). The gap between
 `replay` and the sum of the floors is what a faster step has to win, and the groups say where.
 
-Each figure is measured for each decode forward of `--paths`: "fast", runtime/llama_decode.py's (stacked q / k / v
-and gate / up projections, fused element-wise kernels, o_proj's weights prefetched into L2 by the attention);
-"fast-cold", the same without that prefetch; and "module", the model's own modules with the fused RMSNorms (the
-runner with its fast forward switched off); one engine after the other on the same model.
+Each figure is measured for both decode forwards (`--paths`): "fast", runtime/llama_decode.py's (stacked q / k / v
+and gate / up projections, fused element-wise kernels), and "module", the model's own modules with the fused
+RMSNorms (the runner with its fast forward switched off), one engine after the other on the same model.
 
     python bench/profile_decode_step.py              # a CUDA GPU: ~2 minutes on an H200
     python bench/profile_decode_step.py --smoke      # tiny random Llama on CPU: checks the script runs
@@ -41,7 +40,6 @@ from bench_generate import copy_bandwidth  # noqa: E402
 from bench_ttft import TILE, SyntheticIndex, anchor_bits, build_llama, write_index  # noqa: E402
 from sift.runtime import Request, SamplingParams, SiftEngine  # noqa: E402
 
-PATHS = ("fast", "fast-cold", "module")
 GEMM_MARKS = ("gemm", "gemv", "nvjet", "cublas", "cutlass", "splitk", "sm90_xmma")
 ATTENTION_MARKS = ("_decode_",)
 
@@ -96,12 +94,11 @@ def main() -> None:
     ap = common.parser(__doc__.split("\n\n")[0])
     ap.add_argument("--contexts", default="16384,32768", help="document tokens per request")
     ap.add_argument("--batches", default="1,8")
-    ap.add_argument("--paths", default="fast,module",
-                    help="decode forwards measured, comma-separated: " + ", ".join(PATHS))
+    ap.add_argument("--paths", default="fast,module", help="decode forwards measured: fast, module")
     args = ap.parse_args()
     paths = args.paths.split(",")
-    if not set(paths) <= set(PATHS):
-        raise SystemExit(f"--paths {args.paths!r}: a comma-separated list of {', '.join(PATHS)}")
+    if not set(paths) <= {"fast", "module"}:
+        raise SystemExit(f"--paths {args.paths!r}: a comma-separated list of fast, module")
     smoke = args.smoke
     if not smoke and not torch.cuda.is_available():
         raise SystemExit("profile_decode_step needs a CUDA GPU (or --smoke)")
@@ -139,8 +136,6 @@ def main() -> None:
             engine.runner.fast = None
         elif engine.runner.fast is None:
             raise SystemExit(f"the fast decode forward does not serve this model: {engine.runner.fast_refusal}")
-        else:
-            engine.runner.fast.warm_l2 = path == "fast"
         engine.warmup()
         rows += measure(engine, path, docs, queries, contexts, batches, doc_tokens, query_tokens, weights_bytes,
                         kv_per_token, bandwidth, smoke)
@@ -153,11 +148,11 @@ def main() -> None:
                  kv_bytes_per_token=kv_per_token, smoke=smoke)
     common.write_result("decode-step", dict(setup=setup, seconds=time.perf_counter() - t_start, rows=rows),
                         common.out_dir(args))
-    print(f"\n{'path':>9} {'ctx':>6} {'batch':>5} {'wall':>7} {'replay':>7} {'floor':>7} | {'GEMMs (floor, n)':>22} | "
+    print(f"\n{'path':>6} {'ctx':>6} {'batch':>5} {'wall':>7} {'replay':>7} {'floor':>7} | {'GEMMs (floor, n)':>22} | "
           f"{'attention (floor, n)':>22} | {'other (n)':>14}")
     for r in rows:
         g = r.get("groups")
-        head = f"{r['path']:>9} {r['context'] / 1024:>5g}K {r['batch']:>5} {r['wall_ms']:>5.2f}ms"
+        head = f"{r['path']:>6} {r['context'] / 1024:>5g}K {r['batch']:>5} {r['wall_ms']:>5.2f}ms"
         if g is None:
             print(head)
             continue

@@ -93,20 +93,12 @@ def _decode_split_kernel(
     DOT_PRECISION: tl.constexpr,
     APE: tl.constexpr,  # two online softmaxes: the parallel entries' (at temperature T) and the others'
     FAST_TRIG: tl.constexpr,  # MUFU sin / cos (CUDA; the interpreter has none)
-    Warm, warm_lines,  # `warm`: the tensor whose 128-byte lines the programs prefetch into L2, and their count
-    WARM: tl.constexpr,  # lines per program (0: no prefetch)
-    WARM_STRIDE: tl.constexpr,  # elements of Warm per 128-byte line
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
     SUB: tl.constexpr = BLOCK // BLOCK_N
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    if WARM > 0:
-        # this program's share of `warm`'s lines; the prefetches return at once and fill L2 while the loop runs
-        program = (b * tl.num_programs(1) + kvh) * S + split
-        line = tl.minimum(program * WARM + tl.arange(0, WARM), warm_lines - 1)
-        _prefetch_l2(Warm + line.to(tl.int64) * WARM_STRIDE)
 
     first = tl.load(KvIndptr + b)
     n_blocks = tl.load(KvIndptr + b + 1) - first
@@ -190,14 +182,6 @@ def _decode_split_kernel(
 
 
 @triton.jit
-def _prefetch_l2(ptrs):
-    """Each pointer's line fetched into L2 and kept there before other lines (evict_last), without a register
-    waiting for it."""
-    tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _rotated_q(q1_ptr, q2_ptr, g_ok, delta, InvFreq, offs_g, offs_h, dtype: tl.constexpr, FAST_TRIG: tl.constexpr):
     """q' = R(-delta) q: q1' = q1 c + q2 s, q2' = q2 c - q1 s (angles as every kernel forms them,
     `rope._cos_sin`: fp64 turns reduced to [-pi, pi] before fp32, so the MUFU sin / cos are as good as the
@@ -221,13 +205,9 @@ def _step(q1r, q2r, k_ptr, v_ptr, slot_ok, par, inv_t, qk_scale, m_i, l_i, acc, 
     HALF: tl.constexpr = HEAD_DIM // 2
     offs_h = tl.arange(0, HALF)
     offs_d = tl.arange(0, HEAD_DIM)
-    # a step reads each key and value once: first out of L2, before the lines `warm` put there
-    k1 = tl.load(k_ptr + offs_h[None, :] * stride_kd, mask=slot_ok[:, None], other=0.0,
-                 eviction_policy="evict_first")  # [BLOCK_N, D/2]
-    k2 = tl.load(k_ptr + (offs_h + HALF)[None, :] * stride_kd, mask=slot_ok[:, None], other=0.0,
-                 eviction_policy="evict_first")
-    v = tl.load(v_ptr + offs_d[None, :] * stride_vd, mask=slot_ok[:, None], other=0.0,
-                eviction_policy="evict_first")
+    k1 = tl.load(k_ptr + offs_h[None, :] * stride_kd, mask=slot_ok[:, None], other=0.0)  # [BLOCK_N, D/2]
+    k2 = tl.load(k_ptr + (offs_h + HALF)[None, :] * stride_kd, mask=slot_ok[:, None], other=0.0)
+    v = tl.load(v_ptr + offs_d[None, :] * stride_vd, mask=slot_ok[:, None], other=0.0)
     s = tl.dot(q1r, tl.trans(k1), input_precision=DOT_PRECISION)
     s = tl.dot(q2r, tl.trans(k2), s, input_precision=DOT_PRECISION)  # [G_PAD, BLOCK_N]
     if APE:
@@ -369,20 +349,14 @@ def default_num_splits(batch: int, kv_heads: int, nnz_blocks: int, device: torch
 
 
 def decode_attention(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block_valid, kv_offset, inv_freq,
-                     *, scale, block, num_splits=None, out=None, parallel=None, ape=None, config=None, warm=None):
+                     *, scale, block, num_splits=None, out=None, parallel=None, ape=None, config=None):
     """Attention of one new token per request over its KV blocks, with q rotated per segment in the kernel.
     Shapes in the module docstring. num_splits: programs per (request, kv head) along the block list (default
     `default_num_splits`). Returns out [B, Hq, D] in q's dtype. Block ids are not range-checked (no sync).
     parallel / ape: the APE option (module docstring); without it the kernels are the plain ones.
-    config: a `DecodeConfig` (default `default_config(B)`); every config computes the same attention.
-    warm: optional tensor (the next matrix product's weights) that the split programs prefetch into L2 on CUDA
-    while they read the KV: at a few rows the kernel is bound by latency, not bandwidth, and the product that
-    follows then reads its weights from L2."""
+    config: a `DecodeConfig` (default `default_config(B)`); every config computes the same attention."""
     _validate(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block_valid, kv_offset, inv_freq, scale,
               block, out, parallel, ape)
-    if warm is not None and (not isinstance(warm, torch.Tensor) or warm.device != q.device or not warm.is_contiguous()):
-        raise ValueError(f"warm must be a contiguous tensor on q's device {q.device}; got "
-                         f"{getattr(warm, 'device', type(warm))}")
     config = config or default_config(q.shape[0])
     block_n = min(block, config.block_n)
     if block_n < 16 or block_n & (block_n - 1) or block % block_n:
@@ -408,10 +382,6 @@ def decode_attention(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block
         part_o = torch.empty((bsz, hq, parts * splits, d), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((bsz, hq, parts * splits), dtype=torch.float32, device=q.device)
     flags = kv_indices if parallel is None else parallel   # any pointer when unused
-    programs = bsz * hkv * splits
-    warm_lines = 0 if warm is None or q.device.type != "cuda" else triton.cdiv(warm.numel() * warm.element_size(), 128)
-    # at most 4096 lines (512 KiB) per program: a tensor larger than that is warmed in its first part only
-    warm_per = min(triton.next_power_of_2(triton.cdiv(warm_lines, programs)), 4096) if warm_lines else 0
     rows = q_offset if ape is None else ape
     _decode_split_kernel[(bsz, hkv, splits)](
         q, k_cache, v_cache, out, part_o, part_lse,
@@ -421,9 +391,7 @@ def decode_attention(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block
         GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)), BLOCK=block, BLOCK_N=block_n,
         HEAD_DIM=d, ROPE=rope, DIRECT=direct,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", APE=ape is not None,
-        FAST_TRIG=q.device.type == "cuda", Warm=warm if warm_lines else q, warm_lines=max(warm_lines, 1),
-        WARM=warm_per, WARM_STRIDE=128 // (warm.element_size() if warm_lines else 1),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        FAST_TRIG=q.device.type == "cuda", num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if not direct:
         _decode_merge_kernel[(bsz, hq)](
@@ -434,9 +402,8 @@ def decode_attention(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block
 
 
 def decode_attention_ref(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block_valid, kv_offset, inv_freq,
-                         *, scale, block, num_splits=None, out=None, parallel=None, ape=None, config=None,
-                         warm=None):
-    """The ref twin of `decode_attention` (same signature and result; num_splits, config and warm are accepted and
+                         *, scale, block, num_splits=None, out=None, parallel=None, ape=None, config=None):
+    """The ref twin of `decode_attention` (same signature and result; num_splits and config are accepted and
     ignored).
     fp32 softmax, fp64 RoPE angles; one rotation of q per distinct segment offset of the request."""
     _validate(q, k_cache, v_cache, q_offset, kv_indptr, kv_indices, block_valid, kv_offset, inv_freq, scale,

@@ -68,8 +68,8 @@ class TorchBackend:
                                       causal=not meta.sparse, row_end=csr.row_end, q_blocks=meta.q_blocks,
                                       parallel=meta.parallel, ape=meta.ape)
 
-    def decode(self, meta: DecodeMetadata, cache: PoolKV, layer: int, q, inv_freq, scale: float, warm=None):
-        """q [B, Hq, D], one token per row -> [B, Hq, D]. warm: the L2 hint of TritonBackend.decode, ignored."""
+    def decode(self, meta: DecodeMetadata, cache: PoolKV, layer: int, q, inv_freq, scale: float):
+        """q [B, Hq, D], one token per row -> [B, Hq, D]."""
         kc, vc = cache.layer_kv(layer)
         n = int(meta.kv_indptr[-1])          # the entries in use (the buffers are sized for the largest batch)
         rescale = {} if meta.ape is None else dict(parallel=meta.kv_parallel[:n], ape=meta.ape)
@@ -120,14 +120,13 @@ class TritonBackend:
                          ape=meta.ape)
         return buf.unsqueeze(0)
 
-    def decode(self, meta: DecodeMetadata, cache: PoolKV, layer: int, q, inv_freq, scale: float, warm=None):
-        """The split count is the metadata's (fixed by capacity): a captured step replays with any tables.
-        warm: the weights of the product that follows, prefetched into L2 by the kernel (`decode_attention`)."""
+    def decode(self, meta: DecodeMetadata, cache: PoolKV, layer: int, q, inv_freq, scale: float):
+        """The split count is the metadata's (fixed by capacity): a captured step replays with any tables."""
         kc, vc = cache.layer_kv(layer)
         rescale = {} if meta.ape is None else dict(parallel=meta.kv_parallel, ape=meta.ape)
         return decode_attention(q, kc, vc, meta.q_offset, meta.kv_indptr, meta.kv_indices, cache.block_valid,
                                 meta.kv_offset, inv_freq, scale=scale, block=meta.block, num_splits=meta.num_splits,
-                                warm=warm, **rescale)
+                                **rescale)
 
 
 def select_backend(name: str, device: torch.device):

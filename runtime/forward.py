@@ -88,14 +88,12 @@ class DecodeAttention:
         writes them itself; it then attends with appended=True."""
         return self.cache.append_target(layer, self.meta.slots)
 
-    def attend(self, layer: int, query, key, value, scale: float, appended: bool = False, warm=None):
+    def attend(self, layer: int, query, key, value, scale: float, appended: bool = False):
         """query [1, Hq, B, D], key / value [1, Hkv, B, D] -> [1, B, Hq, D]. appended: the caller has written key
-        and value to `append_target(layer)` already; warm: the weights the caller multiplies the result with
-        next, which the backend may prefetch into L2 meanwhile."""
+        and value to `append_target(layer)` already."""
         if not appended:
             self.cache.append(layer, self.meta.slots, key[0], value[0])
-        out = self.backend.decode(self.meta, self.cache, layer, query[0].transpose(0, 1), self.inv_freq, scale,
-                                  warm=warm)
+        out = self.backend.decode(self.meta, self.cache, layer, query[0].transpose(0, 1), self.inv_freq, scale)
         return out.unsqueeze(0), None
 
 

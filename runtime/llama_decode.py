@@ -176,7 +176,7 @@ class Probe:
         """No KV cache: the fast forward's rotary kernel appends nothing."""
         return None
 
-    def attend(self, layer: int, query, key, value, scale: float, appended: bool = False, warm=None):
+    def attend(self, layer: int, query, key, value, scale: float, appended: bool = False):
         """query [1, Hq, B, D], key / value [1, Hkv, B, D] -> [1, B, Hq, D]."""
         group = query.shape[1] // key.shape[1]
         kv = (key - 2 * value).repeat_interleave(group, dim=1)
@@ -190,7 +190,6 @@ class LlamaDecode:
         base = model.base_model
         self.embed, self.rotary, self.layers_in = base.embed_tokens, base.rotary_emb, base.layers
         self.final_norm = (base.norm.weight, base.norm.variance_epsilon)
-        self.warm_l2 = True     # the attention prefetches o_proj's weights (`attention`)
         self.layers = []
         for i, layer in enumerate(base.layers):
             attn, mlp = layer.self_attn, layer.mlp
@@ -218,10 +217,8 @@ class LlamaDecode:
         # the rotary kernel appends k and v to the KV cache too: two copy kernels fewer per layer
         target = attention.append_target(layer.index)
         q, k, v = rotary_qk(qkv, cos, sin, layer.n_q_heads, layer.n_kv_heads, append_to=target)
-        # o_proj's weights go to L2 while the attention, bound by latency at a few rows, reads the KV
         out, _ = attention.attend(layer.index, q.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                  v.transpose(0, 1)[None], layer.scale, appended=target is not None,
-                                  warm=layer.o_proj.weight if self.warm_l2 else None)
+                                  v.transpose(0, 1)[None], layer.scale, appended=target is not None)
         return layer.o_proj(out[0].reshape(x.shape[0], -1))
 
     def mlp(self, layer: FusedLayer, x: torch.Tensor) -> torch.Tensor:
