@@ -65,8 +65,8 @@ class DecodeConfig(NamedTuple):
 def default_config(batch: int, head_dim: int = 128) -> DecodeConfig:
     """Measured on the H200 (bf16, 32 query / 8 KV heads, D=128, 16K-32K tokens per row, `bench_decode.py
     --parts sweep`): 32 key slots per step, 4 warps, for one or two rows (each program holds a few blocks, and the
-    smaller tile starts its loads sooner); 64 slots, 8 warps for four rows or more. Five stages for both: the
-    pipeliner then keeps two steps of keys and values in flight where three or four stages keep one (the block
+    smaller tile starts its loads sooner); 64 slots, 8 warps for more rows. Five stages for both: the
+    pipeliner then keeps two steps of keys and values in flight where two to four stages keep one (the block
     id is loaded a stage before the keys it locates), which the latency of the loads needs: 29.7 against 32.2 us
     at 16K, batch 1; 136.0 against 150.3 us at 16K, batch 8 (64 slots, 4 warps, 3 stages), 253.5 against 281.9
     at 32K, the KV's floor at the copy bandwidth being 254.2. Wider heads keep three stages: five would double
