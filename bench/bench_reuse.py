@@ -27,6 +27,10 @@ Per context, one request, each configuration the median of `--reps` after a warm
     reuse_hbm       mode "reuse", every document in HBM
     reuse_dram      mode "reuse", every document in pinned DRAM only (promoted layer by layer on a side stream)
     hybrid_hbm      mode "hybrid:<--hybrid-policy>" (default: the engine's default policy), every document in HBM
+    modes           each mode of --modes (e.g. hybrid:first@0.3,auto@0.3,ape), every document in HBM, with its
+                    share of the documents' tokens recomputed and its TTFT over sift's; the random documents
+                    carry no context sensitivity, so "auto" recomputes them in prompt order after the first,
+                    which costs what ranking by sensitivity costs
 
 First, the engine-level check on a two-document prompt (bench_ttft.py `engine_check`): modes "reuse" and
 "hybrid" through the Triton kernels against an fp32 run of the same weights through the kernels' ref twins,
@@ -58,6 +62,7 @@ from transformers import DynamicCache, StaticCache  # noqa: E402
 
 from bench_ttft import TWIN_FACTOR, build_llama, engine_check, masked_engine, random_docs, timed  # noqa: E402
 from sift.runtime import KVStore, Request, SiftEngine, reuse  # noqa: E402
+from sift.runtime.modes import Mode  # noqa: E402
 
 # The peer's logits against the dense forward's, both transformers + SDPA on the same bf16 weights: the two
 # attention calls (over the cache with a mask, and causal over the whole prompt) round P and their output
@@ -189,7 +194,7 @@ def timed_after(setup, fn, reps: int) -> tuple[float, float, object]:
 
 
 def measure(model, engine: SiftEngine, store: KVStore, req: Request, reps: int, policy: str,
-            checks: common.Checks) -> dict:
+            checks: common.Checks, modes: tuple[str, ...] = ()) -> dict:
     prompt = torch.tensor([engine.prompt_ids(req)], device=engine.device)
 
     @torch.inference_mode()
@@ -243,6 +248,12 @@ def measure(model, engine: SiftEngine, store: KVStore, req: Request, reps: int, 
         "hybrid": common.relative_error(res_hyb.logits[0], dense_logits)}
     checks.equal(f"reuse/{row_tokens(engine, req)}/warm_equals_cold", res_hbm.logits, res_cold.logits,
                  "logits equal bit for bit")
+    row["modes"] = {}
+    for mode in modes:  # every document already in HBM (the reuse rows above put it there)
+        seconds, res = timed(lambda: engine.prefill([req], mode=mode), reps)
+        row["modes"][mode] = dict(s=seconds, over_sift=seconds / row["sift_s"], speedup=row["dense_s"] / seconds,
+                                  recomputed_fraction=res.recomputed_fraction, tile_fraction=res.tile_fraction,
+                                  rel_err_vs_dense=common.relative_error(res.logits[0], dense_logits))
     return row
 
 
@@ -259,7 +270,13 @@ def main() -> None:
     ap.add_argument("--hybrid-policy", default=reuse.DEFAULT_POLICY, help="policy of the hybrid row")
     ap.add_argument("--hbm-gib", type=float, default=24.0, help="the store's HBM pool")
     ap.add_argument("--dram-gib", type=float, default=24.0, help="the store's pinned DRAM tier")
+    ap.add_argument("--modes", default="", help="comma-separated reuse modes also timed HBM-warm, e.g. "
+                    "hybrid:first@0.3,auto@0.3,ape")
     args = ap.parse_args()
+    modes = tuple(m for m in args.modes.split(",") if m)
+    for mode in modes:   # a misspelt mode fails here, before the model is built
+        if not Mode.parse(mode).reuses:
+            raise SystemExit(f"--modes: {mode!r} is not a reuse mode (reuse, hybrid..., auto..., ape...)")
     if args.smoke:
         args.contexts, args.doc_tokens, args.query_tokens, args.reps = "512", 128, 32, 1
         args.hbm_gib, args.dram_gib = 0.05, 0.05
@@ -281,10 +298,10 @@ def main() -> None:
             names = list(docs)[: ctx // args.doc_tokens]
             req = Request("", [(d, " ".join(map(str, docs[d]))) for d in names], query)
             if i == 0:   # the whole measurement once, discarded: clocks, allocator and kernel caches settle
-                measure(model, engine, store, req, 1, args.hybrid_policy, common.Checks())
+                measure(model, engine, store, req, 1, args.hybrid_policy, common.Checks(), modes)
                 store.clear()
             row = dict(context=ctx, documents=len(names),
-                       **measure(model, engine, store, req, args.reps, args.hybrid_policy, checks))
+                       **measure(model, engine, store, req, args.reps, args.hybrid_policy, checks, modes))
             print(json.dumps(row), flush=True)
             rows.append(row)
             store.clear()
@@ -295,7 +312,7 @@ def main() -> None:
     setup = dict(model="llama-8B-shape random bf16" if not args.smoke else "tiny llama fp16 cpu",
                  doc_tokens=args.doc_tokens, query_tokens=args.query_tokens, reps=args.reps, tile=engine.index.tile,
                  hbm_gib=args.hbm_gib, dram_gib=args.dram_gib, block=engine.block, smoke=args.smoke,
-                 hybrid_policy=args.hybrid_policy)
+                 hybrid_policy=args.hybrid_policy, modes=list(modes))
     common.write_result("reuse", dict(setup=setup, seconds=time.perf_counter() - t0, check=check,
                                       checks=checks.to_json(), ok=checks.ok, rows=rows, store=stats),
                         common.out_dir(args))
