@@ -35,7 +35,7 @@ target).
                                  [--limit-long 100] [--limit-nq-long 100] [--dtype bfloat16] [--max-new-tokens 16]
                                  [--guard-ca 0.04,0.03] [--guard-by layer,head] [--guard-at-block] [--no-floor]
                                  [--held-out-all] [--block B] [--tag T] [--batch B]
-                                 [--held-out-within-default]
+                                 [--held-out-within-default] [--kv-gib G]
     python bench/eval_quality.py --smoke     # 3 questions of one set, 2 settings, 2 tokens: checks it runs
 """
 from __future__ import annotations
@@ -98,6 +98,8 @@ def parse_args():
                     help="a plain transformers folder of the default model (where the GGUF package is not installed)")
     ap.add_argument("--batch", type=int, default=1, help="questions per engine call (prefilled together, decoded in "
                     "one continuous batch; a question's tile fraction is then its batch's)")
+    ap.add_argument("--kv-gib", type=float, default=None, help="each engine's KV pool in GiB (default: the "
+                    "engine's share of the free GPU memory; give one where several evaluations share a GPU)")
     ap.add_argument("--hotpotqa-json", type=Path, default=qa_sets.SHARED / "hotpotqa_train.json")
     ap.add_argument("--wiki", type=Path, default=qa_sets.SHARED / "wiki_vital_summaries_en.json.gz")
     ap.add_argument("--nq-json", type=Path, default=qa_sets.SHARED / "nq-open-oracle.jsonl.gz")
@@ -114,6 +116,8 @@ def parse_args():
         ap.error(f"--guard-by {','.join(args.guard_by)!r}: choose among {', '.join(GUARD_BY)}")
     if args.batch < 1:
         ap.error(f"--batch {args.batch}: give at least 1")
+    if args.kv_gib is not None and not args.kv_gib > 0:
+        ap.error(f"--kv-gib {args.kv_gib}: give a size above 0")
     if args.smoke:
         args.sets, args.held_in, args.max_new_tokens = args.sets[:1], 2, 2
         args.limit_hotpotqa = args.limit_2wiki = args.limit_long = args.limit_nq_long = 3
@@ -224,6 +228,7 @@ def main() -> None:
                                  guard_ca=args.guard_ca, guard_by=args.guard_by, guard_prompts=args.guard_prompts,
                                  guard_at_block=args.guard_at_block, block=args.block, build=builder,
                                  batch=args.batch, held_out_within=args.held_out_within_default,
+                                 kv_bytes=None if args.kv_gib is None else int(args.kv_gib * 2**30),
                                  checkpoint=checkpoint, echo=lambda m: print("  " + m, flush=True))
         checkpoint(dict(result, complete=True))
         lines += summary_lines(name, result)

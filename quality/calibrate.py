@@ -233,15 +233,16 @@ def within_tiles(rows: list[dict], reference: str) -> dict | None:
 class _Runner:
     """The model once; one engine per index; dense answers once per (question, block). batch: questions per
     engine call (prefilled together and decoded in one continuous batch; a question's tile fraction is then its
-    batch's)."""
+    batch's); kv_bytes: each engine's KV pool (None: the engine's default share of the free GPU memory, which
+    processes sharing one GPU would each claim)."""
 
     def __init__(self, model: str, device: str, max_new_tokens: int, echo, dtype: str = "auto",
-                 block: int | None = None, batch: int = 1):
+                 block: int | None = None, batch: int = 1, kv_bytes: int | None = None):
         from sift.model import load_model
 
         if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
             raise SiftError(f"batch={batch!r} must be an integer >= 1")
-        self.device, self.model_name, self.block, self.batch = device, model, block, batch
+        self.device, self.model_name, self.block, self.batch, self.kv_bytes = device, model, block, batch, kv_bytes
         self.dtype = resolve_dtype(dtype, device)
         self.hf, self.tokenizer, _ = load_model(model, dtype=self.dtype, device=device)
         self.max_new_tokens, self.echo = max_new_tokens, echo
@@ -252,7 +253,8 @@ class _Runner:
         from ..runtime.engine import SiftEngine
         from ..runtime.store import SiftIndex
 
-        return SiftEngine(self.hf, self.tokenizer, SiftIndex.open(index_path, device=self.device), block=self.block)
+        return SiftEngine(self.hf, self.tokenizer, SiftIndex.open(index_path, device=self.device), block=self.block,
+                          kv_cache_bytes=self.kv_bytes)
 
     def dense(self, engine, items: list[QAItem]) -> list[list[int]]:
         """Dense answers of `items`, those not known yet generated `batch` per engine call."""
@@ -496,7 +498,8 @@ def calibrate_items(items: list[QAItem], out: Path, *, name: str, settings, held
                     model: str, device: str = "auto", dtype: str = "auto", max_new_tokens: int = 24,
                     reuse_sweep=False, floor=True, held_out_front=False, held_out_all=False, guard_ca=(),
                     guard_prompts=5, guard_by=("layer",), guard_at_block=False, block=None, build=sift_build,
-                    batch=1, held_out_within=False, checkpoint=lambda partial: None, echo=lambda m: None):
+                    batch=1, held_out_within=False, kv_bytes=None, checkpoint=lambda partial: None,
+                    echo=lambda m: None):
     """The calibration of `items` (the first `held_in` held in, the rest held out) -> the front.json content.
     target None: sweep only; reuse_sweep: the points of the previous run's front.json instead of a new sweep
     (e.g. to choose again for another target); floor: also measure how often two dense computations agree
@@ -520,7 +523,7 @@ def calibrate_items(items: list[QAItem], out: Path, *, name: str, settings, held
     previous = _previous_sweep(out, Path(name), len(inside), model, max_new_tokens) if reuse_sweep else None
     write_qa(inside, out / "held_in.jsonl")
     write_qa(outside, out / "held_out.jsonl")
-    runner = _Runner(model, device, max_new_tokens, echo, dtype, block, batch)
+    runner = _Runner(model, device, max_new_tokens, echo, dtype, block, batch, kv_bytes)
     if previous is not None:
         rows = previous
     else:
