@@ -91,3 +91,19 @@ def test_within_default_tiles_reports_the_held_out_figures():
     result["points"][1]["tile_fraction"] = 0.8
     assert within_default_tiles(result)["chosen"] is None
     assert within_default_tiles(dict(points=result["points"][1:])) is None
+
+
+def test_runner_gives_each_engine_its_kv_pool(monkeypatch):
+    """--kv-gib: every engine the runner makes gets that pool, not the engine's share of the free GPU memory,
+    which evaluations sharing one GPU would each claim."""
+    import sift.runtime.engine as engine_module
+    import sift.runtime.store as store_module
+
+    made = []
+    monkeypatch.setattr(store_module.SiftIndex, "open", staticmethod(lambda path, device: ("index", path)))
+    monkeypatch.setattr(engine_module, "SiftEngine", lambda *args, **kwargs: made.append(kwargs) or kwargs)
+    for kv_bytes in (3 << 30, None):
+        runner = _runner(1)
+        runner.hf, runner.tokenizer, runner.device, runner.block, runner.kv_bytes = "hf", "tok", "cpu", 16, kv_bytes
+        runner.engine(Path("index"))
+        assert made[-1]["kv_cache_bytes"] == kv_bytes and made[-1]["block"] == 16
