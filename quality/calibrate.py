@@ -512,8 +512,8 @@ def calibrate_items(items: list[QAItem], out: Path, *, name: str, settings, held
     engine's kernel block (None: 128 on CUDA, the index tile on CPU; 128 on CPU computes the blocks a GPU
     would); build: what turns a setting and a corpus folder into an index (default: the `sift-build` CLI); batch:
     questions per engine call and kv_bytes: each engine's KV pool (`_Runner`); held_out_within: also evaluate the
-    paper's defaults and the swept setting the held-in questions choose at no more tiles than the defaults compute (`within_tiles`; the defaults
-    must be among `settings`) on the held-out questions; checkpoint: called with the result so far (`complete`
+    paper's defaults and the swept setting the held-in questions choose at no more tiles than the defaults compute
+    (`within_tiles`; the defaults must be among `settings`) on the held-out questions; checkpoint: called with the result so far (`complete`
     False) after the sweep and after each held-out setting, so a run stopped midway keeps what it measured."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
