@@ -513,8 +513,9 @@ def calibrate_items(items: list[QAItem], out: Path, *, name: str, settings, held
     would); build: what turns a setting and a corpus folder into an index (default: the `sift-build` CLI); batch:
     questions per engine call and kv_bytes: each engine's KV pool (`_Runner`); held_out_within: also evaluate the
     paper's defaults and the swept setting the held-in questions choose at no more tiles than the defaults compute
-    (`within_tiles`; the defaults must be among `settings`) on the held-out questions; checkpoint: called with the result so far (`complete`
-    False) after the sweep and after each held-out setting, so a run stopped midway keeps what it measured."""
+    (`within_tiles`; the defaults must be among `settings`) on the held-out questions; checkpoint: called with the
+    result so far (`complete` False) after the sweep and after each held-out setting, so a run stopped midway
+    keeps what it measured."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     out.mkdir(parents=True, exist_ok=True)
