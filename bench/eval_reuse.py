@@ -15,7 +15,7 @@ warm-up, so every timed reuse / hybrid run is warm. The reuse modes give the sam
 (tests/test_kv_reuse.py), so the store's state changes TTFT only.
 
 Modes: dense (the reference), sift, reuse, hybrid:first (EPIC-like), hybrid:deviation (CacheBlend-like),
-hybrid:bits (the index's CA bits), hybrid:query (the blocks the query reads most), hybrid:none (a check: must equal reuse token for token on every question, else
+hybrid:bits (the index's CA bits), hybrid:none (a check: must equal reuse token for token on every question, else
 the script exits with status 1 after writing its result). Each policy runs at
 each budget of --hybrid-fractions (mode "hybrid:<policy>@<fraction>": that share of each reused document's
 blocks, at least one, recomputed in the request's context).
@@ -60,7 +60,7 @@ from sift.quality.eval import aggregate, cell, evaluate, summarise  # noqa: E402
 from sift.quality.qa import QAItem, write_corpus  # noqa: E402
 
 from qa_sets import SETS, SHARED  # noqa: E402
-POLICIES = ("first", "deviation", "bits", "query")
+POLICIES = ("first", "deviation", "bits")
 
 
 def modes_of(fractions: list[float], policies=POLICIES) -> tuple[str, ...]:

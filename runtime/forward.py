@@ -11,8 +11,6 @@ from collections import defaultdict
 
 import torch
 
-from ..kernels.layout import QUERY
-from ..kernels.rope import apply_rope_ref
 from .kv_cache import PagedKVCache, PoolKV
 from .metadata import DecodeMetadata, PrefillMetadata
 
@@ -123,57 +121,3 @@ class StopAfter(PrefillAttention):
             self.cache.write_prompt(layer, key[0], value[0])
             raise Stopped
         return super().attend(layer, query, key, value, scale)
-
-
-class QueryMass(PrefillAttention):
-    """Attend as the forward does and, at each layer of `layers`, add to `mass` (fp32 [NB], the layout's blocks)
-    the attention each request's last `rows` query rows (blocks of kind QUERY) put on each block of it: the
-    softmax over every key the row attends to causally, summed over heads and rows. The forward stops after the
-    last of `layers` (policy "query", runtime/reuse.py). The scores are recomputed in fp32 from the layer's q and the
-    keys the kernels read (rotated to logical positions), since the kernels return no probabilities."""
-
-    def __init__(self, backend, meta: PrefillMetadata, cache: PagedKVCache, inv_freq, timer: Timer, layers,
-                 rows: int):
-        super().__init__(backend, meta, cache, inv_freq, timer)
-        self.layers, self.last = frozenset(layers), max(layers)
-        lay = meta.layout
-        self.mass = torch.zeros(lay.n_blocks, dtype=torch.float32, device=meta.token_phys.device)
-        token_of = torch.full((lay.n_slots,), -1, dtype=torch.long, device=lay.token_phys.device)
-        token_of[lay.token_phys.long()] = torch.arange(len(lay.token_phys), device=token_of.device)
-        row_token = token_of[meta.token_phys.long()]                        # the forward's rows -> token index
-        is_query = lay.block_kind[meta.token_phys.long() // lay.block] == QUERY
-        offset = lay.token_logical_pos - lay.token_local_pos
-        self.requests = []      # per request: its query rows, their offsets and causal mask; its keys
-        for first, n in zip(lay.req_first_token.tolist(), lay.req_n_tokens.tolist()):
-            mine = (is_query & (row_token >= first) & (row_token < first + n)).nonzero().flatten()[-rows:]
-            if mine.numel():
-                keys = lay.token_phys[first:first + n].long()
-                causal = (row_token[mine, None] - first) >= torch.arange(n, device=mine.device)[None, :]
-                self.requests.append((mine, offset[row_token[mine]], causal, keys, offset[first:first + n]))
-
-    def attend(self, layer: int, query, key, value, scale: float):
-        if layer not in self.layers:
-            return super().attend(layer, query, key, value, scale)
-        self.cache.write_prompt(layer, key[0], value[0])
-        k, _, pages = self.cache.prompt_pages(layer)
-        self._add(query[0], k, pages, scale)
-        if layer == self.last:
-            raise Stopped
-        with self.timer("attention"):
-            out = self.backend.prefill(self.meta, self.cache, layer, query, self.inv_freq, scale)
-        return out, None
-
-    def _add(self, q: torch.Tensor, k: torch.Tensor, pages: torch.Tensor | None, scale: float) -> None:
-        """q [Hq, n rows, D] in the forward's row order; k [Hkv, slots, D]: the pool, logical block b in page
-        pages[b] (None: k is in the layout's slots)."""
-        hq, d = q.shape[0], q.shape[2]
-        hkv = k.shape[0]
-        blk = self.meta.layout.block
-        for rows, row_off, causal, keys, key_off in self.requests:
-            slots = keys if pages is None else pages[keys // blk].long() * blk + keys % blk
-            qr = apply_rope_ref(q[:, rows].float(), row_off, self.inv_freq)           # [Hq, m, D]
-            kr = apply_rope_ref(k[:, slots].float(), key_off, self.inv_freq)          # [Hkv, n, D]
-            m = rows.numel()
-            s = torch.matmul(qr.view(hkv, hq // hkv * m, d), kr.transpose(1, 2)) * scale
-            s = s.view(hkv, hq // hkv, m, -1).masked_fill(~causal, float("-inf"))
-            self.mass.index_add_(0, keys // blk, torch.softmax(s, dim=-1).sum(dim=(0, 1, 2)))

@@ -12,10 +12,6 @@
                     context (CacheBlend's selection, by block: the kernels compute whole blocks)
         bits        the blocks whose CA pages the most (layer, head) pairs keep (the index's offline profile:
                     the pages later documents read most; ours, free at serving time)
-        query       the blocks the request's query reads most: the attention mass of its last QUERY_ROWS rows on
-                    each block over the reused entries, summed over the layers up to QUERY_DEPTH of the model's
-                    depth, from a forward of those layers over the request's own rows only; the request's whole budget (the
-                    sum of its documents' budgets) goes to its highest blocks, wherever they are
         none        no recomputation (equals "reuse"; the baseline of the comparison)
 
 "hybrid" alone is `DEFAULT_POLICY`, chosen by the answer-agreement measurement in the README's Quality section.
@@ -33,7 +29,7 @@ from sift.format import ca_nbytes, n_pages
 
 from ..kernels.bits import unpack_msb
 
-POLICIES = ("first", "deviation", "bits", "query", "none")
+POLICIES = ("first", "deviation", "bits", "none")
 # "first": on the answer-agreement measurement (README, "KV reuse and answers": HotpotQA, 2WikiMultihopQA and
 # long documents, 40 questions each, SmolLM2) it is within one answer of "deviation" at every budget measured
 # (36 of 120 whole answers equal dense at 15% for both), with the lower first-token KL on two sets of three, and
@@ -44,19 +40,6 @@ DEFAULT_APE = (0.9, 0.9)
 AUTO_FRACTION = 0.3
 AUTO_THRESHOLD = 0.0
 DEVIATION_LAYER = 1
-# The policies that read the documents' entries before choosing: a missing document is computed first.
-READS_ENTRIES = ("deviation", "query")
-# "query" scores layers 1 .. int(QUERY_DEPTH * n_layers): layer 0 attends mostly to the first tokens (the
-# attention sink), and the forward that scores must stay a fraction of the recompute it decides.
-QUERY_DEPTH = 0.5
-# ... from the query's last rows only: they end the prompt, next to the answer, and bound the scoring's cost
-# (rows x heads x context scores per layer) whatever the query's length.
-QUERY_ROWS = 64
-
-
-def query_layers(n_layers: int) -> range:
-    """The layers whose attention the "query" policy sums."""
-    return range(1, max(2, int(QUERY_DEPTH * n_layers) + 1))
 
 
 def parse_ape(mode: str) -> tuple[float, float]:
@@ -150,15 +133,6 @@ def top_blocks(scores: np.ndarray, k: int) -> np.ndarray:
     """Indices of the k highest scores (ties: the earlier block), ascending."""
     order = np.lexsort((np.arange(len(scores)), -scores))
     return np.sort(order[:k])
-
-
-def pooled_top_blocks(scores: list[np.ndarray], budgets: list[int]) -> list[np.ndarray]:
-    """One request's documents: per document, the blocks among the request's sum(budgets) highest scores over
-    all its documents' blocks (ties: the earlier block), ascending."""
-    sizes = [len(s) for s in scores]
-    chosen = top_blocks(np.concatenate(scores), min(sum(budgets), sum(sizes))) if sizes else np.zeros(0, int)
-    starts = np.cumsum([0, *sizes])
-    return [chosen[(chosen >= a) & (chosen < b)] - a for a, b in zip(starts[:-1], starts[1:])]
 
 
 def ca_block_scores(ca: torch.Tensor, n_tokens: int, tile: int, block: int, vectors: int) -> np.ndarray:

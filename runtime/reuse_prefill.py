@@ -9,8 +9,7 @@ pages, cut as `PageNeed` says: [its computed blocks | its generation pages | the
 it misses]. A document two requests of the group share is missed by the first one's lease only: the second finds
 the entry the first is computing, and reads its pages at each layer after the forward wrote them.
 
-The builder decides; the forwards it needs before deciding (the `deviation` and `query` policies') run through
-the runner.
+The builder decides; the forwards it needs before deciding (the `deviation` policy's) run through the runner.
 """
 from __future__ import annotations
 
@@ -23,7 +22,7 @@ import torch
 
 from ..kernels.layout import DOC, build_layout
 from . import reuse
-from .forward import QueryMass, Timer
+from .forward import Timer
 from .kv_cache import BatchKVCache, PagedKVCache, PoolKV
 from .modes import Mode
 from .plan import PlanContext, PrefillPlan, n_blocks
@@ -52,7 +51,7 @@ def reuse_plan(ctx: PlanContext, runner, mode: Mode, states, timer: Timer) -> Pr
 
     cold = _ColdDocs.make(ctx, states) if any(s.lease.misses for s in states) else None
     cold_nnz, cold_blocks = 0.0, (cold.n_doc_blocks if cold is not None else 0)
-    if cold is not None and mode.policy in reuse.READS_ENTRIES:
+    if cold is not None and mode.policy == "deviation":
         cold_nnz = _compute_docs(ctx, runner, cold, leases, timer)
         t = time.perf_counter()
         for lease in leases:
@@ -61,11 +60,7 @@ def reuse_plan(ctx: PlanContext, runner, mode: Mode, states, timer: Timer) -> Pr
         cold, leases_to_commit = None, ()
     else:
         leases_to_commit = tuple(leases)
-    if mode.policy == "query":
-        recompute = _query_blocks(ctx, runner, states, shape, layout, all_ids, docs, doc_pages, per_doc, timer)
-    else:
-        recompute = _choose_blocks(ctx, runner, mode.policy, layout, all_ids, docs, doc_pages, per_doc, leases,
-                                   timer)
+    recompute = _choose_blocks(ctx, runner, mode.policy, layout, all_ids, docs, doc_pages, per_doc, leases, timer)
     plan = _forward_plan(ctx, states, shape, layout, all_ids, docs, doc_pages, recompute, timer, cold, mode.ape)
     status = [st for lease in leases for st in lease.status.values()]
     doc_tokens = sum(len(ids) for _, ids in docs)
@@ -117,32 +112,6 @@ def _choose_blocks(ctx: PlanContext, runner, policy, layout, all_ids, docs, doc_
         else:
             chosen = reuse.top_blocks(scores[d][:nb], k)
         recompute[first[d] + torch.as_tensor(chosen, dtype=torch.long)] = True
-    return recompute
-
-
-def _query_blocks(ctx: PlanContext, runner, states, shape, layout, all_ids, docs, doc_pages, per_doc,
-                  timer: Timer) -> torch.Tensor:
-    """bool [NB] on the host: policy "query"'s blocks. A forward of the requests' own rows over the entries (the
-    plan of mode "reuse"), up to the last layer of `reuse.query_layers`, measures each block's attention mass
-    from the query's last QUERY_ROWS rows; each request recomputes its highest blocks, as many as its documents' budgets sum
-    to. Its KV goes to the requests' scratch pages, which the plan's own forward writes again."""
-    recompute = torch.zeros(layout.n_blocks, dtype=torch.bool)
-    if not any(per_doc):
-        return recompute
-    plan = _forward_plan(ctx, states, shape, layout, all_ids, docs, doc_pages, recompute, timer, None)
-    probe = QueryMass(runner.backend, plan["meta"], plan["cache"], runner.inv_freq, timer,
-                      reuse.query_layers(runner.n_layers), reuse.QUERY_ROWS)
-    runner.forward_with(plan["ids"], plan["positions"], probe)
-    mass = probe.mass.cpu().numpy()
-    first, sizes = layout.doc_first_block.tolist(), layout.doc_n_blocks.tolist()
-    d = 0
-    for s in states:
-        mine = range(d, d + len(s.request.docs))
-        chosen = reuse.pooled_top_blocks([mass[first[i]:first[i] + sizes[i]] for i in mine],
-                                         [per_doc[i] for i in mine])
-        for i, c in zip(mine, chosen):
-            recompute[first[i] + torch.as_tensor(c, dtype=torch.long)] = True
-        d += len(s.request.docs)
     return recompute
 
 

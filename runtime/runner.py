@@ -235,11 +235,7 @@ class ModelRunner:
     def forward_until(self, ids: torch.Tensor, positions: torch.Tensor, meta, cache, layer: int,
                       timer: Timer) -> None:
         """A forward of the first layers only: `cache` holds layers 0..layer's K / V afterwards."""
-        self.forward_with(ids, positions, StopAfter(self.backend, meta, cache, self.inv_freq, timer, layer))
-
-    def forward_with(self, ids: torch.Tensor, positions: torch.Tensor, attention) -> None:
-        """A forward through an attention object of the caller's, which may stop it early (`Stopped`) and keeps
-        what it gathers (`QueryMass`)."""
+        attention = StopAfter(self.backend, meta, cache, self.inv_freq, timer, layer)
         with self.routed_attention(), contextlib.suppress(Stopped):
             self.model.base_model(input_ids=ids[None], position_ids=positions[None], use_cache=False,
                                   sift_state=attention)

@@ -24,10 +24,7 @@ from sift.errors import SiftError
 from sift.runtime import KVStore, Request, SiftEngine, SiftIndex
 from sift.quality.prompts import QUERY, SYSTEM
 
-from sift.runtime import reuse as reuse_module
-from sift.runtime.reuse import QUERY_ROWS, query_layers
-
-from .helpers import DEVICE, assert_within, model_logit_tol, model_on_device, model_rounding
+from .helpers import DEVICE, assert_within, model_logit_tol, model_on_device
 from .test_engine import doc_ids, hotpot, plain_last_logits, real, write_index  # noqa: F401 (fixture)
 
 CHARS = 260   # paragraphs cut to ~50-60 tokens: a few blocks of 16 each, fast on CPU
@@ -66,9 +63,9 @@ def rotate(model, k: torch.Tensor, delta: int) -> torch.Tensor:
     return apply_rotary_pos_emb(k, k, cos, sin)[0]
 
 
-def assemble_reuse(model, engine: SiftEngine, request: Request) -> tuple[DynamicCache, int]:
-    """The request's prefix and documents in reuse semantics, as a transformers cache: the prefix computed
-    alone, each document computed after the profiling prefix and moved to its offset. -> (cache, tokens)."""
+@torch.inference_mode()
+def reference_reuse(model, engine: SiftEngine, request: Request, new_tokens: int = 0):
+    """Last-position logits (and greedy continuation) of `request` in reuse semantics, with plain transformers."""
     segs = engine.tokenize(request)
     pfx = engine.prefix_ids
     out = model(input_ids=torch.tensor([segs[0][1]]), use_cache=True)
@@ -80,14 +77,8 @@ def assemble_reuse(model, engine: SiftEngine, request: Request) -> tuple[Dynamic
             ks.append(rotate(model, lay.keys[:, :, len(pfx):], pos - len(pfx)))
             vs.append(lay.values[:, :, len(pfx):])
         pos += len(ids)
-    return DynamicCache(ddp_cache_data=[(torch.cat(ks, 2), torch.cat(vs, 2)) for ks, vs in layers]), pos
-
-
-@torch.inference_mode()
-def reference_reuse(model, engine: SiftEngine, request: Request, new_tokens: int = 0):
-    """Last-position logits (and greedy continuation) of `request` in reuse semantics, with plain transformers."""
-    cache, pos = assemble_reuse(model, engine, request)
-    query = engine.tokenize(request)[-1][1]
+    cache = DynamicCache(ddp_cache_data=[(torch.cat(ks, 2), torch.cat(vs, 2)) for ks, vs in layers])
+    query = segs[-1][1]
     out = model(input_ids=torch.tensor([query]), position_ids=torch.arange(pos, pos + len(query))[None],
                 past_key_values=cache, use_cache=True)
     logits = out.logits[0, -1].float()
@@ -143,10 +134,10 @@ def test_warm_equals_cold_from_hbm_and_from_dram(setup):
     assert store.stats()["pinned"] == 0
 
 
-@pytest.mark.parametrize("policy", ["first", "deviation", "query"])
+@pytest.mark.parametrize("policy", ["first", "deviation"])
 def test_cold_hybrid_equals_warm(setup, policy):
     """Missing documents run inside the request's forward ("first") or in a forward of their own first
-    ("deviation" and "query" read their stored entries to choose blocks): either way the call's logits equal the warm call's,
+    ("deviation" reads their stored keys to choose blocks): either way the call's logits equal the warm call's,
     and so do the entries it stored. "first" computes the documents in the request's own forward, whose matrices
     have other shapes than the warm call's: equal within rounding (`model_logit_tol`), not bitwise."""
     model, _, _, reqs = setup
@@ -180,13 +171,12 @@ def test_reuse_generation_equals_transformers(setup):
     assert store.stats()["pinned"] == 0
 
 
-@pytest.mark.parametrize("policy", ["deviation", "query"])
-def test_hybrid_recomputing_everything_equals_the_plain_forward(setup, policy):
+def test_hybrid_recomputing_everything_equals_the_plain_forward(setup):
     """All-ones bits and every block recomputed: the request is computed in full context, as a plain forward."""
     model, _, _, reqs = setup
     engine, _ = engine_with(setup, hbm_pages=128, hybrid_fraction=1.0)
     engine.prefill(reqs[:2], mode="reuse")   # warm
-    res = engine.prefill(reqs[:2], mode=f"hybrid:{policy}")  # at this budget every policy picks every block
+    res = engine.prefill(reqs[:2], mode="hybrid:deviation")  # at this budget every policy picks every block
     assert res.recomputed_fraction == pytest.approx(1.0)
     for i, r in enumerate(reqs[:2]):
         ref = plain_last_logits(model, engine.prompt_ids(r))
@@ -247,7 +237,7 @@ def test_hybrid_policies_choose_within_budget(setup):
     assert_within(none.logits, reused.logits, model_logit_tol(model.config, reused.logits), "hybrid:none vs reuse")
     first, lo, hi = recomputed_share(tokenizer, reqs, 0.2, engine.block)
     assert engine.prefill(reqs, mode="hybrid:first").recomputed_fraction == pytest.approx(first, abs=1e-12)
-    for policy in ("bits", "deviation", "query"):
+    for policy in ("bits", "deviation"):
         res = engine.prefill(reqs, mode=f"hybrid:{policy}")
         assert lo - 1e-12 <= res.recomputed_fraction <= hi + 1e-12, (policy, res.recomputed_fraction, lo, hi)
     assert engine.prefill(reqs, mode="hybrid").mode == "hybrid"
@@ -255,88 +245,6 @@ def test_hybrid_policies_choose_within_budget(setup):
     assert engine.prefill(reqs, mode="hybrid:first@1").recomputed_fraction == 1.0
     share = engine.prefill(reqs, mode="hybrid:first@0.6").recomputed_fraction
     assert engine.prefill(reqs, mode="hybrid:first").recomputed_fraction < share < 1.0
-
-
-@torch.inference_mode()
-def reference_query_mass(model, engine: SiftEngine, request: Request) -> tuple[list[torch.Tensor], float]:
-    """Per document, per block of `engine.block` tokens: the attention probability the query's tokens put on the
-    block's tokens in reuse semantics, summed over heads, query tokens and the layers `query_layers` names. From
-    the definitions with plain transformers: each layer's q of the query tokens from its input hidden state
-    (input norm, q projection, rotary at the tokens' positions), the keys of the cache `reference_reuse`
-    assembles (the query's own appended), scores q.k * scaling, causal softmax in float64. -> (the masses,
-    the largest |score|)."""
-    segs = engine.tokenize(request)
-    cache, pos = assemble_reuse(model, engine, request)
-    query = segs[-1][1]
-    positions = torch.arange(pos, pos + len(query))[None]
-    out = model(input_ids=torch.tensor([query]), position_ids=positions, past_key_values=cache, use_cache=True,
-                output_hidden_states=True)
-    m, n = len(query), pos + len(query)
-    assert m <= QUERY_ROWS, "the policy scores the query's last QUERY_ROWS rows: this reference, all of them"
-    mass, largest = torch.zeros(n, dtype=torch.float64), 0.0
-    for layer in query_layers(model.config.num_hidden_layers):
-        attn = model.model.layers[layer].self_attn
-        h = model.model.layers[layer].input_layernorm(out.hidden_states[layer])
-        q = attn.q_proj(h).view(1, m, -1, attn.head_dim).transpose(1, 2)
-        cos, sin = model.model.rotary_emb(q, positions)
-        q = apply_rotary_pos_emb(q, q, cos, sin)[0][0].double()                 # [Hq, m, D]
-        k = out.past_key_values.layers[layer].keys[0].double()                   # [Hkv, n, D]
-        k = k.repeat_interleave(q.shape[0] // k.shape[0], dim=0)
-        s = q @ k.transpose(1, 2) * attn.scaling
-        causal = torch.arange(n)[None, :] <= torch.arange(pos, n)[:, None]
-        largest = max(largest, float(s.masked_fill(~causal, 0.0).abs().max()))
-        mass += torch.softmax(s.masked_fill(~causal, float("-inf")), dim=-1).sum(dim=(0, 1))
-    per_doc, at = [], len(segs[0][1])
-    for kind, ids in segs[1:-1]:
-        blocks = torch.arange(len(ids)) // engine.block
-        per_doc.append(torch.zeros(int(blocks[-1]) + 1, dtype=torch.float64).index_add_(0, blocks,
-                                                                                        mass[at:at + len(ids)]))
-        at += len(ids)
-    return per_doc, largest
-
-
-def test_query_policy_recomputes_the_blocks_the_query_reads(setup, monkeypatch):
-    """Policy "query": the attention mass it measures per document block equals the one computed from the
-    definitions with transformers (`reference_query_mass`), within rounding; and the call recomputes the
-    request's highest-mass blocks, as many as its documents' budgets sum to."""
-    model, tokenizer, _, reqs = setup
-    engine, _ = engine_with(setup, hbm_pages=128, hybrid_fraction=0.2)
-    seen = []
-    pooled = reuse_module.pooled_top_blocks
-    monkeypatch.setattr(reuse_module, "pooled_top_blocks", lambda s, b: seen.append((s, b)) or pooled(s, b))
-    res = engine.prefill([reqs[0]], mode="hybrid:query")
-    [(scores, budgets)] = seen
-    want, largest = reference_query_mass(model, engine, reqs[0])
-    layers = query_layers(model.config.num_hidden_layers)
-    # A block's mass is a sum of probabilities; each moves by at most 2 p max|ds| when the scores move by ds, and
-    # a score after the last scored layer, computed two ways, moves by model_rounding at the scores' scale.
-    ds = model_rounding(model.config, depth=layers[-1] + 1) * largest
-    print(f"largest |score| {largest:.1f}, score rounding {ds:.2e}")
-    assert len(scores) == len(want) == 3
-    for d, (got, ref) in enumerate(zip(scores, want)):
-        rel = (torch.as_tensor(got).double() - ref).abs() / ref
-        print(f"document {d}: largest relative difference {float(rel.max()):.2e} (tolerance {2 * ds:.2e})")
-        assert float(rel.max()) <= 2 * ds, f"document {d}: block masses differ from transformers by {rel.max():.2e}"
-    total = sum(float(w.sum()) for w in want)
-    assert 0.1 * len(layers) < total <= m_rows(engine, reqs[0]) * model.config.num_attention_heads * len(layers)
-    # The blocks the reference ranks highest, as many as the budgets: their tokens are what the call recomputes.
-    sizes = [len(tokenizer(t, add_special_tokens=False).input_ids) for _, t in reqs[0].docs]
-    assert budgets == [min(-(-n // engine.block), max(1, math.ceil(0.2 * -(-n // engine.block)))) for n in sizes]
-    flat = torch.cat(want)
-    top = torch.argsort(flat, descending=True, stable=True)[:sum(budgets)]
-    starts = [0]
-    for w in want:
-        starts.append(starts[-1] + len(w))
-    tokens = 0
-    for b in top.tolist():
-        d = max(i for i in range(len(want)) if starts[i] <= b)
-        tokens += min(engine.block, sizes[d] - engine.block * (b - starts[d]))
-    assert res.recomputed_fraction == pytest.approx(tokens / sum(sizes), abs=1e-12)
-
-
-def m_rows(engine: SiftEngine, request: Request) -> int:
-    """The query's tokens."""
-    return len(engine.tokenize(request)[-1][1])
 
 
 def test_budget_too_small_and_bad_modes_are_refused(setup):
@@ -377,8 +285,7 @@ def test_triton_backend_reuse_equals_torch_backend(tmp_path):
         store = KVStore(hbm_bytes=8 << 20)
         engine = SiftEngine(on_model, tokenizer, on_index, backend=backend, kv_store=store, hybrid_fraction=0.5,
                             block=16)
-        modes = ("reuse", "hybrid:bits", "hybrid:query")
-        out[backend] = [engine.generate(reqs, max_new_tokens=3, mode=m) for m in modes]
+        out[backend] = [engine.generate(reqs, max_new_tokens=3, mode=m) for m in ("reuse", "hybrid:bits")]
     for g, c in zip(out["triton"], out["torch"]):
         assert g.prefill.backend == "triton"
         assert_within(g.prefill.logits, c.prefill.logits, model_logit_tol(model.config, c.prefill.logits),
