@@ -115,22 +115,23 @@ def test_reuse_equals_transformers_over_an_assembled_cache(setup):
 
 def test_warm_equals_cold_from_hbm_and_from_dram(setup):
     """A hit never changes an answer: cold, HBM-warm and DRAM-warm prefills give the same logits, and a
-    document promoted into pages another document held reads its own bytes. The cold call computes its
-    documents in forwards of their own and stores them before the query's forward reads the pages, exactly as
-    the warm calls read them: the same operations in the same order, so the logits are bitwise equal."""
-    _, _, _, reqs = setup
+    document promoted into pages another document held reads its own bytes. The warm calls read the same bytes
+    with the same operations: bitwise equal logits. The cold call computes its documents inside the query's own
+    forward, whose matrices have other shapes, so it equals them within rounding (`model_logit_tol`): on some
+    CPUs' BLAS the other shapes round alike, on others not."""
+    model, _, _, reqs = setup
     # 26 pages: one request at a time (reqs[0] needs 25 while its documents are missing, 22 once stored; the
     # engine holds one page for its decode batch)
     engine, store = engine_with(setup, hbm_pages=26, dram_pages=200, on_unknown="dense")
     cold = engine.prefill([reqs[0]], mode="reuse")
     warm = engine.prefill([reqs[0]], mode="reuse")
     assert warm.store == dict(hbm=3, dram=0, computed=0, computed_blocks=0)
-    assert torch.equal(warm.logits, cold.logits)
+    assert_within(warm.logits, cold.logits, model_logit_tol(model.config, cold.logits), "warm vs cold")
     other = requests_of(hotpot(1)[0], [4, 5, 6])   # three other documents: reqs[0]'s are evicted to DRAM
     engine.prefill([other], mode="reuse")
     again = engine.prefill([reqs[0]], mode="reuse")
     assert again.store["dram"] == 3, (again.store, store.stats())
-    assert torch.equal(again.logits, cold.logits)
+    assert torch.equal(again.logits, warm.logits)
     assert store.stats()["pinned"] == 0
 
 
