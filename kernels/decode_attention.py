@@ -346,8 +346,8 @@ def default_num_splits(batch: int, kv_heads: int, nnz_blocks: int, device: torch
     sync), never more than a row's average block count. Measured on the H200 (`bench_decode.py --parts sweep`,
     32 query / 8 KV heads, 2K-32K tokens per row, each batch with its `default_config`): about four programs
     per SM for one or two rows (B=1: 66 splits 1.2x faster than 33 and 1.1x faster than 132), about two for
-    three rows or more (B=8: 4 splits 1.14x faster than 9); rounded down, since a launch a few programs over a whole
-    number of waves pays a nearly empty wave."""
+    three rows or more (B=8: 4 splits 1.14x faster than 9); rounded down, since a launch a few programs over a
+    whole number of waves pays a nearly empty wave."""
     per_sm = 4 if batch <= 2 else 2
     target = per_sm * sm_count(device) if device.type == "cuda" else 4
     splits = target // max(batch * kv_heads, 1)
